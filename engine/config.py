@@ -1,0 +1,134 @@
+"""Frozen configuration for the model and the engine.
+
+``ModelConfig`` describes a Llama-family decoder (Llama 2/3, Qwen2, Mistral,
+SmolLM2) independently of where its weights come from; loaders build it from a
+Hugging Face ``config.json`` or from GGUF metadata. ``EngineConfig`` holds the
+knobs a user sets (block size, KV budget, scheduler limits); values derived from
+both live in properties so nothing is stored twice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """Map a user-facing dtype name to a torch dtype, with a clear error."""
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return _DTYPES[name.lower()]
+    except KeyError:
+        choices = ", ".join(sorted(set(_DTYPES)))
+        raise ValueError(f"unsupported dtype {name!r}; choose one of: {choices}") from None
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Rope frequency scaling. ``rope_type`` is ``default``, ``linear`` or ``llama3``."""
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    sliding_window: int | None = None
+    name: str = "model"
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {self.architecture!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"bad model config: {name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ValueError(
+                f"bad model config: num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+
+    @property
+    def q_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def kv_bytes_per_token(self, element_bytes: int) -> int:
+        """2 (K and V) x layers x KV heads x head dim x bytes per element."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_bytes
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine knobs. ``None`` means "derive it" (see the properties / engine)."""
+
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    kv_cache_memory: int = 512 * 1024**2
+    gpu_memory_utilization: float = 0.9
+    num_kv_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    max_model_len: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        parse_dtype(self.dtype)
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"--block-size must be a positive power of two, got {self.block_size}")
+        if self.kv_cache_memory <= 0:
+            raise ValueError(f"--kv-cache-memory must be positive, got {self.kv_cache_memory}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"--num-kv-blocks must be at least 1, got {self.num_kv_blocks}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("--max-num-batched-tokens must be at least 1")
+        if self.max_num_seqs < 1:
+            raise ValueError("--max-num-seqs must be at least 1")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError("--max-model-len must be at least 1")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return parse_dtype(self.dtype)

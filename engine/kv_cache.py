@@ -1,0 +1,167 @@
+"""KV cache manager: which blocks each owner holds, prefix-cache lookups, hashing.
+
+An owner is a request (or, on a prefill worker, a lease) identified by a string.
+The manager keeps, per owner, the ordered list of block ids that back its tokens
+(token ``t`` lives in ``blocks[t // block_size]``) and the chained hashes of its
+full blocks. It never hands out part of what was asked: ``allocate`` either
+covers the requested token count or changes nothing and returns False.
+
+Invariant (``check_integrity``): every block's ref count equals the number of
+owners listing it, on top of the pool's own invariants.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.block_pool import BlockPool, KvEvent
+from engine.hashing import ROOT_SEED, block_hashes
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """Leading blocks of a token sequence already in the cache."""
+
+    block_ids: list[int]
+    block_hashes: list[int]
+
+    def num_tokens(self, block_size: int) -> int:
+        return len(self.block_ids) * block_size
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        hash_seed: int = ROOT_SEED,
+    ) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.hash_seed = hash_seed
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self._blocks: dict[str, list[int]] = {}
+        self._hashes: dict[str, list[int]] = {}
+        self._num_cached: dict[str, int] = {}
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def blocks_of(self, owner: str) -> list[int]:
+        return list(self._blocks.get(owner, ()))
+
+    def holds(self, owner: str) -> bool:
+        return owner in self._blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def find_prefix(self, token_ids: Sequence[int], max_tokens: int | None = None) -> PrefixHit:
+        """Longest cached prefix of ``token_ids``, in whole blocks, of at most ``max_tokens`` tokens.
+
+        Callers computing logits pass ``len(token_ids) - 1`` so at least one token
+        is always run. Counts a prefix-cache query and its hit tokens.
+        """
+        if not self.enable_caching:
+            return PrefixHit([], [])
+        limit = len(token_ids) if max_tokens is None else min(max_tokens, len(token_ids))
+        hashes = block_hashes(token_ids[: (limit // self.block_size) * self.block_size],
+                              self.block_size, self.hash_seed)
+        ids: list[int] = []
+        for h in hashes:
+            block_id = self.pool.lookup(h)
+            if block_id is None:
+                break
+            ids.append(block_id)
+        self.prefix_queries += len(token_ids)
+        self.prefix_hits += len(ids) * self.block_size
+        return PrefixHit(ids, hashes[: len(ids)])
+
+    def can_allocate(self, owner: str, num_tokens: int, prefix: PrefixHit | None = None) -> bool:
+        held = self._blocks.get(owner)
+        if held is None:
+            hit = prefix.block_ids if prefix else []
+            idle_hits = sum(1 for b in hit if self.pool.blocks[b].ref_cnt == 0)
+            need = self.blocks_needed(num_tokens) - len(hit)
+            return need <= self.pool.num_free_blocks - idle_hits
+        return self.blocks_needed(num_tokens) - len(held) <= self.pool.num_free_blocks
+
+    def allocate(self, owner: str, num_tokens: int, prefix: PrefixHit | None = None) -> bool:
+        """Make ``owner`` hold blocks for its first ``num_tokens`` tokens.
+
+        A new owner first takes ``prefix`` (cache hits, ref count + 1). Returns
+        False, changing nothing, if the pool cannot cover it.
+        """
+        if not self.can_allocate(owner, num_tokens, prefix):
+            return False
+        held = self._blocks.get(owner)
+        if held is None:
+            held = []
+            if prefix is not None and prefix.block_ids:
+                self.pool.touch(prefix.block_ids)
+                held.extend(prefix.block_ids)
+                self._hashes[owner] = list(prefix.block_hashes)
+                self._num_cached[owner] = len(prefix.block_ids)
+            self._blocks[owner] = held
+        need = self.blocks_needed(num_tokens) - len(held)
+        if need > 0:
+            held.extend(self.pool.allocate(need))
+        return True
+
+    def cache_blocks(self, owner: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+        """Publish ``owner``'s blocks that are full and computed under their chained hashes."""
+        if not self.enable_caching or owner not in self._blocks:
+            return
+        full = min(num_computed_tokens, len(token_ids)) // self.block_size
+        done = self._num_cached.get(owner, 0)
+        if full <= done:
+            return
+        hashes = self._hashes.get(owner, [])
+        if len(hashes) < full:
+            hashes = block_hashes(token_ids[: full * self.block_size], self.block_size,
+                                  self.hash_seed, start=hashes)
+            self._hashes[owner] = hashes
+        blocks = self._blocks[owner]
+        for i in range(done, full):
+            self.pool.cache_block(blocks[i], hashes[i])
+        self._num_cached[owner] = full
+
+    def free(self, owner: str) -> int:
+        """Release everything ``owner`` holds (tail blocks first). Idempotent: returns blocks freed."""
+        blocks = self._blocks.pop(owner, None)
+        self._hashes.pop(owner, None)
+        self._num_cached.pop(owner, None)
+        if not blocks:
+            return 0
+        self.pool.free(reversed(blocks))
+        return len(blocks)
+
+    def drain_events(self) -> list[KvEvent]:
+        return self.pool.drain_events()
+
+    def num_owners(self) -> int:
+        return len(self._blocks)
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity()
+        holders: Counter[int] = Counter()
+        for blocks in self._blocks.values():
+            holders.update(blocks)
+        for block in self.pool.blocks:
+            assert block.ref_cnt == holders.get(block.block_id, 0), (
+                f"block {block.block_id}: ref count {block.ref_cnt} != holders {holders.get(block.block_id, 0)}"
+            )

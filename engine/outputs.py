@@ -1,0 +1,57 @@
+"""What the engine hands back to callers: finished (or streaming) request outputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from engine.sampling import TokenLogprobs
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass
+class RequestMetrics:
+    """Per-request timings (``time.monotonic()`` seconds) and token counts."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    output_tokens: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def queue_time(self) -> float | None:
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def e2e_latency(self) -> float | None:
+        if self.finish_time is None:
+            return None
+        return self.finish_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: FinishReason | None
+    metrics: RequestMetrics
+    logprobs: list[TokenLogprobs] | None = None
+    stop_token_id: int | None = None
+    new_token_ids: list[int] = field(default_factory=list)

@@ -1,0 +1,161 @@
+"""The scheduler: who runs this step and with how many tokens.
+
+One unified rule (no separate prefill and decode phases): every request has
+``num_computed_tokens`` and wants to reach ``num_tokens``. Each step spends a
+token budget (``max_num_batched_tokens``) over running requests first (a decode
+costs one token; an unfinished prefill continues with its next chunk), then over
+waiting requests in queue order (priority, then arrival), which begin with any
+prefix-cache hit. Running requests are never starved by new ones.
+
+When the pool cannot hold a running request's next tokens, the scheduler
+preempts by recompute: the least important running request (highest
+``priority`` value, latest arrival) frees its blocks and goes back to the front
+of the waiting queue, keeping the tokens it has generated.
+
+The scheduler sees the KV manager through ``allocate``/``free``/``find_prefix``
+only; the engine sees ``SchedulerOutput``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.kv_cache import KVCacheManager
+from engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def completes(self) -> bool:
+        """True when this chunk reaches the end of the known tokens (a token will be sampled)."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    def __bool__(self) -> bool:
+        return bool(self.scheduled)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+    ) -> None:
+        self.kv = kv
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        max_blocks_tokens = self.kv.num_blocks * self.kv.block_size
+        if request.num_tokens > min(self.max_model_len, max_blocks_tokens):
+            raise ValueError(
+                f"prompt of {request.num_tokens} tokens exceeds the limit of "
+                f"{min(self.max_model_len, max_blocks_tokens)} tokens"
+            )
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request, front: bool = False) -> None:
+        request.status = RequestStatus.WAITING
+        if front:
+            self.waiting.appendleft(request)
+            return
+        for i, other in enumerate(self.waiting):
+            if request.priority < other.priority:
+                self.waiting.insert(i, request)
+                return
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        for request in list(self.running):
+            if budget <= 0:
+                break
+            if request not in self.running:
+                continue
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if n <= 0:
+                continue
+            while not self.kv.allocate(request.request_id, request.num_computed_tokens + n):
+                victim = self._preemption_victim()
+                self._preempt(victim, out)
+                if victim is request:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest(request, n))
+                budget -= n
+
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            if out.preempted:
+                break
+            request = self.waiting[0]
+            prefix = self.kv.find_prefix(request.all_token_ids, request.num_tokens - 1)
+            num_cached = prefix.num_tokens(self.kv.block_size)
+            n = min(request.num_tokens - num_cached, budget)
+            if not self.kv.allocate(request.request_id, num_cached + n, prefix):
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens = num_cached
+            if request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = time.monotonic()
+                request.metrics.cached_prompt_tokens = min(num_cached, len(request.prompt_token_ids))
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, n))
+            budget -= n
+        return out
+
+    def _preemption_victim(self) -> Request:
+        return max(self.running, key=lambda r: (r.priority, r.metrics.arrival_time))
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.running.remove(request)
+        self.kv.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        out.scheduled = [s for s in out.scheduled if s.request is not request]
+        out.preempted.append(request)
+        self._enqueue(request, front=True)
+
+    def update_after_step(self, out: SchedulerOutput) -> None:
+        """Advance computed-token counts and publish newly full blocks to the prefix cache."""
+        for item in out.scheduled:
+            request = item.request
+            request.num_computed_tokens += item.num_new_tokens
+            self.kv.cache_blocks(request.request_id, request.all_token_ids, request.num_computed_tokens)
+
+    def finish(self, request: Request) -> None:
+        """Drop a finished or aborted request from the queues and free its blocks."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv.free(request.request_id)

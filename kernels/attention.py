@@ -1,0 +1,109 @@
+"""Attention over paged KV: the per-step metadata and the backend interface.
+
+KV layout (shared by every backend and by ``transfer/``): one contiguous tensor
+for all layers, ``kv[layer]`` of shape ``[num_blocks, 2, block_size, num_kv_heads,
+head_dim]`` (index 0 of dim 1 is K, 1 is V). This is flashinfer's NHD paged
+layout per layer, and one block of one layer is a single contiguous region, so a
+transfer moves ``num_layers`` regions per block.
+
+A step processes a flat batch of ``num_tokens`` new tokens from ``num_seqs``
+sequences, sequence by sequence (queries of sequence ``s`` are rows
+``query_start_loc[s]:query_start_loc[s+1]``). Sequence ``s`` has ``seq_lens[s]``
+tokens in total after this step, of which the last ``q_len`` are new; new token
+``i`` sits at position ``seq_lens[s] - q_len + i`` and attends causally to every
+key at a position <= its own. A decode is ``q_len == 1``; a prefill chunk is any
+``q_len`` with earlier tokens already in the cache. ``slot_mapping[t]`` is where
+token ``t``'s K/V goes: ``block_id * block_size + offset``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything a backend needs for one step; built once by the engine."""
+
+    block_size: int
+    slot_mapping: torch.Tensor  # int64 [num_tokens]
+    query_start_loc: torch.Tensor  # int32 [num_seqs + 1]
+    seq_lens: torch.Tensor  # int32 [num_seqs]
+    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks_per_seq], padded with 0
+    # Host copies, so CPU backends and planners never synchronise with a device.
+    query_lens_list: list[int]
+    seq_lens_list: list[int]
+    block_tables_list: list[list[int]]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_list)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(sum(self.query_lens_list))
+
+    @property
+    def is_pure_decode(self) -> bool:
+        return all(q == 1 for q in self.query_lens_list)
+
+    @staticmethod
+    def build(
+        block_size: int,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        device: torch.device | str = "cpu",
+    ) -> AttentionMetadata:
+        """Build metadata (and slot mapping) from host lists."""
+        if not (len(query_lens) == len(seq_lens) == len(block_tables)):
+            raise ValueError("query_lens, seq_lens and block_tables must have one entry per sequence")
+        slots: list[int] = []
+        for q_len, s_len, table in zip(query_lens, seq_lens, block_tables):
+            if q_len < 1 or q_len > s_len:
+                raise ValueError(f"bad lengths: q_len={q_len} seq_len={s_len}")
+            if len(table) * block_size < s_len:
+                raise ValueError(f"block table too short: {len(table)} blocks for {s_len} tokens")
+            for pos in range(s_len - q_len, s_len):
+                slots.append(table[pos // block_size] * block_size + pos % block_size)
+        width = max((len(t) for t in block_tables), default=0)
+        padded = [t + [0] * (width - len(t)) for t in block_tables]
+        starts = [0]
+        for q_len in query_lens:
+            starts.append(starts[-1] + q_len)
+        return AttentionMetadata(
+            block_size=block_size,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=device).reshape(len(padded), width),
+            query_lens_list=list(query_lens),
+            seq_lens_list=list(seq_lens),
+            block_tables_list=[list(t) for t in block_tables],
+        )
+
+
+class AttentionBackend(Protocol):
+    """Two methods: plan once per step, then run every layer.
+
+    ``forward`` first writes the step's new ``k``/``v`` (``[num_tokens, kv_heads,
+    head_dim]``) into ``kv_layer`` at ``meta.slot_mapping``, then returns the
+    attention output ``[num_tokens, num_heads, head_dim]`` for ``q``
+    (``[num_tokens, num_heads, head_dim]``) over the paged cache, causal as the
+    module docstring describes, with softmax scale ``scale``. GQA: query head
+    ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
+    """
+
+    def prepare(self, meta: AttentionMetadata) -> None: ...
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_layer: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor: ...
