@@ -162,6 +162,5 @@ class KVCacheManager:
         for blocks in self._blocks.values():
             holders.update(blocks)
         for block in self.pool.blocks:
-            assert block.ref_cnt == holders.get(block.block_id, 0), (
-                f"block {block.block_id}: ref count {block.ref_cnt} != holders {holders.get(block.block_id, 0)}"
-            )
+            held_by = holders.get(block.block_id, 0)
+            assert block.ref_cnt == held_by, f"block {block.block_id}: ref count {block.ref_cnt} != {held_by}"

@@ -62,7 +62,7 @@ class AttentionMetadata:
         if not (len(query_lens) == len(seq_lens) == len(block_tables)):
             raise ValueError("query_lens, seq_lens and block_tables must have one entry per sequence")
         slots: list[int] = []
-        for q_len, s_len, table in zip(query_lens, seq_lens, block_tables):
+        for q_len, s_len, table in zip(query_lens, seq_lens, block_tables, strict=True):
             if q_len < 1 or q_len > s_len:
                 raise ValueError(f"bad lengths: q_len={q_len} seq_len={s_len}")
             if len(table) * block_size < s_len:

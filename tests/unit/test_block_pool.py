@@ -34,7 +34,7 @@ def test_ref_counts_and_double_free() -> None:
 def test_cached_blocks_evicted_in_lru_order_with_events() -> None:
     pool = BlockPool(4)
     a, b, c, d = pool.allocate(4)
-    for block, h in zip((a, b, c, d), (101, 102, 103, 104)):
+    for block, h in zip((a, b, c, d), (101, 102, 103, 104), strict=True):
         assert pool.cache_block(block, h)
     pool.free([c])
     pool.free([a])
@@ -77,7 +77,8 @@ def test_chained_hashes_depend_on_whole_prefix() -> None:
     assert x[1] != y[1]
     assert block_hashes(list(range(12)), 4, start=x)[:2] == x
     assert hash_block(x[0], list(range(4, 8))) == x[1]
-    assert block_hashes(list(range(8)), 4, seed=seed_for("a")) != block_hashes(list(range(8)), 4, seed=seed_for("b"))
+    eight = list(range(8))
+    assert block_hashes(eight, 4, seed=seed_for("a")) != block_hashes(eight, 4, seed=seed_for("b"))
 
 
 def test_kv_manager_prefix_reuse_and_tail_first_free() -> None:

@@ -1,0 +1,1 @@
+"""Benchmarks: offline throughput against Hugging Face transformers, load generation."""

@@ -1,0 +1,1 @@
+"""Cluster bootstrap and the ``pdserve`` command line."""

@@ -1,0 +1,272 @@
+"""The ``pdserve`` command line.
+
+``pdserve generate PROMPT...`` runs prompts through the in-process engine and
+prints each completion with its token counts and timings. The engine flags are
+defined once in :func:`add_engine_args` so every subcommand that builds an
+engine accepts the same ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NoReturn, TypedDict
+
+if TYPE_CHECKING:
+    from engine.outputs import RequestOutput
+    from engine.sampling import SamplingParams
+
+PROG = "pdserve"
+DTYPES = ("float32", "bfloat16", "float16")
+_SIZE_UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
+_DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+
+
+class EngineKwargs(TypedDict):
+    """Keyword arguments for ``engine.LLM``, as parsed from the command line."""
+
+    model: str | None
+    dtype: str
+    device: str
+    block_size: int
+    kv_cache_memory: int
+    num_kv_blocks: int | None
+    enable_prefix_caching: bool
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int | None
+    seed: int
+
+
+class UsageError(Exception):
+    """A bad command line; its message names the flag."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line: ``pdserve: error: ...``."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message)
+
+
+def parse_size(text: str) -> int:
+    """Parse a byte count: ``1048576``, ``512M``, ``2G``, ``1.5GiB`` (binary units: K = 1024)."""
+    match = _SIZE_RE.match(text)
+    if match is None:
+        raise ValueError(f"invalid size {text!r}; use bytes or a number with K, M, G or T (e.g. 512M, 2G)")
+    value = float(match.group(1)) * _SIZE_UNITS[match.group(2).upper()]
+    if value < 1:
+        raise ValueError(f"invalid size {text!r}; must be at least 1 byte")
+    return int(value)
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _number(kind: type[int] | type[float], low: float | None = None, high: float | None = None,
+            low_open: bool = False, what: str = "") -> Callable[[str], float]:
+    """An argparse type that converts with ``kind`` and checks the bounds."""
+
+    def convert(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
+        too_low = low is not None and (value <= low if low_open else value < low)
+        if too_low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"{text!r} is out of range; must be {what}")
+        return value
+
+    return convert
+
+
+def _device(text: str) -> str:
+    if not _DEVICE_RE.match(text):
+        raise argparse.ArgumentTypeError(f"invalid device {text!r}; use cpu, cuda or cuda:N")
+    return text
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Add the flags that configure an engine (model, memory, scheduler limits)."""
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None, metavar="PATH",
+                   help="a Hugging Face model folder (config.json, tokenizer, *.safetensors) or a .gguf "
+                        "file; default: the built-in SmolLM2-135M-Instruct Q4_1 GGUF in "
+                        "$PDSERVE_CACHE/models (fetched by scripts/fetch_model.py)")
+    g.add_argument("--dtype", choices=DTYPES, default="float32",
+                   help="dtype of weights, activations and KV cache (default: float32)")
+    g.add_argument("--device", type=_device, default="cpu",
+                   help="torch device: cpu, cuda or cuda:N (default: cpu)")
+    g.add_argument("--block-size", type=int, default=16, metavar="N",
+                   help="tokens per KV cache block, a power of two (default: 16)")
+    g.add_argument("--kv-cache-memory", type=_size, default=512 * 1024**2, metavar="SIZE",
+                   help="bytes for the paged KV cache, with optional K/M/G/T suffix, 1024-based "
+                        "(default: 512M); ignored when --num-kv-blocks is given")
+    g.add_argument("--num-kv-blocks", type=int, default=None, metavar="N",
+                   help="exact number of KV cache blocks (default: derived from --kv-cache-memory)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse KV blocks of identical prompt prefixes across requests (default: on)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, metavar="N",
+                   help="most tokens (prompt chunks + decodes) run in one engine step (default: 2048)")
+    g.add_argument("--max-num-seqs", type=int, default=128, metavar="N",
+                   help="most requests running at once (default: 128)")
+    g.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                   help="longest prompt + output in tokens (default: the model's context length)")
+    g.add_argument("--seed", type=int, default=0, metavar="N",
+                   help="seed of the engine's random sampling (default: 0)")
+
+
+def engine_kwargs_from_args(args: argparse.Namespace) -> EngineKwargs:
+    """The ``engine.LLM`` keyword arguments for flags added by :func:`add_engine_args`."""
+    return EngineKwargs(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory,
+        num_kv_blocks=args.num_kv_blocks,
+        enable_prefix_caching=args.enable_prefix_caching,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+    )
+
+
+def check_engine_kwargs(kwargs: EngineKwargs) -> None:
+    """Validate the engine flags without loading a model; raises ValueError naming the flag."""
+    from engine.config import EngineConfig
+
+    EngineConfig(
+        dtype=kwargs["dtype"], device=kwargs["device"], block_size=kwargs["block_size"],
+        kv_cache_memory=kwargs["kv_cache_memory"], num_kv_blocks=kwargs["num_kv_blocks"],
+        enable_prefix_caching=kwargs["enable_prefix_caching"],
+        max_num_batched_tokens=kwargs["max_num_batched_tokens"], max_num_seqs=kwargs["max_num_seqs"],
+        max_model_len=kwargs["max_model_len"], seed=kwargs["seed"],
+    )
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    """Add the flags of ``engine.SamplingParams``."""
+    g = parser.add_argument_group("sampling")
+    penalty = _number(float, -2.0, 2.0, what="in [-2, 2]")
+    g.add_argument("--max-tokens", type=_number(int, 1, what=">= 1"), default=64, metavar="N",
+                   help="most tokens to generate per prompt (default: 64)")
+    g.add_argument("--temperature", type=_number(float, 0.0, what=">= 0"), default=0.0, metavar="T",
+                   help="sampling temperature; 0 means greedy (default: 0)")
+    g.add_argument("--top-p", type=_number(float, 0.0, 1.0, low_open=True, what="in (0, 1]"),
+                   default=1.0, metavar="P",
+                   help="keep the smallest set of tokens whose probability sums to P (default: 1, off)")
+    g.add_argument("--top-k", type=_number(int, 0, what=">= 0"), default=0, metavar="K",
+                   help="keep only the K most likely tokens; 0 means off (default: 0)")
+    g.add_argument("--min-p", type=_number(float, 0.0, 1.0, what="in [0, 1]"), default=0.0, metavar="P",
+                   help="drop tokens less likely than P x the top token's probability (default: 0, off)")
+    g.add_argument("--presence-penalty", type=penalty, default=0.0, metavar="X",
+                   help="subtract this from the logit of every token already generated (default: 0)")
+    g.add_argument("--frequency-penalty", type=penalty, default=0.0, metavar="X",
+                   help="subtract this x its count from the logit of each generated token (default: 0)")
+    g.add_argument("--repetition-penalty", type=_number(float, 0.0, low_open=True, what="> 0"),
+                   default=1.0, metavar="X",
+                   help="divide positive (multiply negative) logits of tokens seen in the prompt or "
+                        "output by this; 1 means off (default: 1)")
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="keep generating past the end-of-sequence token until --max-tokens")
+
+
+def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
+    from engine import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        min_p=args.min_p, ignore_eos=args.ignore_eos, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog=PROG, description="pdserve: disaggregated prefill/decode LLM serving.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
+    gen = sub.add_parser(
+        "generate", help="generate completions for prompts with the in-process engine",
+        description="Generate a completion for each PROMPT (batched together) and print it, followed "
+                    "by its prompt tokens, output tokens, time to first token and output tokens/s.",
+    )
+    gen.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt text; several are run as one batch")
+    gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                     help="wrap each prompt as a user message in the model's chat template "
+                          "(default: when the model has a chat template)")
+    add_engine_args(gen)
+    add_sampling_args(gen)
+    return parser
+
+
+def _print_output(index: int, total: int, prompt: str, out: RequestOutput) -> None:
+    m = out.metrics
+    if total > 1:
+        print(f"[{index + 1}/{total}] {prompt}")
+    print(out.text)
+    ttft = f"{m.ttft:.3f} s" if m.ttft is not None else "n/a"
+    e2e = m.e2e_latency
+    rate = f"{m.output_tokens / e2e:.1f}" if e2e else "n/a"
+    cached = f" ({m.cached_prompt_tokens} cached)" if m.cached_prompt_tokens else ""
+    print(f"-- prompt tokens: {m.prompt_tokens}{cached}, output tokens: {m.output_tokens}, "
+          f"TTFT: {ttft}, output tokens/s: {rate}, finish: {out.finish_reason}")
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    kwargs = engine_kwargs_from_args(args)
+    check_engine_kwargs(kwargs)
+    params = sampling_params_from_args(args)
+
+    from engine import LLM
+
+    llm = LLM(**kwargs)
+    chat = llm.tokenizer.has_chat_template if args.chat is None else args.chat
+    if chat and not llm.tokenizer.has_chat_template:
+        raise UsageError("--chat: the model has no chat template")
+    start = time.perf_counter()
+    if chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params)
+    else:
+        outputs = llm.generate(list(args.prompts), params)
+    elapsed = time.perf_counter() - start
+    for i, (prompt, out) in enumerate(zip(args.prompts, outputs, strict=True)):
+        _print_output(i, len(outputs), prompt, out)
+    if len(outputs) > 1:
+        produced = sum(o.metrics.output_tokens for o in outputs)
+        print(f"-- total: {len(outputs)} prompts, {produced} output tokens in {elapsed:.2f} s "
+              f"({produced / elapsed:.1f} output tokens/s)")
+    return 0
+
+
+def _fail(message: str) -> int:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except UsageError as exc:
+        return _fail(str(exc))
+    except SystemExit as exc:  # --help
+        return exc.code if isinstance(exc.code, int) else 0
+    try:
+        if args.command == "generate":
+            return run_generate(args)
+    except (UsageError, ValueError, FileNotFoundError) as exc:
+        return _fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+    return _fail(f"unknown command {args.command!r}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""LLMEngine: one model on one device, stepping schedule -> run -> postprocess."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+from engine.hashing import seed_for
+from engine.kv_cache import KVCacheManager
+from engine.kv_sizing import num_kv_blocks
+from engine.loader import ModelSource, load_model_source, resolve_model
+from engine.model import CausalLM
+from engine.model_runner import ModelRunner
+from engine.outputs import RequestOutput
+from engine.request import Request
+from engine.sampling import Sampler, SamplingParams
+from engine.scheduler import Scheduler
+from engine.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_kv_blocks: int
+    num_free_kv_blocks: int
+    kv_usage: float
+    prefix_queries: int
+    prefix_hits: int
+    num_preemptions: int
+
+
+class LLMEngine:
+    def __init__(self, model: str | None = None, config: EngineConfig | None = None,
+                 check_integrity: bool = False) -> None:
+        self.config = config or EngineConfig()
+        self.source: ModelSource = load_model_source(resolve_model(model))
+        self.model_config = self.source.config
+        self.tokenizer: Tokenizer = self.source.load_tokenizer()
+        net = CausalLM(self.model_config, self.config.torch_dtype, self.config.device)
+        net.load_weights(self.source.iter_weights())
+        blocks = num_kv_blocks(self.model_config, self.config)
+        self.runner = ModelRunner(net, self.model_config, self.config, blocks)
+        self.kv = KVCacheManager(blocks, self.config.block_size, self.config.enable_prefix_caching,
+                                 hash_seed=seed_for(self.model_config.name))
+        limit = self.config.max_model_len or self.model_config.max_position_embeddings
+        self.max_model_len = min(limit, blocks * self.config.block_size)
+        self.scheduler = Scheduler(self.kv, self.config.max_num_batched_tokens,
+                                   self.config.max_num_seqs, self.max_model_len)
+        self.sampler = Sampler()
+        self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) or self.model_config.eos_token_ids
+        self.requests: dict[str, Request] = {}
+        self.check_integrity = check_integrity
+        self._ids = itertools.count()
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, priority: int = 0,
+                    arrival_time: float | None = None) -> Request:
+        params = params or SamplingParams()
+        if params.n != 1:
+            raise ValueError("the engine runs n=1 per request; submit n requests instead")
+        if isinstance(prompt, str):
+            text: str | None = prompt
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            text, token_ids = None, list(prompt)
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        request = Request(request_id, token_ids, params, self.eos_token_ids, text,
+                          arrival_time or time.monotonic(), priority)
+        self.scheduler.add(request)
+        self.requests[request_id] = request
+        return request
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        request.abort()
+        self.scheduler.finish(request)
+        return self._output(request, [])
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run, sample; outputs for requests that got a token or finished."""
+        out = self.scheduler.schedule()
+        if not out:
+            return []
+        logits = self.runner.execute(out, self.kv)
+        completing = [item.request for item in out.scheduled if item.completes]
+        self.scheduler.update_after_step(out)
+        outputs = []
+        if completing:
+            sampled = self.sampler.sample(logits, [r.sampling for r in completing])
+            for request, token_id, lp in zip(completing, sampled.token_ids, sampled.logprobs, strict=True):
+                request.append_token(token_id, lp, self.max_model_len)
+                if request.is_finished:
+                    self.scheduler.finish(request)
+                    del self.requests[request.request_id]
+                outputs.append(self._output(request, [token_id]))
+        if self.check_integrity:
+            self.kv.check_integrity()
+        return outputs
+
+    def _output(self, request: Request, new_token_ids: list[int]) -> RequestOutput:
+        finished = request.is_finished
+        text = self.tokenizer.decode(request.output_token_ids) if finished else ""
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            token_ids=list(request.output_token_ids),
+            text=text,
+            finished=finished,
+            finish_reason=request.finish_reason,
+            metrics=request.metrics,
+            logprobs=list(request.logprobs) if request.params.logprobs is not None else None,
+            stop_token_id=request.stop_token_id,
+            new_token_ids=new_token_ids,
+        )
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_kv_blocks=self.kv.num_blocks,
+            num_free_kv_blocks=self.kv.num_free_blocks,
+            kv_usage=self.kv.usage,
+            prefix_queries=self.kv.prefix_queries,
+            prefix_hits=self.kv.prefix_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+        )

@@ -1,0 +1,179 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) over a paged KV cache.
+
+Weights are stored fused: per layer one ``qkv`` matrix (rows: q heads, then k
+heads, then v heads) and one ``gate_up`` matrix (rows: gate, then up), so a
+layer runs four matmuls. ``load_weights`` takes Hugging Face parameter names and
+fills the fused tensors by row slices; every parameter must arrive exactly once
+with exactly its expected shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ModelConfig
+from kernels.attention import AttentionBackend, AttentionMetadata
+from kernels.norm import rms_norm
+from kernels.rope import RotaryEmbedding, apply_rotary
+
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+def allocate_kv_cache(
+    config: ModelConfig,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> torch.Tensor:
+    """Zeros of shape ``[num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim]``."""
+    shape = (config.num_layers, num_blocks, 2, block_size, config.num_kv_heads, config.head_dim)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def _weight(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        c = config
+        self.num_heads = c.num_heads
+        self.num_kv_heads = c.num_kv_heads
+        self.head_dim = c.head_dim
+        self.eps = c.rms_norm_eps
+        self.scale = c.head_dim**-0.5
+        qkv_rows = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+        self.input_norm = _weight(c.hidden_size, dtype=dtype, device=device)
+        self.qkv = _weight(qkv_rows, c.hidden_size, dtype=dtype, device=device)
+        self.qkv_bias = _weight(qkv_rows, dtype=dtype, device=device) if c.attention_bias else None
+        self.o_proj = _weight(c.hidden_size, c.num_heads * c.head_dim, dtype=dtype, device=device)
+        self.post_norm = _weight(c.hidden_size, dtype=dtype, device=device)
+        self.gate_up = _weight(2 * c.intermediate_size, c.hidden_size, dtype=dtype, device=device)
+        self.down_proj = _weight(c.hidden_size, c.intermediate_size, dtype=dtype, device=device)
+
+    def hf_targets(self, prefix: str) -> dict[str, torch.Tensor]:
+        """Hugging Face name -> the (view of the) tensor it fills."""
+        q = self.num_heads * self.head_dim
+        kv = self.num_kv_heads * self.head_dim
+        inter = self.gate_up.shape[0] // 2
+        targets = {
+            f"{prefix}.input_layernorm.weight": self.input_norm.data,
+            f"{prefix}.self_attn.q_proj.weight": self.qkv.data[:q],
+            f"{prefix}.self_attn.k_proj.weight": self.qkv.data[q : q + kv],
+            f"{prefix}.self_attn.v_proj.weight": self.qkv.data[q + kv :],
+            f"{prefix}.self_attn.o_proj.weight": self.o_proj.data,
+            f"{prefix}.post_attention_layernorm.weight": self.post_norm.data,
+            f"{prefix}.mlp.gate_proj.weight": self.gate_up.data[:inter],
+            f"{prefix}.mlp.up_proj.weight": self.gate_up.data[inter:],
+            f"{prefix}.mlp.down_proj.weight": self.down_proj.data,
+        }
+        if self.qkv_bias is not None:
+            bias = self.qkv_bias.data
+            targets[f"{prefix}.self_attn.q_proj.bias"] = bias[:q]
+            targets[f"{prefix}.self_attn.k_proj.bias"] = bias[q : q + kv]
+            targets[f"{prefix}.self_attn.v_proj.bias"] = bias[q + kv :]
+        return targets
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_layer: torch.Tensor,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        h, kv_h = self.num_heads, self.num_kv_heads
+        x = rms_norm(hidden, self.input_norm, self.eps)
+        qkv = F.linear(x, self.qkv, self.qkv_bias).view(tokens, h + 2 * kv_h, self.head_dim)
+        qk = apply_rotary(qkv[:, : h + kv_h], cos, sin)
+        attn = backend.forward(qk[:, :h], qk[:, h:], qkv[:, h + kv_h :], kv_layer, self.scale)
+        hidden = hidden + F.linear(attn.reshape(tokens, h * self.head_dim), self.o_proj)
+        x = rms_norm(hidden, self.post_norm, self.eps)
+        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+        return hidden + F.linear(F.silu(gate) * up, self.down_proj)
+
+
+class CausalLM(nn.Module):
+    """Decoder-only LM; ``forward`` returns final-normed hidden states, ``compute_logits`` the scores."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.embed_tokens = _weight(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype, device) for _ in range(config.num_layers))
+        self.norm = _weight(config.hidden_size, dtype=dtype, device=device)
+        self.lm_head = (
+            self.embed_tokens
+            if config.tie_word_embeddings
+            else _weight(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        )
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, device)
+
+    def _hf_targets(self) -> dict[str, torch.Tensor]:
+        targets = {"model.embed_tokens.weight": self.embed_tokens.data, "model.norm.weight": self.norm.data}
+        if not self.config.tie_word_embeddings:
+            targets["lm_head.weight"] = self.lm_head.data
+        for i, layer in enumerate(self.layers):
+            assert isinstance(layer, DecoderLayer)
+            targets.update(layer.hf_targets(f"model.layers.{i}"))
+        return targets
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors in, cast to the model dtype.
+
+        Raises ``ValueError`` naming the first unexpected, duplicated or
+        mis-shaped parameter, or every missing one. With tied embeddings a
+        ``lm_head.weight`` is accepted and ignored (state dicts carry it).
+        """
+        targets = self._hf_targets()
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            target = targets.get(name)
+            if target is None:
+                raise ValueError(f"unexpected parameter {name!r} for a {self.config.architecture} model")
+            if name in loaded:
+                raise ValueError(f"parameter {name!r} given twice")
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise ValueError(
+                    f"parameter {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
+                )
+            target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+            loaded.add(name)
+        missing = sorted(set(targets) - loaded)
+        if missing:
+            shown = ", ".join(missing[:8]) + (f" (and {len(missing) - 8} more)" if len(missing) > 8 else "")
+            raise ValueError(f"missing parameters: {shown}")
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        backend: AttentionBackend,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` (final norm applied); ``backend.prepare(meta)`` already ran."""
+        if input_ids.shape[0] != meta.num_tokens:
+            raise ValueError(f"got {input_ids.shape[0]} tokens but the metadata describes {meta.num_tokens}")
+        hidden = F.embedding(input_ids, self.embed_tokens)
+        cos, sin = self.rotary.cos_sin(positions, self.dtype)
+        for i, layer in enumerate(self.layers):
+            hidden = layer(hidden, cos, sin, kv_cache[i], backend)
+        return rms_norm(hidden, self.norm, self.config.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits ``[N, vocab]`` in float32."""
+        return F.linear(hidden, self.lm_head).float()

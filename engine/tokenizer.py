@@ -1,0 +1,160 @@
+"""Tokenization and chat templates, from a local HF folder or a GGUF file's metadata.
+
+Everything is read from local files (``local_files_only=True``, hub offline).
+``decode`` never applies ``clean_up_tokenization_spaces`` so that decoding a
+sequence piecewise (``IncrementalDetokenizer``) and all at once agree.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase  # noqa: E402
+
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+def _save_atomically(hf: PreTrainedTokenizerBase, folder: Path) -> None:
+    """Save to a temporary sibling, then rename; a cache that cannot be written is skipped."""
+    partial = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
+    try:
+        hf.save_pretrained(str(partial))
+        partial.rename(folder)
+    except OSError:
+        shutil.rmtree(partial, ignore_errors=True)
+
+
+class Tokenizer:
+    """A Hugging Face tokenizer with the small surface the engine and router use."""
+
+    def __init__(self, hf_tokenizer: PreTrainedTokenizerBase,
+                 eos_token_ids: Sequence[int] = ()) -> None:
+        self.hf = hf_tokenizer
+        ids = list(eos_token_ids)
+        own_eos = hf_tokenizer.eos_token_id
+        if isinstance(own_eos, int) and own_eos not in ids:
+            ids.append(own_eos)
+        self.eos_token_ids: tuple[int, ...] = tuple(ids)
+
+    @classmethod
+    def from_folder(cls, folder: str | Path, eos_token_ids: Sequence[int] = ()) -> Tokenizer:
+        """Load the tokenizer files saved in a local HF model folder."""
+        folder = Path(folder)
+        try:
+            hf = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"cannot load a tokenizer from {folder}: {exc}") from None
+        return cls(hf, eos_token_ids)
+
+    @classmethod
+    def from_gguf(cls, path: str | Path, eos_token_ids: Sequence[int] = (),
+                  cache_dir: Path | None = None) -> Tokenizer:
+        """Build the tokenizer stored in a GGUF file's metadata.
+
+        Converting it takes seconds; with ``cache_dir`` the converted tokenizer is
+        saved there once and later loads read that folder instead.
+        """
+        path = Path(path)
+        if cache_dir is not None and (cache_dir / "tokenizer_config.json").is_file():
+            return cls.from_folder(cache_dir, eos_token_ids)
+        hf = AutoTokenizer.from_pretrained(
+            str(path.parent), gguf_file=path.name, local_files_only=True
+        )
+        if cache_dir is not None:
+            _save_atomically(hf, cache_dir)
+        return cls(hf, eos_token_ids)
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, added tokens included."""
+        return len(self.hf)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        bos = self.hf.bos_token_id
+        return bos if isinstance(bos, int) else None
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self.hf.chat_template)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        text = self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens,
+                              clean_up_tokenization_spaces=False)
+        return str(text)
+
+    def render_chat(self, messages: list[dict[str, str]],
+                    add_generation_prompt: bool = True) -> str:
+        """The chat template applied to ``messages``, as text."""
+        if not self.has_chat_template:
+            raise ValueError(
+                "this model has no chat template; use the completions API with a plain prompt"
+            )
+        text = self.hf.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
+        return str(text)
+
+    def apply_chat_template(self, messages: list[dict[str, str]],
+                            add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of the rendered chat; the template supplies any special tokens."""
+        return self.encode(self.render_chat(messages, add_generation_prompt))
+
+
+class IncrementalDetokenizer:
+    """Turns a request's token stream into text pieces as characters complete.
+
+    ``feed`` returns only text that is final: a character whose UTF-8 bytes are
+    split across tokens is held back until its last byte arrives, so no U+FFFD is
+    emitted mid-character. ``"".join(pieces) + flush()`` equals
+    ``tokenizer.decode(all_ids)``.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        return list(self._ids)
+
+    def _pending(self) -> str:
+        prefix = self._tokenizer.decode(
+            self._ids[self._prefix_offset:self._read_offset], self._skip_special
+        )
+        window = self._tokenizer.decode(self._ids[self._prefix_offset:], self._skip_special)
+        return window[len(prefix):]
+
+    def _advance(self) -> None:
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+
+    def feed(self, new_ids: Sequence[int]) -> str:
+        """Add token ids; return the text they completed (possibly empty)."""
+        self._ids.extend(new_ids)
+        if self._read_offset == len(self._ids):
+            return ""
+        piece = self._pending()
+        if not piece or piece.endswith(_REPLACEMENT_CHAR):
+            return ""
+        self._advance()
+        return piece
+
+    def flush(self) -> str:
+        """Return whatever is held back (at the end of a request), even if incomplete."""
+        if self._read_offset == len(self._ids):
+            return ""
+        piece = self._pending()
+        self._advance()
+        return piece

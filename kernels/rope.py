@@ -1,0 +1,93 @@
+"""Rotary position embedding in the Hugging Face Llama convention.
+
+Frequencies follow transformers' rope init functions exactly (``default``,
+``linear`` and ``llama3``); cos/sin are computed in float32 for the step's
+positions and cast to the activation dtype, and the rotation is the
+non-interleaved "rotate_half" form (the first half of ``head_dim`` pairs with the
+second half).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class RopeScalingParams(Protocol):
+    """What rope needs from ``engine.config.RopeScaling`` (kernels never import engine)."""
+
+    @property
+    def rope_type(self) -> str: ...
+    @property
+    def factor(self) -> float: ...
+    @property
+    def low_freq_factor(self) -> float: ...
+    @property
+    def high_freq_factor(self) -> float: ...
+    @property
+    def original_max_position_embeddings(self) -> int: ...
+
+
+def rope_inv_freq(head_dim: int, rope_theta: float, scaling: RopeScalingParams) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim // 2]`` in float32, as transformers computes them."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    inv_freq = 1.0 / (rope_theta**exponents)
+    if scaling.rope_type == "default":
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    if scaling.rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    raise ValueError(f"unsupported rope_type {scaling.rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: RopeScalingParams) -> torch.Tensor:
+    factor = scaling.factor
+    low_freq_factor = scaling.low_freq_factor
+    high_freq_factor = scaling.high_freq_factor
+    old_context_len = scaling.original_max_position_embeddings
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+
+    wavelen = 2 * math.pi / inv_freq
+    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth_factor = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed_inv_freq = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
+    is_medium_freq = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium_freq, smoothed_inv_freq, inv_freq_llama)
+
+
+class RotaryEmbedding:
+    """Holds the inverse frequencies; ``cos_sin`` once per step, ``apply`` per layer."""
+
+    def __init__(
+        self,
+        head_dim: int,
+        rope_theta: float,
+        scaling: RopeScalingParams,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if head_dim % 2:
+            raise ValueError(f"rotary embedding needs an even head_dim, got {head_dim}")
+        self.head_dim = head_dim
+        self.inv_freq = rope_inv_freq(head_dim, rope_theta, scaling).to(device)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos``/``sin`` of shape ``[T, 1, head_dim]`` (broadcast over heads) in ``dtype``."""
+        freqs = positions[:, None].to(torch.float32) * self.inv_freq.to(positions.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` (``[T, heads, head_dim]``) by the per-token angles in ``cos``/``sin``."""
+    return (x * cos) + (rotate_half(x) * sin)

@@ -1,0 +1,198 @@
+"""Paged attention in plain torch: the CPU backend and the reference for the others.
+
+``prepare`` turns one step's metadata into a few *groups*, planned once and
+shared by every layer: all decodes (``q_len == 1``) form one group, and each
+prefill chunk is a group of its own. A group of ``n`` sequences with ``q_len``
+queries each reads ``max_len`` cache rows per sequence (padded; padding reads a
+valid row and is masked out) through a precomputed gather index, and runs one
+``scaled_dot_product_attention`` with a boolean mask that is both the padding
+and the causal mask (query ``i`` of a sequence of length ``L`` sees keys at
+positions ``<= L - q_len + i``).
+
+GQA never repeats K/V: the query heads of one KV head are folded into the query
+length, ``[n, kv_heads, q_len * q_per_kv, head_dim]``, and the mask rows are
+repeated to match. Gathers land in a workspace that is reused across layers and
+steps, since fresh multi-megabyte allocations page-fault on CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from kernels.attention import AttentionMetadata
+
+
+@dataclass
+class _Group:
+    """Sequences attended together. ``tokens`` selects their rows of ``q``."""
+
+    tokens: slice | torch.Tensor
+    num_seqs: int
+    q_len: int
+    rows: torch.Tensor  # int64 [n, max_len]: K row of each key in kv_layer.view(-1, kv_heads, head_dim)
+    mask: torch.Tensor  # bool [n, q_len, max_len]: True where a query may attend
+    # built by the first layer, reused by the rest: kv_heads -> gather index; q_per_kv -> SDPA mask
+    head_index: dict[int, torch.Tensor] = field(default_factory=dict)
+    sdpa_mask: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def max_len(self) -> int:
+        return int(self.rows.shape[1])
+
+    def gather_index(self, kv_heads: int, block_size: int) -> torch.Tensor:
+        """Rows of ``kv_layer.view(-1, head_dim)`` for K then V, laid out ``[2, n, kv_heads, max_len]``."""
+        index = self.head_index.get(kv_heads)
+        if index is None:
+            heads = torch.arange(kv_heads, device=self.rows.device)
+            k_rows = self.rows[:, None, :] * kv_heads + heads[None, :, None]
+            index = torch.stack((k_rows, k_rows + block_size * kv_heads)).reshape(-1)
+            self.head_index[kv_heads] = index
+        return index
+
+    def attn_mask(self, q_per_kv: int, dtype: torch.dtype) -> torch.Tensor:
+        """Additive mask ``[n, 1, q_len * q_per_kv, max_len]`` (SDPA converts boolean masks every call)."""
+        mask = self.sdpa_mask.get(q_per_kv)
+        if mask is None or mask.dtype != dtype:
+            n, q_len, max_len = self.mask.shape
+            additive = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
+            additive.masked_fill_(~self.mask, float("-inf"))
+            mask = (
+                additive[:, None, :, None, :]
+                .expand(n, 1, q_len, q_per_kv, max_len)
+                .reshape(n, 1, q_len * q_per_kv, max_len)
+            )
+            self.sdpa_mask[q_per_kv] = mask
+        return mask
+
+
+def _as_slice(indices: list[int]) -> slice | None:
+    if indices and indices == list(range(indices[0], indices[0] + len(indices))):
+        return slice(indices[0], indices[0] + len(indices))
+    return None
+
+
+class TorchAttentionBackend:
+    """``AttentionBackend`` for any torch device; exact in float32."""
+
+    def __init__(self) -> None:
+        self._meta: AttentionMetadata | None = None
+        self._groups: list[_Group] = []
+        self._write_rows = torch.empty(0, dtype=torch.int64)
+        self._workspace: torch.Tensor | None = None
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        device = meta.slot_mapping.device
+        bs = meta.block_size
+        slots = meta.slot_mapping.to(torch.int64)
+        self._write_rows = torch.div(slots, bs, rounding_mode="floor") * (2 * bs) + slots % bs
+        self._meta = meta
+        starts = [0]
+        for q_len in meta.query_lens_list:
+            starts.append(starts[-1] + q_len)
+        decodes = [s for s, q in enumerate(meta.query_lens_list) if q == 1]
+        groups: list[_Group] = []
+        if decodes:
+            token_ids = [starts[s] for s in decodes]
+            tokens: slice | torch.Tensor | None = _as_slice(token_ids)
+            if tokens is None:
+                tokens = torch.tensor(token_ids, dtype=torch.int64, device=device)
+            groups.append(self._plan(meta, decodes, tokens, 1, device))
+        for s, q_len in enumerate(meta.query_lens_list):
+            if q_len > 1:
+                groups.append(self._plan(meta, [s], slice(starts[s], starts[s] + q_len), q_len, device))
+        self._groups = groups
+
+    @staticmethod
+    def _plan(
+        meta: AttentionMetadata,
+        seqs: list[int],
+        tokens: slice | torch.Tensor,
+        q_len: int,
+        device: torch.device,
+    ) -> _Group:
+        bs = meta.block_size
+        lens = torch.tensor([meta.seq_lens_list[s] for s in seqs], dtype=torch.int64)
+        max_len = int(lens.max())
+        num_blocks = -(-max_len // bs)
+        padded = [meta.block_tables_list[s][:num_blocks] for s in seqs]
+        padded = [t + [0] * (num_blocks - len(t)) for t in padded]
+        tables = torch.tensor(padded, dtype=torch.int64).reshape(len(seqs), num_blocks)
+        pos = torch.arange(max_len, dtype=torch.int64)
+        rows = tables[:, pos // bs] * (2 * bs) + pos % bs
+        # query i of a sequence of length L sits at position L - q_len + i
+        last_visible = lens[:, None] - q_len + torch.arange(q_len, dtype=torch.int64)[None, :]
+        mask = pos[None, None, :] <= last_visible[:, :, None]
+        return _Group(
+            tokens=tokens, num_seqs=len(seqs), q_len=q_len, rows=rows.to(device), mask=mask.to(device)
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_layer: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        if self._meta is None:
+            raise RuntimeError("TorchAttentionBackend.forward called before prepare")
+        bs = self._meta.block_size
+        _, _, _, kv_heads, head_dim = kv_layer.shape
+        num_heads = q.shape[1]
+        q_per_kv = num_heads // kv_heads
+        rows = kv_layer.view(-1, kv_heads, head_dim)
+        rows.index_copy_(0, self._write_rows, k.to(kv_layer.dtype))
+        rows.index_copy_(0, self._write_rows + bs, v.to(kv_layer.dtype))
+        flat = kv_layer.view(-1, head_dim)
+        if len(self._groups) == 1 and self._covers_all(self._groups[0], q.shape[0]):
+            return self._attend(self._groups[0], q, flat, kv_heads, q_per_kv, bs, scale)
+        out = torch.empty_like(q)
+        for group in self._groups:
+            out[group.tokens] = self._attend(group, q[group.tokens], flat, kv_heads, q_per_kv, bs, scale)
+        return out
+
+    @staticmethod
+    def _covers_all(group: _Group, num_tokens: int) -> bool:
+        return isinstance(group.tokens, slice) and group.tokens == slice(0, num_tokens)
+
+    def _attend(
+        self,
+        group: _Group,
+        q: torch.Tensor,
+        flat: torch.Tensor,
+        kv_heads: int,
+        q_per_kv: int,
+        block_size: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """Attention for one group: ``q`` is ``[n * q_len, num_heads, head_dim]``."""
+        n, q_len, max_len = group.num_seqs, group.q_len, group.max_len
+        head_dim = flat.shape[1]
+        index = group.gather_index(kv_heads, block_size)
+        kv = self._workspace_for(index.numel() * head_dim, flat)
+        torch.index_select(flat, 0, index, out=kv.view(-1, head_dim))
+        kv = kv.view(2, n, kv_heads, max_len, head_dim)
+        qg = (
+            q.reshape(n, q_len, kv_heads, q_per_kv, head_dim)
+            .transpose(1, 2)
+            .reshape(n, kv_heads, q_len * q_per_kv, head_dim)
+            .to(flat.dtype)
+        )
+        mask = group.attn_mask(q_per_kv, flat.dtype)
+        out = F.scaled_dot_product_attention(qg, kv[0], kv[1], attn_mask=mask, scale=scale)
+        return (
+            out.view(n, kv_heads, q_len, q_per_kv, head_dim)
+            .transpose(1, 2)
+            .reshape(n * q_len, kv_heads * q_per_kv, head_dim)
+            .to(q.dtype)
+        )
+
+    def _workspace_for(self, numel: int, like: torch.Tensor) -> torch.Tensor:
+        ws = self._workspace
+        if ws is None or ws.numel() < numel or ws.dtype != like.dtype or ws.device != like.device:
+            ws = torch.empty(numel, dtype=like.dtype, device=like.device)
+            self._workspace = ws
+        return ws[:numel]

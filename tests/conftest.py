@@ -1,0 +1,32 @@
+"""Shared fixtures and markers for every test folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> Path:
+    """The built-in SmolLM2-135M-Instruct GGUF; fails loudly when the set-up step was skipped."""
+    from engine.loader import default_model_path as engine_default_model_path
+
+    path = Path(engine_default_model_path())
+    if not path.is_file():
+        pytest.fail(f"default model not found at {path}; fetch it with `python scripts/fetch_model.py`")
+    return path
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip ``@pytest.mark.gpu`` tests when no CUDA device is present."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_items:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in gpu_items:
+        item.add_marker(skip)

@@ -1,0 +1,156 @@
+"""Kernels against plain dense math and transformers' own rope / RMSNorm."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from engine.config import RopeScaling
+from kernels import TorchAttentionBackend, get_attention_backend
+from kernels.attention import AttentionMetadata
+from kernels.norm import rms_norm
+from kernels.rope import RotaryEmbedding, apply_rotary
+
+HEAD_DIM = 16
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of the last ``q.shape[0]`` positions over all of ``k``/``v`` ([L, kv_heads, d])."""
+    q_len, num_heads, _ = q.shape
+    seq_len, kv_heads, _ = k.shape
+    rep = num_heads // kv_heads
+    kr = k.repeat_interleave(rep, dim=1).transpose(0, 1)
+    vr = v.repeat_interleave(rep, dim=1).transpose(0, 1)
+    scores = torch.matmul(q.transpose(0, 1), kr.transpose(1, 2)) * scale
+    qpos = torch.arange(seq_len - q_len, seq_len)[:, None]
+    scores = scores.masked_fill(torch.arange(seq_len)[None, :] > qpos, float("-inf"))
+    return torch.matmul(torch.softmax(scores, -1), vr).transpose(0, 1)
+
+
+def run_step(
+    query_lens: list[int],
+    seq_lens: list[int],
+    num_heads: int,
+    kv_heads: int,
+    block_size: int,
+    seed: int = 0,
+) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    need = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(need) + 3
+    ids = torch.randperm(num_blocks, generator=gen).tolist()
+    tables: list[list[int]] = []
+    for n in need:
+        tables.append(ids[:n])
+        ids = ids[n:]
+    kv = torch.randn(num_blocks, 2, block_size, kv_heads, HEAD_DIM, generator=gen)
+    full_k = [torch.randn(s, kv_heads, HEAD_DIM, generator=gen) for s in seq_lens]
+    full_v = [torch.randn(s, kv_heads, HEAD_DIM, generator=gen) for s in seq_lens]
+    for table, s_len, q_len, fk, fv in zip(tables, seq_lens, query_lens, full_k, full_v, strict=True):
+        for pos in range(s_len - q_len):
+            kv[table[pos // block_size], 0, pos % block_size] = fk[pos]
+            kv[table[pos // block_size], 1, pos % block_size] = fv[pos]
+    qs = [torch.randn(q, num_heads, HEAD_DIM, generator=gen) for q in query_lens]
+    new_k = torch.cat([fk[s - q:] for fk, s, q in zip(full_k, seq_lens, query_lens, strict=True)])
+    new_v = torch.cat([fv[s - q:] for fv, s, q in zip(full_v, seq_lens, query_lens, strict=True)])
+
+    meta = AttentionMetadata.build(block_size, query_lens, seq_lens, tables)
+    backend = TorchAttentionBackend()
+    backend.prepare(meta)
+    scale = HEAD_DIM**-0.5
+    out = backend.forward(torch.cat(qs), new_k, new_v, kv, scale)
+
+    expected = torch.cat(
+        [dense_attention(q, fk, fv, scale) for q, fk, fv in zip(qs, full_k, full_v, strict=True)]
+    )
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    for table, s_len, fk, fv in zip(tables, seq_lens, full_k, full_v, strict=True):
+        positions = torch.arange(s_len)
+        blocks = torch.tensor(table)[positions // block_size]
+        assert torch.equal(kv[blocks, 0, positions % block_size], fk)
+        assert torch.equal(kv[blocks, 1, positions % block_size], fv)
+
+
+@pytest.mark.parametrize(("num_heads", "kv_heads"), [(6, 2), (4, 1), (4, 4)])
+def test_mixed_batch_matches_dense(num_heads: int, kv_heads: int) -> None:
+    # decode, prefill chunk mid-sequence, decode, whole prompt; partial last blocks
+    run_step([1, 7, 1, 11], [13, 19, 4, 11], num_heads, kv_heads, block_size=4)
+
+
+def test_pure_decode_matches_dense() -> None:
+    run_step([1] * 5, [1, 9, 16, 17, 30], num_heads=6, kv_heads=2, block_size=8, seed=1)
+
+
+def test_single_prefill_chunks_and_block_size_one() -> None:
+    run_step([5], [12], num_heads=3, kv_heads=1, block_size=4, seed=2)
+    run_step([3, 1], [3, 6], num_heads=4, kv_heads=2, block_size=1, seed=3)
+
+
+def test_backend_is_reusable_across_steps() -> None:
+    backend = get_attention_backend("cpu")
+    kv = torch.zeros(4, 2, 4, 1, HEAD_DIM)
+    for step, (q_len, s_len) in enumerate([(3, 3), (1, 4), (1, 5)]):
+        backend.prepare(AttentionMetadata.build(4, [q_len], [s_len], [[2, 0]]))
+        q = torch.randn(q_len, 2, HEAD_DIM)
+        out = backend.forward(q, torch.randn(q_len, 1, HEAD_DIM), torch.randn(q_len, 1, HEAD_DIM), kv, 0.25)
+        assert out.shape == (q_len, 2, HEAD_DIM), step
+    assert kv[0, :, 1:].abs().sum() == 0
+
+
+def _hf_rope(params: dict[str, float | int | str], positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    config = LlamaConfig(
+        hidden_size=64, num_attention_heads=2, max_position_embeddings=4096, rope_parameters=params
+    )
+    rotary = LlamaRotaryEmbedding(config)
+    x = torch.empty(1, dtype=torch.float32)
+    cos, sin = rotary(x, positions[None, :])
+    return cos[0], sin[0]
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        RopeScaling(),
+        RopeScaling(rope_type="linear", factor=4.0),
+        RopeScaling(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                    original_max_position_embeddings=64),
+    ],
+)
+def test_rope_matches_transformers(scaling: RopeScaling) -> None:
+    theta = 500000.0
+    params: dict[str, float | int | str] = {"rope_type": scaling.rope_type, "rope_theta": theta}
+    if scaling.rope_type != "default":
+        params["factor"] = scaling.factor
+    if scaling.rope_type == "llama3":
+        params.update(low_freq_factor=scaling.low_freq_factor, high_freq_factor=scaling.high_freq_factor,
+                      original_max_position_embeddings=scaling.original_max_position_embeddings)
+    positions = torch.tensor([0, 1, 5, 63, 64, 1000, 4000])
+    hf_cos, hf_sin = _hf_rope(params, positions)
+    rope = RotaryEmbedding(32, theta, scaling)
+    cos, sin = rope.cos_sin(positions, torch.float32)
+    assert torch.equal(cos[:, 0], hf_cos)
+    assert torch.equal(sin[:, 0], hf_sin)
+
+    q = torch.randn(len(positions), 3, 32)
+    k = torch.randn(len(positions), 1, 32)
+    hf_q, hf_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], hf_cos[None],
+                                      hf_sin[None])
+    assert torch.equal(apply_rotary(q, cos, sin), hf_q[0].transpose(0, 1))
+    assert torch.equal(apply_rotary(k, cos, sin), hf_k[0].transpose(0, 1))
+
+
+def test_unknown_rope_type_is_rejected() -> None:
+    with pytest.raises(ValueError, match="rope_type"):
+        RotaryEmbedding(32, 10000.0, RopeScaling(rope_type="yarn"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden", [48, 576, 4096])
+def test_rms_norm_matches_transformers(dtype: torch.dtype, hidden: int) -> None:
+    hf = LlamaRMSNorm(hidden, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        hf.weight.copy_(torch.randn(hidden))
+    x = (torch.randn(5, hidden) * 3).to(dtype)
+    assert torch.equal(rms_norm(x, hf.weight.detach(), 1e-5), hf(x).detach())
