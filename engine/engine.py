@@ -1,4 +1,16 @@
-"""LLMEngine: one model on one device, stepping schedule -> run -> postprocess."""
+"""LLMEngine: one model on one device, stepping schedule -> run -> postprocess.
+
+Disaggregation hooks (used by ``prefill/`` and ``decode/``; colocated use needs none):
+
+* ``add_request(..., hold_kv=True)``: when the request finishes normally its
+  blocks are NOT freed; they stay owned by ``request_id`` until
+  ``release_kv(request_id)`` (a prefill worker's lease).
+* ``reserve(...)``: a decode worker takes blocks for a whole prompt (plus the
+  first generated token) before any K/V arrives, reusing its own cached prefix;
+  ``start_prefilled(...)`` then runs the request from the first token on, once
+  the missing blocks have been written by a transfer; ``cancel_reservation``
+  gives the blocks back.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +27,7 @@ from engine.model import CausalLM
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
 from engine.request import Request
-from engine.sampling import Sampler, SamplingParams
+from engine.sampling import Sampler, SamplingParams, TokenLogprobs
 from engine.scheduler import Scheduler
 from engine.tokenizer import Tokenizer
 
@@ -30,6 +42,15 @@ class EngineStats:
     prefix_queries: int
     prefix_hits: int
     num_preemptions: int
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Blocks a decode engine holds for a prompt; the first ``num_cached_blocks`` are already filled."""
+
+    request_id: str
+    block_ids: list[int]
+    num_cached_blocks: int
 
 
 class LLMEngine:
@@ -52,12 +73,14 @@ class LLMEngine:
         self.sampler = Sampler()
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) or self.model_config.eos_token_ids
         self.requests: dict[str, Request] = {}
+        self.reserved: dict[str, Request] = {}
         self.check_integrity = check_integrity
         self._ids = itertools.count()
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, priority: int = 0,
-                    arrival_time: float | None = None) -> Request:
+    def make_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                     request_id: str | None = None, priority: int = 0,
+                     arrival_time: float | None = None, hold_kv: bool = False) -> Request:
+        """Validate and build a request without queueing it."""
         params = params or SamplingParams()
         if params.n != 1:
             raise ValueError("the engine runs n=1 per request; submit n requests instead")
@@ -69,22 +92,74 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt of {len(token_ids)} tokens leaves no room under max_model_len {self.max_model_len}"
+            )
         request_id = request_id if request_id is not None else str(next(self._ids))
-        if request_id in self.requests:
+        if request_id in self.requests or request_id in self.reserved:
             raise ValueError(f"request id {request_id!r} is already in use")
-        request = Request(request_id, token_ids, params, self.eos_token_ids, text,
-                          arrival_time or time.monotonic(), priority)
+        return Request(request_id, token_ids, params, self.eos_token_ids, text,
+                       arrival_time or time.monotonic(), priority, hold_kv)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, priority: int = 0,
+                    arrival_time: float | None = None, hold_kv: bool = False) -> Request:
+        request = self.make_request(prompt, params, request_id, priority, arrival_time, hold_kv)
         self.scheduler.add(request)
-        self.requests[request_id] = request
+        self.requests[request.request_id] = request
         return request
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        request = self.requests.pop(request_id, None)
+        """Stop a request wherever it is (queued, running, reserved) and free its blocks."""
+        request = self.requests.pop(request_id, None) or self.reserved.pop(request_id, None)
         if request is None:
+            self.kv.free(request_id)
             return None
         request.abort()
         self.scheduler.finish(request)
         return self._output(request, [])
+
+    def release_kv(self, request_id: str) -> int:
+        """Free blocks kept by a finished ``hold_kv`` request; idempotent."""
+        return self.kv.free(request_id)
+
+    def reserve(self, request: Request) -> Reservation | None:
+        """Hold blocks for ``request``'s prompt and first token; None when the pool has no room."""
+        n = len(request.prompt_token_ids)
+        hit = self.kv.find_prefix(request.prompt_token_ids, n)
+        if not self.kv.allocate(request.request_id, n + 1, hit):
+            return None
+        self.reserved[request.request_id] = request
+        request.metrics.cached_prompt_tokens = hit.num_tokens(self.kv.block_size)
+        return Reservation(request.request_id, self.kv.blocks_of(request.request_id), len(hit.block_ids))
+
+    def cancel_reservation(self, request_id: str) -> None:
+        self.reserved.pop(request_id, None)
+        self.kv.free(request_id)
+
+    def start_prefilled(self, request_id: str, first_token: int, logprobs: TokenLogprobs | None = None,
+                        cached_prompt_tokens: int = 0) -> RequestOutput:
+        """Run a reserved request whose prompt K/V now fills its blocks, from its first token on."""
+        request = self.reserved.pop(request_id)
+        n = len(request.prompt_token_ids)
+        request.num_computed_tokens = n
+        request.metrics.cached_prompt_tokens = max(request.metrics.cached_prompt_tokens, cached_prompt_tokens)
+        self.kv.cache_blocks(request_id, request.prompt_token_ids, n)
+        request.append_token(first_token, logprobs, self.max_model_len)
+        if request.is_finished:
+            self.kv.free(request_id)
+        else:
+            self.scheduler.add_running(request)
+            self.requests[request_id] = request
+        return self._output(request, [first_token])
+
+    def start_local(self, request_id: str) -> None:
+        """Run a reserved request's prompt here instead (recompute); its cached prefix still counts."""
+        request = self.reserved.pop(request_id)
+        self.kv.free(request_id)
+        self.scheduler.add(request)
+        self.requests[request_id] = request
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -103,7 +178,7 @@ class LLMEngine:
             for request, token_id, lp in zip(completing, sampled.token_ids, sampled.logprobs, strict=True):
                 request.append_token(token_id, lp, self.max_model_len)
                 if request.is_finished:
-                    self.scheduler.finish(request)
+                    self.scheduler.finish(request, free_kv=not request.hold_kv)
                     del self.requests[request.request_id]
                 outputs.append(self._output(request, [token_id]))
         if self.check_integrity:

@@ -32,6 +32,7 @@ class Request:
         prompt: str | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        hold_kv: bool = False,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("a prompt must have at least one token")
@@ -40,6 +41,7 @@ class Request:
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
         self.priority = priority
+        self.hold_kv = hold_kv
         self.eos_token_ids = eos_token_ids
         self.sampling = SamplingState(
             params=params,

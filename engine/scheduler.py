@@ -152,10 +152,18 @@ class Scheduler:
             request.num_computed_tokens += item.num_new_tokens
             self.kv.cache_blocks(request.request_id, request.all_token_ids, request.num_computed_tokens)
 
-    def finish(self, request: Request) -> None:
-        """Drop a finished or aborted request from the queues and free its blocks."""
+    def add_running(self, request: Request) -> None:
+        """Admit a request whose prompt K/V is already in its blocks (it arrived prefilled)."""
+        request.status = RequestStatus.RUNNING
+        if request.metrics.first_scheduled_time is None:
+            request.metrics.first_scheduled_time = time.monotonic()
+        self.running.append(request)
+
+    def finish(self, request: Request, free_kv: bool = True) -> None:
+        """Drop a finished or aborted request from the queues; free its blocks unless told to keep them."""
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.kv.free(request.request_id)
+        if free_kv:
+            self.kv.free(request.request_id)

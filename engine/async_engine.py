@@ -1,0 +1,102 @@
+"""AsyncEngine: an LLMEngine driven by one asyncio task, for actors that serve many callers.
+
+Only the loop task calls ``engine.step()`` (in a worker thread, so the event
+loop stays responsive); every other mutation goes through ``mutate``/``guard``
+and runs between steps under the same lock, so the engine is never touched by
+two threads at once. Each request's outputs go to its own queue; ``stream``
+yields them in per-step batches, and a consumer that stops early (a client that
+went away) aborts the request, freeing its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
+
+from engine.engine import LLMEngine
+from engine.outputs import RequestOutput
+
+T = TypeVar("T")
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._lock = asyncio.Lock()
+        self._wake = asyncio.Event()
+        self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._task: asyncio.Task[None] | None = None
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def mutate(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run ``fn(engine)`` between steps, then wake the loop."""
+        self.start()
+        async with self._lock:
+            result = fn(self.engine)
+        self._wake.set()
+        return result
+
+    def open_stream(self, request_id: str) -> None:
+        """Register a request's output queue before the request can produce anything."""
+        self._queues.setdefault(request_id, asyncio.Queue())
+
+    def deliver(self, output: RequestOutput) -> None:
+        queue = self._queues.get(output.request_id)
+        if queue is not None:
+            queue.put_nowait(output)
+
+    async def stream(self, request_id: str, timeout: float) -> AsyncIterator[list[RequestOutput]]:
+        """Yield the request's outputs in batches until it finishes; abort it if the consumer leaves.
+
+        ``timeout`` bounds the wait for each batch; past it the request is aborted
+        and TimeoutError raised.
+        """
+        queue = self._queues.setdefault(request_id, asyncio.Queue())
+        finished = False
+        try:
+            while not finished:
+                first = await asyncio.wait_for(queue.get(), timeout)
+                batch = [first]
+                while not queue.empty():
+                    batch.append(queue.get_nowait())
+                finished = batch[-1].finished
+                if finished and batch[-1].finish_reason == "abort" and self.error is not None:
+                    raise RuntimeError(f"engine loop failed: {self.error!r}") from self.error
+                yield batch
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                await self.mutate(lambda e: e.abort_request(request_id))
+
+    async def _run(self) -> None:
+        while True:
+            if not self.engine.has_unfinished():
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            try:
+                async with self._lock:
+                    outputs = await asyncio.to_thread(self.engine.step)
+            except Exception as exc:  # the loop must not die silently: end every waiter's stream
+                self.error = exc
+                for rid in list(self._queues):
+                    aborted = self.engine.abort_request(rid)
+                    if aborted is not None:
+                        self.deliver(aborted)
+                raise
+            for out in outputs:
+                self.deliver(out)
+            await asyncio.sleep(0)

@@ -1,0 +1,141 @@
+"""PrefillWorker: runs prompts, samples the first token, and lends the prompt's K/V under a lease.
+
+Contract with the decode side (see DESIGN.md, steps 4-5):
+
+* ``prefill`` computes only what its prefix cache lacks, samples the first
+  token with the request's own sampling parameters, and returns a
+  ``PrefillResult`` whose ``KvHandle`` lists the blocks holding the prompt's
+  K/V (``ceil(prompt_len / block_size)`` blocks; the first token's K/V is not
+  computed here).
+* Those blocks stay owned by the request id (pinned) until the decode side's
+  transfer completes ("done" notification), the decode side gives them up
+  ("release"), the caller calls ``release``/``abort``, or the lease deadline
+  passes. A background task polls the KV source every ``poll_interval``
+  seconds and frees them; afterwards the pool holds no block for the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import uuid
+
+import msgspec
+import torch
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.sampling import SamplingParams
+from transfer.compat import compat_hash
+from transfer.messages import GenerateRequest, PrefillResult, TokenLogprob, WorkerStats, pack, unpack
+from transfer.nixl_source import KvSource
+from transfer.wire import KvHandle, KvLayout, encode
+
+
+def sampling_params(req: GenerateRequest) -> SamplingParams:
+    return SamplingParams(**msgspec.structs.asdict(req.sampling))
+
+
+class PrefillWorker:
+    role = "prefill"
+
+    def __init__(self, worker_id: str, model: str | None, engine_config: bytes,
+                 lease_seconds: float = 30.0, torch_threads: int = 1, poll_interval: float = 0.01,
+                 request_timeout: float = 300.0) -> None:
+        torch.set_num_threads(torch_threads)
+        self.worker_id = worker_id
+        self.engine = LLMEngine(model, unpack(engine_config, EngineConfig))
+        self.aengine = AsyncEngine(self.engine)
+        self.layout = KvLayout.from_tensor(self.engine.runner.kv_cache, self.engine.model_config.name)
+        self.source = KvSource(self.engine.runner.kv_cache, self.layout,
+                               agent_name=f"{worker_id}-{uuid.uuid4().hex[:8]}")
+        self.lease_seconds = lease_seconds
+        self.poll_interval = poll_interval
+        self.request_timeout = request_timeout
+        self.leases_expired = 0
+        self._poller: asyncio.Task[None] | None = None
+
+    async def ready(self) -> bytes:
+        """Start background work; returns this worker's NIXL agent info (``transfer.wire.AgentInfo``)."""
+        self.aengine.start()
+        if self._poller is None:
+            self._poller = asyncio.get_running_loop().create_task(self._poll_leases())
+        return encode(self.source.agent_info())
+
+    async def prefill(self, request: bytes, lease_seconds: float | None = None) -> bytes:
+        """``GenerateRequest`` bytes in, ``PrefillResult`` bytes out (``lease_seconds`` overrides)."""
+        await self.ready()
+        req = unpack(request, GenerateRequest)
+        params = sampling_params(req)
+        first = dataclasses.replace(params, max_tokens=1, min_tokens=min(1, params.min_tokens))
+        rid = req.request_id
+
+        def add(e: LLMEngine) -> None:
+            e.add_request(req.prompt_token_ids, first, request_id=rid, priority=req.priority, hold_kv=True)
+            self.aengine.open_stream(rid)
+
+        await self.aengine.mutate(add)
+        last = None
+        async for batch in self.aengine.stream(rid, self.request_timeout):
+            last = batch[-1]
+        assert last is not None and last.finished
+        if last.finish_reason == "abort":
+            raise RuntimeError(f"prefill of {rid} was aborted")
+        deadline = time.time() + (self.lease_seconds if lease_seconds is None else lease_seconds)
+        handle = KvHandle(
+            request_id=rid,
+            agent_name=self.source.agent_info().agent_name,
+            block_ids=self.engine.kv.blocks_of(rid),
+            num_tokens=len(req.prompt_token_ids),
+            compat_hash=compat_hash(self.layout),
+            lease_deadline=deadline,
+        )
+        self.source.add_lease(rid, deadline)
+        lp = last.logprobs[0] if last.logprobs else None
+        return pack(PrefillResult(
+            request_id=rid,
+            first_token=last.token_ids[0],
+            first_logprob=TokenLogprob(lp.token_id, lp.logprob, list(lp.top)) if lp else None,
+            handle_bytes=encode(handle),
+            cached_tokens=last.metrics.cached_prompt_tokens,
+            finished=False,
+            finish_reason=None,
+        ))
+
+    async def release(self, request_id: str) -> int:
+        """Free a request's leased blocks now (idempotent); returns how many were freed."""
+        return await self.aengine.mutate(lambda e: e.release_kv(request_id))
+
+    async def abort(self, request_id: str) -> None:
+        await self.aengine.mutate(lambda e: e.abort_request(request_id))
+
+    async def stats(self) -> bytes:
+        s = self.engine.stats()
+        pool = self.engine.kv.pool
+        return pack(WorkerStats(
+            worker_id=self.worker_id, role=self.role, num_running=s.num_running, num_waiting=s.num_waiting,
+            num_kv_blocks=s.num_kv_blocks, num_free_kv_blocks=s.num_free_kv_blocks,
+            num_used_blocks=pool.num_used_blocks, num_cached_blocks=len(pool.cached),
+            num_leases=self.source.num_leases(), prefix_queries=s.prefix_queries,
+            prefix_hits=s.prefix_hits, num_preemptions=s.num_preemptions,
+            leases_expired=self.leases_expired,
+        ))
+
+    async def check_integrity(self) -> None:
+        await self.aengine.mutate(lambda e: e.kv.check_integrity())
+
+    async def kv_digest(self, request_id: str, num_tokens: int) -> str:
+        """SHA-256 of the K/V bytes of a request's first ``num_tokens`` tokens (tests compare both sides)."""
+        from engine.kv_digest import kv_digest
+
+        return await self.aengine.mutate(lambda e: kv_digest(e, request_id, num_tokens))
+
+    async def _poll_leases(self) -> None:
+        while True:
+            released, expired = self.source.poll()
+            self.leases_expired += len(expired)
+            for rid in released + expired:
+                await self.aengine.mutate(lambda e, rid=rid: e.release_kv(rid))
+            await asyncio.sleep(self.poll_interval)

@@ -1,0 +1,208 @@
+"""Prefill and decode in separate Ray processes with KV moved over NIXL (UCX on CPU).
+
+Every test ends with every worker's pool back to zero used blocks and its
+integrity check passing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import ray
+
+from cluster.client import ClientConfig, KvFailurePolicy, PDClient, RequestFailed
+from cluster.workers import WorkerGroup, start_workers
+from engine.config import EngineConfig
+from engine.loader import default_model_path, load_model_source
+from transfer.messages import (
+    GenerateRequest,
+    PrefillResult,
+    SamplingSpec,
+    TokenBatch,
+    WorkerStats,
+    pack,
+    unpack,
+)
+
+MODEL = str(default_model_path())
+CONFIG = EngineConfig(dtype="float32", max_num_batched_tokens=512, kv_cache_memory=256 * 2**20)
+CHATS = ["What is the capital of France?", "Write a haiku about the sea.",
+         "List three prime numbers greater than 100."]
+RAW = ["def fibonacci(n):\n    ", "The three primary colors are"]
+STORY = ("The lighthouse keeper counted the ships that passed each night and wrote their names in a "
+         "leather book, noting the wind, the tide and the colour of every sail. ")
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    return load_model_source(MODEL).load_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer: Any) -> list[list[int]]:
+    out = [tokenizer.apply_chat_template([{"role": "user", "content": c}]) for c in CHATS]
+    out += [tokenizer.encode(r) for r in RAW]
+    out.append(tokenizer.encode(STORY * 30 + "\nWhat did the keeper write down?"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def group(ray_session: None) -> Iterator[WorkerGroup]:
+    g = start_workers(MODEL, CONFIG, num_prefill=2, num_decode=1, lease_seconds=60.0, transfer_timeout=20.0)
+    run(PDClient(g.prefill, g.decode).start())
+    yield g
+    for actor in g.all():
+        ray.kill(actor)
+
+
+def req(tokens: list[int], max_tokens: int = 24, **kw: Any) -> GenerateRequest:
+    return GenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=tokens,
+                           sampling=SamplingSpec(max_tokens=max_tokens, temperature=0.0, **kw))
+
+
+async def collect(client: PDClient, r: GenerateRequest) -> list[int]:
+    return [t async for b in client.generate(r) for t in b.token_ids]
+
+
+def settle(client: PDClient, timeout: float = 20.0) -> None:
+    """Wait until no worker holds a used block, then check every pool's invariants."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = run(client.stats())
+        if all(s.num_used_blocks == 0 and s.num_leases == 0 for s in stats):
+            break
+        assert time.monotonic() < deadline, f"blocks still held: {stats}"
+        time.sleep(0.1)
+    run(client.check_integrity())
+
+
+def test_disaggregated_equals_colocated(group: WorkerGroup, prompts: list[list[int]]) -> None:
+    colocated = PDClient([], group.decode)
+    disagg = PDClient(group.prefill[:1], group.decode)
+
+    async def both() -> tuple[list[list[int]], list[list[int]]]:
+        a = await asyncio.gather(*[collect(colocated, req(p)) for p in prompts])
+        b = await asyncio.gather(*[collect(disagg, req(p)) for p in prompts])
+        return a, b
+
+    local, remote = run(both())
+    assert local == remote
+    assert all(len(t) > 0 for t in local)
+    stats = {s.worker_id: s for s in run(disagg.stats())}
+    assert stats["decode-0"].transfer_blocks > 0
+    settle(disagg)
+
+
+def test_kv_bytes_equal_on_both_sides(group: WorkerGroup, tokenizer: Any) -> None:
+    prefill, decode = group.prefill[0], group.decode[0]
+    tokens = tokenizer.encode(STORY * 12 + " Fresh prompt for the digest check.")
+    r = req(tokens, max_tokens=40, ignore_eos=True)
+
+    async def flow() -> tuple[str, str]:
+        await decode.reserve.remote(pack(r))
+        result = await prefill.prefill.remote(pack(r))
+        assert unpack(result, PrefillResult).request_id == r.request_id
+        source_digest = await prefill.kv_digest.remote(r.request_id, len(tokens))
+        stream = decode.generate.options(num_returns="streaming").remote(r.request_id, result)
+        first = unpack(await (await stream.__anext__()), TokenBatch)
+        assert not first.finished
+        sink_digest = await decode.kv_digest.remote(r.request_id, len(tokens))
+        async for ref in stream:
+            if unpack(await ref, TokenBatch).finished:
+                break
+        return source_digest, sink_digest
+
+    source_digest, sink_digest = run(flow())
+    assert source_digest == sink_digest
+    settle(PDClient(group.prefill, group.decode))
+
+
+def test_only_missing_blocks_cross_the_wire(group: WorkerGroup, tokenizer: Any) -> None:
+    client = PDClient(group.prefill[:1], group.decode)
+    prefix = tokenizer.encode(STORY * 20)[:256]
+    first = prefix + tokenizer.encode(" Question: how many ships?")
+    second = prefix + tokenizer.encode(" Question: which colour were the sails that night?")
+    run(collect(client, req(first, max_tokens=4)))
+    before = {s.worker_id: s for s in run(client.stats())}["decode-0"]
+    run(collect(client, req(second, max_tokens=4)))
+    after = {s.worker_id: s for s in run(client.stats())}["decode-0"]
+    block = CONFIG.block_size
+    expected_blocks = -(-len(second) // block) - 256 // block
+    assert after.transfer_blocks - before.transfer_blocks == expected_blocks
+    region = 2 * block * 3 * 64 * 4
+    assert after.transfer_bytes - before.transfer_bytes == expected_blocks * 30 * region
+    settle(client)
+
+
+def test_lease_expires_when_decode_never_pulls(group: WorkerGroup, prompts: list[list[int]]) -> None:
+    prefill = group.prefill[1]
+    r = req(prompts[5])
+    before = unpack(ray.get(prefill.stats.remote(), timeout=30), WorkerStats)
+    ray.get(prefill.prefill.remote(pack(r), lease_seconds=0.5), timeout=60)
+    held = unpack(ray.get(prefill.stats.remote(), timeout=30), WorkerStats)
+    assert held.num_used_blocks > 0 and held.num_leases == 1
+    settle(PDClient(group.prefill, group.decode))
+    after = unpack(ray.get(prefill.stats.remote(), timeout=30), WorkerStats)
+    assert after.leases_expired == before.leases_expired + 1
+
+
+@pytest.mark.parametrize("policy", list(KvFailurePolicy))
+def test_injected_transfer_failure(
+    group: WorkerGroup, prompts: list[list[int]], policy: KvFailurePolicy
+) -> None:
+    client = PDClient(group.prefill, group.decode, ClientConfig(kv_failure_policy=policy))
+    reference = run(collect(PDClient([], group.decode), req(prompts[0])))
+    failures_before = {s.worker_id: s for s in run(client.stats())}["decode-0"].transfer_failures
+    ray.get(group.decode[0].inject_transfer_failures.remote(1), timeout=30)
+    if policy is KvFailurePolicy.FAIL:
+        with pytest.raises(RequestFailed) as info:
+            run(collect(client, req(prompts[0])))
+        assert info.value.kind == "transfer"
+    else:
+        assert run(collect(client, req(prompts[0]))) == reference
+    stats = {s.worker_id: s for s in run(client.stats())}
+    assert stats["decode-0"].transfer_failures == failures_before + 1
+    settle(client)
+
+
+def test_abort_mid_decode_frees_both_sides(group: WorkerGroup, prompts: list[list[int]]) -> None:
+    client = PDClient(group.prefill, group.decode)
+
+    async def partial() -> int:
+        got = 0
+        stream = client.generate(req(prompts[5], max_tokens=400, ignore_eos=True))
+        async for batch in stream:
+            got += len(batch.token_ids)
+            if got >= 3:
+                break
+        await stream.aclose()
+        return got
+
+    assert run(partial()) >= 3
+    settle(client)
+
+
+def test_killed_prefill_worker_request_completes_on_the_other(
+    group: WorkerGroup, prompts: list[list[int]]
+) -> None:
+    victim, survivor = group.prefill
+    reference = run(collect(PDClient([], group.decode), req(prompts[5], max_tokens=8)))
+    client = PDClient([victim, survivor], group.decode, ClientConfig(prefill_timeout=60))
+
+    async def kill_during() -> list[int]:
+        task = asyncio.create_task(collect(client, req(prompts[5], max_tokens=8)))
+        await asyncio.sleep(0.3)
+        ray.kill(victim, no_restart=True)
+        return await task
+
+    assert run(kill_during()) == reference
+    settle(PDClient([survivor], group.decode))

@@ -1,0 +1,117 @@
+"""Request-level messages between the client/router and the workers (msgspec, never pickle).
+
+Ray carries these as ``bytes`` produced by ``pack`` and read back by ``unpack``
+with an explicit type, so every process boundary we own has a typed, versioned
+format. KV-level types (layouts, agent info, handles) live in ``transfer.wire``.
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+import msgspec
+
+T = TypeVar("T")
+
+
+class SamplingSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """Wire form of ``engine.sampling.SamplingParams`` (same field names and defaults)."""
+
+    n: int = 1
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+
+
+class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingSpec = SamplingSpec()
+    priority: int = 0
+    trace_context: dict[str, str] = {}
+
+
+class TokenLogprob(msgspec.Struct, frozen=True):
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+class PrefillResult(msgspec.Struct, frozen=True, kw_only=True):
+    """What a prefill worker returns: the first token and where the prompt's K/V waits (``handle``)."""
+
+    request_id: str
+    first_token: int
+    first_logprob: TokenLogprob | None
+    handle_bytes: bytes
+    cached_tokens: int
+    finished: bool
+    finish_reason: str | None
+
+
+class ReservationInfo(msgspec.Struct, frozen=True, tag=True):
+    request_id: str
+    num_blocks: int
+    num_cached_blocks: int
+
+
+class TokenBatch(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """New tokens of one request since the last batch (one engine step or several)."""
+
+    request_id: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    worker_id: str = ""
+
+
+class WorkerStats(msgspec.Struct, frozen=True, kw_only=True):
+    worker_id: str
+    role: str
+    num_running: int
+    num_waiting: int
+    num_kv_blocks: int
+    num_free_kv_blocks: int
+    num_used_blocks: int
+    num_cached_blocks: int
+    num_leases: int = 0
+    num_reserved: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    num_preemptions: int = 0
+    transfer_blocks: int = 0
+    transfer_bytes: int = 0
+    transfer_seconds: float = 0.0
+    transfer_failures: int = 0
+    leases_expired: int = 0
+
+
+class WorkerError(msgspec.Struct, frozen=True, tag=True):
+    """An error a worker reports instead of raising across Ray (kind is machine-readable)."""
+
+    kind: str
+    message: str
+
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def pack(obj: object) -> bytes:
+    return _encoder.encode(obj)
+
+
+def unpack(data: bytes, type_: type[T]) -> T:
+    return msgspec.msgpack.decode(data, type=type_)

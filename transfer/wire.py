@@ -1,0 +1,108 @@
+"""Wire types of the KV transfer layer (msgspec msgpack; never pickle).
+
+Every type is a frozen ``msgspec.Struct``; ``encode`` / ``decode`` are the only way
+they cross a process boundary. ``WIRE_VERSION`` changes whenever a field changes
+meaning; peers with different versions refuse each other at the handshake.
+
+- ``KvLayout`` describes one worker's KV cache tensor (see ``kernels/attention.py``):
+  ``[num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim]``, contiguous, so
+  region ``(layer, block)`` starts at ``base_addr + (layer * num_blocks + block) *
+  region_bytes``.
+- ``AgentInfo`` is what a source publishes once (NIXL metadata, the tensor's address
+  and layout); a sink connects to it before its first read.
+- ``KvHandle`` is what prefill hands decode per request: which source agent holds the
+  blocks, which blocks, and until when (``lease_deadline``, ``time.time()`` seconds).
+- ``TransferStats`` is what one read moved and how long it took.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import msgspec
+import torch
+
+WIRE_VERSION: int = 1
+
+T = TypeVar("T")
+
+
+class KvLayout(msgspec.Struct, frozen=True):
+    model: str
+    dtype: str
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    element_size: int
+
+    @property
+    def region_bytes(self) -> int:
+        """Bytes of one block of one layer (K and V)."""
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.element_size
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_layers * self.num_blocks * self.region_bytes
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int, int]:
+        return (self.num_layers, self.num_blocks, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @staticmethod
+    def from_tensor(kv_cache: torch.Tensor, model: str) -> KvLayout:
+        """The layout of a KV cache tensor shaped as ``kernels/attention.py`` describes."""
+        if kv_cache.dim() != 6 or kv_cache.shape[2] != 2:
+            raise ValueError(f"not a paged KV cache tensor: shape {tuple(kv_cache.shape)}")
+        num_layers, num_blocks, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+        return KvLayout(
+            model=model,
+            dtype=str(kv_cache.dtype).removeprefix("torch."),
+            num_layers=num_layers,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            element_size=kv_cache.element_size(),
+        )
+
+
+class AgentInfo(msgspec.Struct, frozen=True):
+    wire_version: int
+    compat_hash: str
+    agent_name: str
+    metadata: bytes
+    base_addr: int
+    device_id: int
+    mem_type: str  # "DRAM" or "VRAM"
+    layout: KvLayout
+
+
+class KvHandle(msgspec.Struct, frozen=True):
+    request_id: str
+    agent_name: str
+    block_ids: list[int]
+    num_tokens: int
+    compat_hash: str
+    lease_deadline: float  # time.time() epoch seconds
+
+
+class TransferStats(msgspec.Struct, frozen=True):
+    blocks: int
+    bytes: int
+    descriptors: int
+    seconds: float
+    backend: str
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+def encode(obj: Any) -> bytes:
+    return msgspec.msgpack.encode(obj)
+
+
+def decode(data: bytes, type_: type[T]) -> T:
+    return msgspec.msgpack.decode(data, type=type_)
