@@ -1,18 +1,23 @@
 """PDClient: submit requests to prefill/decode workers without HTTP (the router builds on it).
 
-One request, disaggregated: pick a decode worker and ``reserve`` there; pick a
-prefill worker and ``prefill`` (its result names the leased blocks); the decode
-worker pulls the blocks it lacks and streams tokens back. With no prefill
-workers (colocated mode) the decode worker does everything (``submit``).
+One request, disaggregated: the routing policy picks a decode worker, which
+``reserve``s KV for the prompt; the policy picks a prefill worker, which
+``prefill``s (its result names the leased blocks); the decode worker pulls the
+blocks it lacks and streams tokens back. The prompt is computed on the decode
+worker instead (conditional disaggregation) when there are no prefill workers
+(colocated mode), when its part the decode worker lacks is under
+``disagg_min_tokens``, or while every prefill worker has more than
+``prefill_saturation_tokens`` in flight.
 
-Failure policy (``--kv-failure-policy``) when the prefill worker dies, times
-out, or the pull fails:
+Failure policy (``kv_failure_policy``) when the prefill worker dies, times
+out, or the pull fails: ``retry`` prefills again on another prefill worker
+(each tried at most once per request; when none is left the prompt is
+recomputed on the decode worker), ``recompute`` computes it on the decode
+worker, ``fail`` raises ``RequestFailed``.
 
-* ``retry``: prefill again on another prefill worker (each worker is tried at
-  most once per request; when none is left, the prompt is recomputed on the
-  decode worker so the request still completes);
-* ``recompute``: compute the prompt on the decode worker;
-* ``fail``: raise ``RequestFailed``.
+Migration: when the decode worker dies mid-stream, the request continues on
+another decode worker with the prompt plus the tokens generated so far (at
+most ``migration_limit`` times); the caller sees one unbroken stream.
 
 Every wait has a deadline; a consumer that stops iterating (or ``abort``)
 aborts the request on every worker it touched.
@@ -22,17 +27,21 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import itertools
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-import ray
-from ray.exceptions import RayActorError, RayTaskError
+import msgspec
+from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
+from cluster.worker_state import WorkerState, WorkerTable
+from engine.hashing import seed_for
+from router.policy import RoutingPolicy, make_policy
+from router.prefix_index import PrefixIndex
 from transfer.messages import (
     GenerateRequest,
     PrefillResult,
+    RequestFailed,
     ReservationInfo,
     TokenBatch,
     WorkerError,
@@ -40,9 +49,12 @@ from transfer.messages import (
     pack,
     unpack,
 )
+from transfer.wire import AgentInfo, KvHandle, KvLayout
+from transfer.wire import decode as decode_wire
 
 Reply = ReservationInfo | WorkerError
 Streamed = TokenBatch | WorkerError
+WorkerDied = (RayActorError, ActorUnavailableError)
 
 
 class KvFailurePolicy(enum.StrEnum):
@@ -51,88 +63,172 @@ class KvFailurePolicy(enum.StrEnum):
     FAIL = "fail"
 
 
-class RequestFailed(RuntimeError):
-    """A request could not be served; ``kind`` says why (no_kv, invalid, transfer, prefill, timeout)."""
-
-    def __init__(self, kind: str, message: str) -> None:
-        super().__init__(message)
-        self.kind = kind
-
-
 @dataclass(frozen=True)
 class ClientConfig:
     kv_failure_policy: KvFailurePolicy = KvFailurePolicy.RETRY
+    routing: str = "round-robin"
+    disagg_min_tokens: int = 0
+    prefill_saturation_tokens: int = 1 << 30
+    migration_limit: int = 1
     prefill_timeout: float = 120.0
     call_timeout: float = 30.0
     stream_timeout: float = 300.0
+    refresh_interval: float = 0.1
 
 
 class PDClient:
     def __init__(self, prefill: list[Any], decode: list[Any], config: ClientConfig | None = None) -> None:
-        self.prefill = list(prefill)
-        self.decode = list(decode)
         self.config = config or ClientConfig()
-        self._rr_prefill = itertools.count()
-        self._rr_decode = itertools.count()
+        self.policy: RoutingPolicy = make_policy(self.config.routing)
+        self.table = WorkerTable(prefill, decode, self.config.call_timeout)
+        self.block_size = 16
+        self.decisions: dict[tuple[str, str, str], int] = {}
         self._touched: dict[str, set[Any]] = {}
+        self._agents: set[str] = set()
+
+    @property
+    def prefill(self) -> list[Any]:
+        return [w.handle for w in self.table.prefill]
+
+    @property
+    def decode(self) -> list[Any]:
+        return [w.handle for w in self.table.decode]
 
     async def start(self, timeout: float = 300.0) -> None:
-        """Wait until every worker has loaded, then connect each decode worker to each prefill agent."""
-        infos = await asyncio.wait_for(asyncio.gather(*[w.ready.remote() for w in self.prefill]), timeout)
-        await asyncio.wait_for(asyncio.gather(*[w.ready.remote() for w in self.decode]), timeout)
-        await asyncio.wait_for(
-            asyncio.gather(*[d.connect.remote(info) for d in self.decode for info in infos]), timeout)
+        """Wait for every worker, handshake decode with prefill agents, start the prefix index."""
+        layouts = await asyncio.wait_for(asyncio.gather(*[h.ready.remote() for h in self.decode]), timeout)
+        infos = await asyncio.wait_for(asyncio.gather(*[h.ready.remote() for h in self.prefill]), timeout)
+        for info in infos:
+            await self._connect(info, timeout)
+        layout = unpack(layouts[0], KvLayout)
+        self.block_size = layout.block_size
+        self.table.index = PrefixIndex(layout.block_size, seed_for(layout.model))
+        await self.table.refresh()
+        self.table.start(self.config.refresh_interval)
+
+    async def close(self) -> None:
+        await self.table.stop()
+
+    async def _connect(self, info: bytes, timeout: float) -> None:
+        """Handshake every decode worker with a prefill agent (a restarted worker brings a new one)."""
+        name = decode_wire(info, AgentInfo).agent_name
+        if name not in self._agents:
+            await asyncio.wait_for(asyncio.gather(*[d.connect.remote(info) for d in self.decode]), timeout)
+            self._agents.add(name)
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenBatch]:
         """Stream token batches for ``req``; raises RequestFailed when it cannot be served."""
         rid = req.request_id
-        decode = self.decode[next(self._rr_decode) % len(self.decode)]
-        self._touched[rid] = {decode}
+        self._touched[rid] = set()
+        produced: list[int] = []
         finished = False
+        current = req
         try:
-            if not self.prefill:
-                stream = decode.submit.options(num_returns="streaming").remote(pack(req))
-            else:
-                stream = await self._disaggregated(req, decode)
-            async for batch in self._iterate(stream):
-                finished = batch.finished
-                yield batch
+            for attempt in range(self.config.migration_limit + 1):
+                decode = self._pick_decode(current)
+                try:
+                    stream = await self._open(current, decode)
+                    async for batch in self._iterate(stream):
+                        produced.extend(batch.token_ids)
+                        finished = batch.finished
+                        yield batch
+                    return
+                except WorkerDied as exc:
+                    self.table.mark_dead(decode)
+                    if attempt == self.config.migration_limit:
+                        raise RequestFailed("unavailable", f"decode worker died: {exc}") from exc
+                    current = _continuation(req, produced, attempt + 1)
+                    self._touched[current.request_id] = self._touched[rid]
+                finally:
+                    self._release_load(decode, current)
         finally:
             touched = self._touched.pop(rid, set())
+            if current is not req:
+                self._touched.pop(current.request_id, None)
             if not finished:
-                await self._abort_on(touched, rid)
+                await self._abort_on(touched, [rid, current.request_id])
 
-    async def _disaggregated(self, req: GenerateRequest, decode: Any) -> Any:
-        rid = req.request_id
-        reply = await self._call(decode.reserve.remote(pack(req)))
-        res = unpack(reply, Reply)  # type: ignore[arg-type]
+    def _pick_decode(self, req: GenerateRequest) -> WorkerState:
+        live = self.table.live("decode")
+        if not live:
+            raise RequestFailed("unavailable", "no live decode worker")
+        return self._choose("decode", live, req)
+
+    def _choose(self, role: str, live: list[WorkerState], req: GenerateRequest) -> WorkerState:
+        n = len(req.prompt_token_ids)
+        hashes = self.table.index.hashes(req.prompt_token_ids) if self.table.index else []
+        cands = self.table.candidates(live, hashes, self.block_size)
+        need = -(-(n + 1) // self.block_size)
+        chosen, reason = self.policy.pick(role, cands, n, need)
+        key = (role, self.policy.name, reason)
+        self.decisions[key] = self.decisions.get(key, 0) + 1
+        worker = live[chosen.index]
+        worker.inflight_tokens += n + (req.sampling.max_tokens or 0 if role == "decode" else 0)
+        return worker
+
+    def _release_load(self, worker: WorkerState, req: GenerateRequest) -> None:
+        worker.inflight_tokens = max(0, worker.inflight_tokens - len(req.prompt_token_ids)
+                                     - (req.sampling.max_tokens or 0))
+
+    async def _open(self, req: GenerateRequest, decode: WorkerState) -> Any:
+        self._touched[req.request_id].add(decode.handle)
+        prefills = self.table.live("prefill")
+        if not prefills:
+            return decode.handle.submit.options(num_returns="streaming").remote(pack(req))
+        res: Reply = unpack(await self._call(decode.handle.reserve.remote(pack(req))), Reply)  # type: ignore[arg-type]
         if isinstance(res, WorkerError):
             raise RequestFailed(res.kind, res.message)
-        start = next(self._rr_prefill)
-        order = [self.prefill[(start + i) % len(self.prefill)] for i in range(len(self.prefill))]
+        missing = len(req.prompt_token_ids) - res.num_cached_blocks * self.block_size
+        saturated = all(w.inflight_tokens > self.config.prefill_saturation_tokens for w in prefills)
+        if missing < self.config.disagg_min_tokens or saturated:
+            self._count("local", "short" if not saturated else "prefill_saturated")
+            return self._local(req, decode)
+        return await self._disaggregated(req, decode, prefills)
+
+    def _local(self, req: GenerateRequest, decode: WorkerState) -> Any:
+        return decode.handle.generate.options(num_returns="streaming").remote(req.request_id, None)
+
+    def _count(self, role: str, reason: str) -> None:
+        key = (role, self.policy.name, reason)
+        self.decisions[key] = self.decisions.get(key, 0) + 1
+
+    async def _disaggregated(self, req: GenerateRequest, decode: WorkerState,
+                             prefills: list[WorkerState]) -> Any:
+        rid = req.request_id
         policy = self.config.kv_failure_policy
+        tried: set[int] = set()
         last_error = ""
-        for prefill in order:
-            self._touched[rid].add(prefill)
+        while len(tried) < len(prefills):
+            worker = self._choose("prefill", [p for p in prefills if p.index not in tried], req)
+            tried.add(worker.index)
+            self._touched[rid].add(worker.handle)
             try:
-                ref = prefill.prefill.remote(pack(req))
-                result = await asyncio.wait_for(ref, self.config.prefill_timeout)
-                unpack(result, PrefillResult)
-            except (RayActorError, RayTaskError, TimeoutError) as exc:
+                result = await asyncio.wait_for(worker.handle.prefill.remote(pack(req)),
+                                                self.config.prefill_timeout)
+                handle = decode_wire(unpack(result, PrefillResult).handle_bytes, KvHandle)
+                if handle.agent_name not in self._agents:
+                    info = await self._call(worker.handle.ready.remote())
+                    await self._connect(info, self.config.call_timeout)
+            except (*WorkerDied, RayTaskError, TimeoutError) as exc:
+                if isinstance(exc, WorkerDied):
+                    self.table.mark_dead(worker)
                 last_error = f"prefill: {type(exc).__name__}: {exc}"
             else:
-                stream = decode.generate.options(num_returns="streaming").remote(rid, result)
+                stream = decode.handle.generate.options(num_returns="streaming").remote(rid, result)
                 first = await self._next(stream)
                 if isinstance(first, TokenBatch):
-                    return _prepend(first, stream)
+                    return _Prepended(first, stream)
                 last_error = f"{first.kind}: {first.message}"
                 if first.kind != "transfer":
                     raise RequestFailed(first.kind, first.message)
+            finally:
+                self._release_load(worker, req)
             if policy is not KvFailurePolicy.RETRY:
                 break
         if policy is KvFailurePolicy.FAIL:
             raise RequestFailed("transfer", f"request {rid} failed under policy 'fail': {last_error}")
-        return decode.generate.options(num_returns="streaming").remote(rid, None)
+        self._count("local", "recompute")
+        return self._local(req, decode)
 
     async def _next(self, stream: Any) -> Streamed:
         ref = await asyncio.wait_for(stream.__anext__(), self.config.stream_timeout)
@@ -159,13 +255,12 @@ class PDClient:
         return await asyncio.wait_for(ref, self.config.call_timeout)
 
     async def abort(self, request_id: str) -> None:
-        await self._abort_on(self._touched.get(request_id, set()), request_id)
+        await self._abort_on(self._touched.get(request_id, set()), [request_id])
 
-    async def _abort_on(self, workers: set[Any], request_id: str) -> None:
-        calls = [w.abort.remote(request_id) for w in workers]
-        await asyncio.gather(*[asyncio.wait_for(c, self.config.call_timeout) for c in calls],
-                             return_exceptions=True)
-        calls = [w.release.remote(request_id) for w in workers if w in self.prefill]
+    async def _abort_on(self, workers: set[Any], request_ids: list[str]) -> None:
+        prefill = set(self.prefill)
+        calls = [w.abort.remote(r) for w in workers for r in set(request_ids)]
+        calls += [w.release.remote(r) for w in workers if w in prefill for r in set(request_ids)]
         await asyncio.gather(*[asyncio.wait_for(c, self.config.call_timeout) for c in calls],
                              return_exceptions=True)
 
@@ -175,7 +270,8 @@ class PDClient:
         return [unpack(r, WorkerStats) for r in replies if isinstance(r, bytes)]
 
     async def check_integrity(self) -> None:
-        await asyncio.gather(*[self._call(w.check_integrity.remote()) for w in self.prefill + self.decode])
+        live = [w.handle for w in self.table.all() if w.alive]
+        await asyncio.gather(*[self._call(h.check_integrity.remote()) for h in live])
 
 
 @dataclass
@@ -184,13 +280,13 @@ class _Prepended:
     rest: Any
 
 
-def _prepend(first: TokenBatch, stream: Any) -> _Prepended:
-    return _Prepended(first, stream)
-
-
-def shutdown_actors(actors: list[Any]) -> None:
-    for actor in actors:
-        try:
-            ray.kill(actor)
-        except Exception:  # already dead
-            pass
+def _continuation(req: GenerateRequest, produced: list[int], attempt: int) -> GenerateRequest:
+    """The same request resumed: its prompt now ends with the tokens already streamed."""
+    s = req.sampling
+    sampling = msgspec.structs.replace(
+        s,
+        max_tokens=None if s.max_tokens is None else s.max_tokens - len(produced),
+        min_tokens=max(0, s.min_tokens - len(produced)),
+    )
+    return msgspec.structs.replace(req, request_id=f"{req.request_id}.m{attempt}",
+                                   prompt_token_ids=req.prompt_token_ids + produced, sampling=sampling)

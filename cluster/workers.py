@@ -35,7 +35,7 @@ class WorkerGroup:
 
 
 def _actor(cls: type, name: str, opts: WorkerOptions) -> Any:
-    return ray.remote(cls).options(  # type: ignore[call-overload]
+    return ray.remote(cls).options(
         name=name,
         num_cpus=opts.num_cpus,
         num_gpus=opts.num_gpus,

@@ -29,11 +29,14 @@ import torch
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
+from engine.kv_events import KvEventPublisher
 from engine.outputs import RequestOutput
 from engine.sampling import SamplingParams, TokenLogprobs
 from transfer.errors import TransferError
 from transfer.messages import (
     GenerateRequest,
+    KvEvents,
+    KvSnapshot,
     PrefillResult,
     ReservationInfo,
     TokenBatch,
@@ -70,6 +73,7 @@ class DecodeWorker:
         self.worker_id = worker_id
         self.engine = LLMEngine(model, unpack(engine_config, EngineConfig))
         self.aengine = AsyncEngine(self.engine)
+        self.events = KvEventPublisher(self.engine.kv)
         self.layout = KvLayout.from_tensor(self.engine.runner.kv_cache, self.engine.model_config.name)
         self.sink = KvSink(self.engine.runner.kv_cache, self.layout,
                            agent_name=f"{worker_id}-{uuid.uuid4().hex[:8]}")
@@ -191,6 +195,15 @@ class DecodeWorker:
             transfer_blocks=self.transfer_blocks, transfer_bytes=self.transfer_bytes,
             transfer_seconds=self.transfer_seconds, transfer_failures=self.transfer_failures,
         ))
+
+    async def kv_events(self) -> bytes:
+        """``KvEvents`` since the last call (the router's prefix index polls this)."""
+        batch = await self.aengine.mutate(lambda e: self.events.drain())
+        return pack(KvEvents(self.worker_id, batch.seq, batch.stored, batch.removed))
+
+    async def kv_snapshot(self) -> bytes:
+        seq, hashes = await self.aengine.mutate(lambda e: self.events.snapshot())
+        return pack(KvSnapshot(self.worker_id, seq, hashes))
 
     async def check_integrity(self) -> None:
         await self.aengine.mutate(lambda e: e.kv.check_integrity())

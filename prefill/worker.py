@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 import uuid
 
@@ -27,11 +28,23 @@ import torch
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
+from engine.kv_events import KvEventPublisher
 from engine.sampling import SamplingParams
 from transfer.compat import compat_hash
-from transfer.messages import GenerateRequest, PrefillResult, TokenLogprob, WorkerStats, pack, unpack
+from transfer.messages import (
+    GenerateRequest,
+    KvEvents,
+    KvSnapshot,
+    PrefillResult,
+    TokenLogprob,
+    WorkerStats,
+    pack,
+    unpack,
+)
 from transfer.nixl_source import KvSource
 from transfer.wire import KvHandle, KvLayout, encode
+
+log = logging.getLogger(__name__)
 
 
 def sampling_params(req: GenerateRequest) -> SamplingParams:
@@ -48,6 +61,7 @@ class PrefillWorker:
         self.worker_id = worker_id
         self.engine = LLMEngine(model, unpack(engine_config, EngineConfig))
         self.aengine = AsyncEngine(self.engine)
+        self.events = KvEventPublisher(self.engine.kv)
         self.layout = KvLayout.from_tensor(self.engine.runner.kv_cache, self.engine.model_config.name)
         self.source = KvSource(self.engine.runner.kv_cache, self.layout,
                                agent_name=f"{worker_id}-{uuid.uuid4().hex[:8]}")
@@ -123,6 +137,15 @@ class PrefillWorker:
             leases_expired=self.leases_expired,
         ))
 
+    async def kv_events(self) -> bytes:
+        """``KvEvents`` since the last call (the router's prefix index polls this)."""
+        batch = await self.aengine.mutate(lambda e: self.events.drain())
+        return pack(KvEvents(self.worker_id, batch.seq, batch.stored, batch.removed))
+
+    async def kv_snapshot(self) -> bytes:
+        seq, hashes = await self.aengine.mutate(lambda e: self.events.snapshot())
+        return pack(KvSnapshot(self.worker_id, seq, hashes))
+
     async def check_integrity(self) -> None:
         await self.aengine.mutate(lambda e: e.kv.check_integrity())
 
@@ -134,8 +157,15 @@ class PrefillWorker:
 
     async def _poll_leases(self) -> None:
         while True:
-            released, expired = self.source.poll()
-            self.leases_expired += len(expired)
-            for rid in released + expired:
-                await self.aengine.mutate(lambda e, rid=rid: e.release_kv(rid))
+            try:
+                await self._poll_once()
+            except Exception:  # keep polling: a lease must never outlive its deadline
+                log.exception("lease poll failed on %s", self.worker_id)
             await asyncio.sleep(self.poll_interval)
+
+    async def _poll_once(self) -> None:
+        released, expired = self.source.poll()
+        self.leases_expired += len(expired)
+        ended = released + expired
+        if ended:
+            await self.aengine.mutate(lambda e: [e.release_kv(rid) for rid in ended])

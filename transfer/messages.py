@@ -99,11 +99,43 @@ class WorkerStats(msgspec.Struct, frozen=True, kw_only=True):
     leases_expired: int = 0
 
 
+class KvEvents(msgspec.Struct, frozen=True):
+    """Block hashes a worker's prefix cache gained and lost since the previous batch (in order).
+
+    ``seq`` increases by one per batch so a reader can spot a gap and resync
+    from a ``KvSnapshot`` (all hashes cached now).
+    """
+
+    worker_id: str
+    seq: int
+    stored: list[int]
+    removed: list[int]
+
+
+class KvSnapshot(msgspec.Struct, frozen=True):
+    worker_id: str
+    seq: int
+    hashes: list[int]
+
+
 class WorkerError(msgspec.Struct, frozen=True, tag=True):
     """An error a worker reports instead of raising across Ray (kind is machine-readable)."""
 
     kind: str
     message: str
+
+
+class RequestFailed(RuntimeError):
+    """A request could not be served; ``kind`` says why.
+
+    Kinds: ``no_kv`` (no worker has KV room), ``invalid`` (the request is
+    malformed), ``transfer`` (KV could not be moved and policy forbids a
+    fallback), ``unavailable`` (no live worker), ``timeout``.
+    """
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 _encoder = msgspec.msgpack.Encoder()

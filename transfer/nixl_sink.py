@@ -39,22 +39,17 @@ import numpy as np
 import torch
 from nixl._api import nixl_agent, nixl_prepped_dlist_handle, nixl_xfer_handle
 
+from transfer.agent import ProgressPump, new_agent
 from transfer.compat import check_compatible, compat_hash
 from transfer.errors import IncompatibleKvError, TransferError
-from transfer.nixl_source import (
-    DONE_PREFIX,
-    RELEASE_PREFIX,
-    check_tensor,
-    new_agent,
-    region_table,
-    tensor_placement,
-)
+from transfer.nixl_source import DONE_PREFIX, RELEASE_PREFIX, check_tensor, region_table, tensor_placement
 from transfer.wire import AgentInfo, KvHandle, KvLayout, TransferStats
 
 logger = logging.getLogger(__name__)
 
 MIN_POLL_S = 0.0002
 MAX_POLL_S = 0.005
+PROGRESS_INTERVAL_S = 0.005
 
 
 @dataclass
@@ -94,6 +89,8 @@ class KvSink:
         self._kv_cache = kv_cache
         self._agent: nixl_agent | None = new_agent(agent_name, backend, progress_thread)
         self._reg = self._agent.register_memory(kv_cache, backends=[backend])
+        # Completes notification sends between reads; the sink expects no notifications.
+        self._pump = ProgressPump(self._agent, agent_name, PROGRESS_INTERVAL_S, keep_notifs=False)
         mem_type, device_id = tensor_placement(kv_cache)
         table = region_table(kv_cache.data_ptr(), layout, device_id)
         self._local = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", table, mem_type, backends=[backend])
@@ -158,6 +155,7 @@ class KvSink:
         """Drop every remote, the descriptor lists and the registration (idempotent)."""
         if self._agent is None:
             return
+        self._pump.stop()
         for remote in list(self._remotes.values()):
             self._disconnect(remote)
         try:

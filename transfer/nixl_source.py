@@ -23,12 +23,11 @@ Contract
   The prefill worker must call ``poll`` regularly (each scheduler step or idle tick)
   so that nothing stays pinned longer than its lease.
 - ``add_lease`` on an id that already holds a lease replaces its deadline.
-- Progress: by default the agent has no NIXL progress thread (UCX's spins a whole
-  core even when idle: 3.0 CPU-seconds per 3 idle seconds, measured on a 2-core
-  host). NIXL then progresses inside the calls we make: ``poll`` here,
-  ``check_xfer_state`` on the sink. Same-host (shared memory) and RDMA READs need no
-  help from the source, but over plain TCP the source must ``poll`` often or be
-  built with ``progress_thread=True``.
+- Progress: a READ completes only while the source's NIXL agent progresses (true on
+  a CPU-only host with UCX over cma + TCP; see ``transfer/agent.py``). A ``ProgressPump`` thread
+  does that every millisecond and keeps the notifications for ``poll``; NIXL's own
+  busy-spinning progress thread is off unless ``progress_thread=True`` (see
+  ``transfer/agent.py``).
 - Single-threaded: call every method from one thread (the worker's event loop).
 """
 
@@ -39,8 +38,9 @@ import time
 
 import numpy as np
 import torch
-from nixl._api import nixl_agent, nixl_agent_config
+from nixl._api import nixl_agent
 
+from transfer.agent import ProgressPump, new_agent
 from transfer.compat import compat_hash
 from transfer.wire import WIRE_VERSION, AgentInfo, KvLayout
 
@@ -48,11 +48,7 @@ logger = logging.getLogger(__name__)
 
 DONE_PREFIX = "done:"
 RELEASE_PREFIX = "release:"
-
-
-def new_agent(agent_name: str, backend: str, progress_thread: bool) -> nixl_agent:
-    config = nixl_agent_config(enable_prog_thread=progress_thread, backends=[backend])
-    return nixl_agent(agent_name, config)
+PROGRESS_INTERVAL_S = 0.001
 
 
 def check_tensor(kv_cache: torch.Tensor, layout: KvLayout) -> None:
@@ -99,6 +95,7 @@ class KvSource:
         self._kv_cache = kv_cache  # keep the registered memory alive
         self._agent: nixl_agent | None = new_agent(agent_name, backend, progress_thread)
         self._reg = self._agent.register_memory(kv_cache, backends=[backend])
+        self._pump = ProgressPump(self._agent, agent_name, PROGRESS_INTERVAL_S)
         mem_type, device_id = tensor_placement(kv_cache)
         self._info = AgentInfo(
             wire_version=WIRE_VERSION,
@@ -124,7 +121,7 @@ class KvSource:
     def poll(self, now: float | None = None) -> tuple[list[str], list[str]]:
         """Drain notifications; return ``(released, expired)`` request ids, each reported once."""
         released: list[str] = []
-        for message in self._drain_notifs():
+        for message in self._pump.take() if self._agent is not None else []:
             request_id = _parse_notif(message)
             if request_id is not None and self._leases.pop(request_id, None) is not None:
                 released.append(request_id)
@@ -138,18 +135,13 @@ class KvSource:
         """Deregister the memory and destroy the agent; leases are forgotten (idempotent)."""
         if self._agent is None:
             return
+        self._pump.stop()
         try:
             self._agent.deregister_memory(self._reg, backends=[self.backend])
         except Exception:  # noqa: BLE001 - best effort on shutdown
             logger.exception("deregistering KV memory of %s failed", self.agent_name)
         self._agent = None
         self._leases.clear()
-
-    def _drain_notifs(self) -> list[str]:
-        if self._agent is None:
-            return []
-        notifs = self._agent.get_new_notifs()
-        return [m.decode("utf-8", "replace") for messages in notifs.values() for m in messages]
 
 
 def _parse_notif(message: str) -> str | None:

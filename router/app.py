@@ -1,0 +1,338 @@
+"""The OpenAI-compatible HTTP app: ``create_app(backend, tokenizer, config)``.
+
+Order of checks for a generation request: API key (401), body size (413),
+JSON and parameter validation (400), model name (404), readiness (503),
+tokenization and length against ``max_model_len`` (400), admission (503 +
+Retry-After), then generation under ``request_timeout`` (408, the backend
+request aborted). A streaming response starts only once the first token has
+arrived, so failures before it still get their status code; a failure after it
+ends the stream with an ``error`` event and ``data: [DONE]``. A client that
+disconnects has its backend requests aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import secrets
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
+
+import msgspec
+from fastapi import FastAPI, Request
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.responses import Response, StreamingResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from engine.tokenizer import Tokenizer
+from router.admission import AdmissionGate, Ticket
+from router.backend import Backend
+from router.errors import (
+    APIError,
+    backend_failure,
+    install_handlers,
+    invalid,
+    model_not_found,
+    timeout,
+    too_large,
+    unauthorized,
+    unavailable,
+)
+from router.metrics import RouterMetrics
+from router.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    Prompt,
+    _Common,
+    check_common,
+    completion_prompts,
+    decode_body,
+    openapi_components,
+    sampling_for,
+    stop_strings,
+)
+from router.responses import Envelope, Json, LogprobFormatter, choice, merge_logprobs, role_chunk, usage
+from router.streaming import (
+    DONE,
+    BackendAborted,
+    ChoiceDecoder,
+    ChoiceDelta,
+    ClientGone,
+    guarded,
+    merge_choices,
+    sse,
+)
+from transfer.messages import GenerateRequest, RequestFailed
+
+OPEN_PATHS = frozenset({"/health"})
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """How the router serves one model; ``max_queued_tokens=None`` means no token limit."""
+
+    model_name: str
+    max_model_len: int
+    api_key: str | None = None
+    max_request_bytes: int = 1 << 20
+    max_queued_requests: int = 256
+    max_queued_tokens: int | None = None
+    request_timeout: float = 600.0
+    default_max_tokens: int | None = None
+
+
+class _Gatekeeper:
+    """ASGI middleware: the API key check on every path but /health, and request counting by status."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, metrics: RouterMetrics) -> None:
+        self.app, self.metrics = app, metrics
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path: str = scope["path"]
+        if self.expected is not None and path not in OPEN_PATHS:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                self.metrics.requests.labels(path, "401").inc()
+                return await unauthorized().response()(scope, receive, send)
+        status = ["499"]
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = str(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            if path.startswith("/v1/"):
+                self.metrics.requests.labels(path, status[0]).inc()
+
+
+class _SSEResponse(StreamingResponse):
+    """A streaming response that always closes its body iterator (aborting unfinished requests)."""
+
+    body_iterator: AsyncIterator[bytes]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            import anyio
+
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise too_large(limit)
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > limit:
+            raise too_large(limit)
+    return bytes(body)
+
+
+@dataclass
+class _Job:
+    """One HTTP generation request, fanned out into ``len(prompts) x n`` backend requests."""
+
+    req: _Common
+    chat: bool
+    envelope: Envelope
+    prompts: list[list[int]]
+    requests: list[GenerateRequest]
+    decoders: list[ChoiceDecoder]
+    formatters: list[LogprobFormatter]
+
+
+def create_app(backend: Backend, tokenizer: Tokenizer, config: RouterConfig) -> FastAPI:
+    """Build the app; it holds no global state (metrics live in the app's own registry)."""
+    gate = AdmissionGate(config.max_queued_requests, config.max_queued_tokens)
+    metrics = RouterMetrics(gate)
+    app = FastAPI(title="pdserve", summary="OpenAI-compatible API of a prefill/decode serving cluster.")
+    install_handlers(app)
+    app.add_middleware(_Gatekeeper, api_key=config.api_key, metrics=metrics)
+    started_at = int(time.time())
+
+    @functools.lru_cache(maxsize=65536)
+    def token_text(token_id: int) -> str:
+        return tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def build_job(req: _Common, chat: bool, prompts: list[list[int]], param: str) -> _Job:
+        n = req.choices
+        requests: list[GenerateRequest] = []
+        prefix = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        for p_index, prompt in enumerate(prompts):
+            if len(prompt) >= config.max_model_len:
+                raise invalid(f"The prompt has {len(prompt)} tokens; this model's maximum context length is "
+                              f"{config.max_model_len} tokens.", param, code="context_length_exceeded")
+            room = config.max_model_len - len(prompt)
+            max_tokens = req.requested_max_tokens() or config.default_max_tokens or room
+            if max_tokens > room:
+                raise invalid(f"The prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds "
+                              f"this model's maximum context length of {config.max_model_len} tokens.",
+                              "max_tokens", code="context_length_exceeded")
+            for i in range(n):
+                requests.append(GenerateRequest(
+                    request_id=f"{prefix}-{p_index * n + i}", prompt_token_ids=prompt,
+                    sampling=sampling_for(req, max_tokens, i), priority=req.priority or 0))
+        stops = stop_strings(req)
+        return _Job(
+            req, chat, Envelope(prefix, int(time.time()), config.model_name, chat), prompts, requests,
+            [ChoiceDecoder(i, tokenizer, stops) for i in range(len(requests))],
+            [LogprobFormatter(chat, token_text) for _ in requests])
+
+    async def prepare(request: Request, type_: type[_Common]) -> _Common:
+        req = decode_body(await _read_body(request, config.max_request_bytes), type_)
+        check_common(req)
+        if req.model != config.model_name:
+            raise model_not_found(req.model)
+        if not backend.is_ready():
+            raise unavailable("The server is starting; retry shortly.", code="not_ready")
+        return req
+
+    async def run(job: _Job, request: Request) -> Response:
+        ticket = gate.admit(sum(len(p) for p in job.prompts) * job.req.choices)
+        endpoint = request.url.path
+        admitted = time.monotonic()
+        deltas = guarded(merge_choices(backend, job.requests, job.decoders),
+                         admitted + config.request_timeout, request.is_disconnected)
+        try:
+            first = await anext(deltas)
+        except BaseException as exc:
+            ticket.release()
+            await deltas.aclose()
+            raise _as_api_error(exc, config.request_timeout) from None
+        ticket.started()
+        metrics.ttft.labels(endpoint).observe(time.monotonic() - admitted)
+        if job.req.streaming:
+            return _SSEResponse(stream(job, first, deltas, ticket), media_type="text/event-stream",
+                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        with ticket:
+            texts: list[list[str]] = [[] for _ in job.requests]
+            lps: list[list[Json]] = [[] for _ in job.requests]
+            try:
+                delta: ChoiceDelta | None = first
+                while delta is not None:
+                    texts[delta.index].append(delta.text)
+                    if delta.logprobs:
+                        lps[delta.index].append(job.formatters[delta.index].format(delta.logprobs))
+                    delta = await anext(deltas, None)
+            except BaseException as exc:
+                raise _as_api_error(exc, config.request_timeout) from None
+        want_lps = job.req.num_logprobs() is not None
+        choices = [choice(i, "".join(texts[i]), job.chat, merge_logprobs(lps[i], job.chat) if want_lps
+                          else None, d.finish_reason, chunk=False) for i, d in enumerate(job.decoders)]
+        metrics.output_tokens.inc(sum(d.num_tokens for d in job.decoders))
+        body = job.envelope.wrap(choices, chunk=False, usage=usage(job.decoders, _lens(job), job.req.choices))
+        return Response(msgspec.json.encode(body), media_type="application/json")
+
+    async def stream(job: _Job, first: ChoiceDelta, deltas: AsyncGenerator[ChoiceDelta, None],
+                     ticket: Ticket) -> AsyncIterator[bytes]:
+        env, include_usage = job.envelope, job.req.include_usage
+        want_lps = job.req.num_logprobs() is not None
+        try:
+            if job.chat:
+                roles = [role_chunk(i) for i in range(len(job.requests))]
+                yield sse(env.wrap(roles, chunk=True, with_usage=include_usage))
+            delta: ChoiceDelta | None = first
+            while delta is not None:
+                if delta.text or delta.finish_reason is not None or (delta.logprobs and want_lps):
+                    lp = job.formatters[delta.index].format(delta.logprobs) if want_lps else None
+                    ch = choice(delta.index, delta.text, job.chat, lp, delta.finish_reason, chunk=True)
+                    yield sse(env.wrap([ch], chunk=True, with_usage=include_usage))
+                delta = await anext(deltas, None)
+            metrics.output_tokens.inc(sum(d.num_tokens for d in job.decoders))
+            if include_usage:
+                yield sse(env.wrap([], chunk=True, usage=usage(job.decoders, _lens(job), job.req.choices)))
+        except ClientGone:
+            return
+        except Exception as exc:
+            yield sse(_as_api_error(exc, config.request_timeout).body())
+        finally:
+            ticket.release()
+            await deltas.aclose()
+        yield DONE
+
+    def _lens(job: _Job) -> list[int]:
+        return [len(p) for p in job.prompts]
+
+    def body_schema(name: str) -> dict[str, object]:
+        ref = {"$ref": f"#/components/schemas/{name}"}
+        return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+    @app.post("/v1/chat/completions", openapi_extra=body_schema("ChatCompletionRequest"))
+    async def chat_completions(request: Request) -> Response:
+        req = await prepare(request, ChatCompletionRequest)
+        assert isinstance(req, ChatCompletionRequest)
+        if not tokenizer.has_chat_template:
+            raise invalid("This model has no chat template; use /v1/completions.", "messages")
+        try:
+            prompt = await asyncio.to_thread(tokenizer.apply_chat_template, req.conversation())
+        except Exception as exc:  # the template rejects the conversation (e.g. role order)
+            raise invalid(f"Cannot apply the chat template: {exc}", "messages") from None
+        return await run(build_job(req, True, [prompt], "messages"), request)
+
+    @app.post("/v1/completions", openapi_extra=body_schema("CompletionRequest"))
+    async def completions(request: Request) -> Response:
+        req = await prepare(request, CompletionRequest)
+        assert isinstance(req, CompletionRequest)
+        prompts: list[Prompt] = completion_prompts(req, tokenizer.vocab_size)
+        ids = [p if isinstance(p, list) else await asyncio.to_thread(tokenizer.encode, p) for p in prompts]
+        if any(not p for p in ids):
+            raise invalid("'prompt' encodes to no tokens.", "prompt")
+        return await run(build_job(req, False, ids, "prompt"), request)
+
+    @app.get("/v1/models")
+    async def models() -> Json:
+        card = {"id": config.model_name, "object": "model", "created": started_at, "owned_by": "pdserve",
+                "root": config.model_name, "max_model_len": config.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health() -> Response:
+        if backend.is_ready():
+            return Response(b'{"status":"ok"}', media_type="application/json")
+        return unavailable("The server is starting.", code="not_ready").response()
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    schema_components = openapi_components()
+
+    def openapi() -> dict[str, object]:
+        if app.openapi_schema is None:
+            schema = FastAPI.openapi(app)
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(schema_components)
+        return app.openapi_schema or {}
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    return app
+
+
+def _as_api_error(exc: BaseException, request_timeout: float) -> APIError:
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, TimeoutError):
+        return timeout(request_timeout)
+    if isinstance(exc, RequestFailed):
+        return backend_failure(exc.kind, str(exc))
+    if isinstance(exc, BackendAborted):
+        return unavailable(str(exc), code="aborted")
+    if isinstance(exc, ClientGone):
+        return APIError(499, "Client closed the request.", code="client_closed_request")
+    if isinstance(exc, StopAsyncIteration):
+        return unavailable("The backend ended the request without output.", code="aborted")
+    if isinstance(exc, Exception):
+        return APIError(500, f"Internal server error: {type(exc).__name__}", type="server_error",
+                        code="internal_error")
+    raise exc

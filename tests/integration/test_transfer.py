@@ -1,0 +1,239 @@
+"""KV transfer over real NIXL (UCX) between two real processes.
+
+The source (prefill side) runs in a spawned child holding a seeded random KV cache;
+the sink (decode side) runs in the test process with a larger, differently sized
+pool. The two talk over a Pipe with msgspec messages; every wait has a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import multiprocessing as mp
+import time
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+from typing import Any
+
+import msgspec
+import pytest
+import torch
+
+from transfer.errors import IncompatibleKvError, TransferError
+from transfer.wire import WIRE_VERSION, AgentInfo, KvHandle, KvLayout, decode, encode
+
+SRC_LAYOUT = KvLayout(
+    "tiny", "float32", num_layers=3, num_blocks=10, block_size=4, num_kv_heads=2, head_dim=8, element_size=4
+)
+SINK_LAYOUT = msgspec.structs.replace(SRC_LAYOUT, num_blocks=16)
+WAIT_S = 20.0
+
+
+class Command(msgspec.Struct, frozen=True):
+    op: str  # "lease" | "poll" | "hashes" | "stop"
+    request_id: str = ""
+    deadline: float = 0.0
+    block_ids: list[int] = []
+    now: float | None = None
+
+
+class Reply(msgspec.Struct, frozen=True):
+    released: list[str] = []
+    expired: list[str] = []
+    hashes: list[str] = []
+    num_leases: int = 0
+
+
+def block_hashes(kv: torch.Tensor, block_ids: list[int]) -> list[str]:
+    return [hashlib.sha256(kv[:, b].contiguous().numpy().tobytes()).hexdigest() for b in block_ids]
+
+
+def source_main(conn: Connection) -> None:
+    """The prefill side: a KvSource over a seeded random cache, driven by commands."""
+    from transfer.nixl_source import KvSource
+
+    torch.manual_seed(0)
+    kv = torch.randn(SRC_LAYOUT.shape)
+    source = KvSource(kv, SRC_LAYOUT, "prefill-0")
+    conn.send_bytes(encode(source.agent_info()))
+    while conn.poll(WAIT_S * 3):
+        cmd = decode(conn.recv_bytes(), Command)
+        if cmd.op == "stop":
+            break
+        if cmd.op == "lease":
+            source.add_lease(cmd.request_id, cmd.deadline)
+            reply = Reply()
+        elif cmd.op == "poll":
+            released, expired = source.poll(cmd.now)
+            reply = Reply(released=released, expired=expired)
+        else:
+            reply = Reply(hashes=block_hashes(kv, cmd.block_ids))
+        conn.send_bytes(encode(msgspec.structs.replace(reply, num_leases=source.num_leases())))
+    source.close()
+
+
+class SourcePeer:
+    def __init__(self, conn: Connection, info: AgentInfo) -> None:
+        self.conn = conn
+        self.info = info
+
+    def call(self, cmd: Command) -> Reply:
+        self.conn.send_bytes(encode(cmd))
+        if not self.conn.poll(WAIT_S):
+            raise TimeoutError(f"source did not answer {cmd.op}")
+        return decode(self.conn.recv_bytes(), Reply)
+
+    def lease(self, request_id: str, ttl: float = 30.0) -> KvHandle:
+        deadline = time.time() + ttl
+        self.call(Command("lease", request_id=request_id, deadline=deadline))
+        return KvHandle(
+            request_id, self.info.agent_name, list(range(10)), 40, self.info.compat_hash, deadline
+        )
+
+    def wait_released(self, request_id: str) -> None:
+        end = time.monotonic() + WAIT_S
+        while time.monotonic() < end:
+            if request_id in self.call(Command("poll")).released:
+                return
+            time.sleep(0.01)
+        raise TimeoutError(f"source never reported {request_id} released")
+
+
+@pytest.fixture(scope="module")
+def source() -> Iterator[SourcePeer]:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=source_main, args=(child,), daemon=True)
+    proc.start()
+    try:
+        if not parent.poll(60):
+            raise TimeoutError("source process did not start")
+        yield SourcePeer(parent, decode(parent.recv_bytes(), AgentInfo))
+        parent.send_bytes(encode(Command("stop")))
+        proc.join(10)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+
+
+@pytest.fixture(scope="module")
+def sink(source: SourcePeer) -> Iterator[Any]:
+    from transfer.nixl_sink import KvSink
+
+    kv = torch.full(SINK_LAYOUT.shape, -7.0)
+    sink = KvSink(kv, SINK_LAYOUT, "decode-0")
+    sink.connect(source.info)
+    yield sink
+    sink.close()
+
+
+def sink_kv(sink: Any) -> torch.Tensor:
+    return sink._kv_cache
+
+
+def test_read_moves_exact_bytes_and_only_listed_blocks(source: SourcePeer, sink: Any) -> None:
+    handle = source.lease("req-exact")
+    remote, local = [3, 4, 5, 6, 7, 8, 9], [5, 6, 7, 8, 9, 10, 11]
+    before = sink_kv(sink).clone()
+    stats = asyncio.run(sink.read(handle, remote, local, timeout=WAIT_S))
+    assert block_hashes(sink_kv(sink), local) == source.call(Command("hashes", block_ids=remote)).hashes
+    untouched = [b for b in range(SINK_LAYOUT.num_blocks) if b not in local]
+    assert torch.equal(sink_kv(sink)[:, untouched], before[:, untouched])
+    assert stats.blocks == 7
+    assert stats.bytes == 7 * SRC_LAYOUT.num_layers * SRC_LAYOUT.region_bytes
+    assert stats.descriptors == SRC_LAYOUT.num_layers  # one merged run per layer
+    assert stats.backend == "UCX" and stats.seconds > 0
+    source.wait_released("req-exact")
+
+
+def test_scattered_subset_blocking(source: SourcePeer, sink: Any) -> None:
+    handle = source.lease("req-scatter")
+    remote, local = [9, 0, 4], [1, 15, 2]
+    before = sink_kv(sink).clone()
+    stats = sink.read_blocking(handle, remote, local, timeout=WAIT_S)
+    assert block_hashes(sink_kv(sink), local) == source.call(Command("hashes", block_ids=remote)).hashes
+    untouched = [b for b in range(SINK_LAYOUT.num_blocks) if b not in local]
+    assert torch.equal(sink_kv(sink)[:, untouched], before[:, untouched])
+    assert (stats.blocks, stats.descriptors) == (3, 3 * SRC_LAYOUT.num_layers)
+    source.wait_released("req-scatter")
+
+
+def test_empty_read_still_ends_the_lease(source: SourcePeer, sink: Any) -> None:
+    handle = source.lease("req-empty")
+    stats = sink.read_blocking(handle, [], [], timeout=WAIT_S)
+    assert (stats.blocks, stats.bytes, stats.descriptors) == (0, 0, 0)
+    source.wait_released("req-empty")
+
+
+def test_unread_lease_expires_once(source: SourcePeer) -> None:
+    source.lease("req-expire", ttl=0.5)
+    later = time.time() + 5.0
+    first = source.call(Command("poll", now=later))
+    assert "req-expire" in first.expired and "req-expire" not in first.released
+    assert "req-expire" not in source.call(Command("poll", now=later)).expired
+
+
+def test_release_without_reading(source: SourcePeer, sink: Any) -> None:
+    handle = source.lease("req-abort")
+    sink.release(handle)
+    source.wait_released("req-abort")
+
+
+def test_expired_handle_is_refused(source: SourcePeer, sink: Any) -> None:
+    handle = msgspec.structs.replace(source.lease("req-late"), lease_deadline=time.time() - 1)
+    with pytest.raises(TransferError) as err:
+        sink.read_blocking(handle, [0], [0], timeout=WAIT_S)
+    assert err.value.outcome == "expired"
+    sink.release(handle)
+    source.wait_released("req-late")
+
+
+@pytest.mark.parametrize(
+    ("field", "change"),
+    [
+        ("dtype", {"dtype": "bfloat16", "element_size": 2}),
+        ("head_dim", {"head_dim": 16}),
+        ("wire_version", None),
+    ],
+)
+def test_incompatible_peer_is_refused(
+    source: SourcePeer, sink: Any, field: str, change: dict[str, Any] | None
+) -> None:
+    from transfer.compat import compat_hash
+
+    info = source.info
+    if change is None:
+        info = msgspec.structs.replace(info, agent_name="other", wire_version=WIRE_VERSION + 1)
+    else:
+        layout = msgspec.structs.replace(info.layout, **change)
+        info = msgspec.structs.replace(
+            info, agent_name="other", layout=layout, compat_hash=compat_hash(layout)
+        )
+    with pytest.raises(IncompatibleKvError, match=field) as err:
+        sink.connect(info)
+    assert err.value.field == field
+    sink.connect(source.info)  # the real peer stays connected (idempotent)
+
+
+def test_injected_failure_then_success(source: SourcePeer, sink: Any) -> None:
+    handle = source.lease("req-inject")
+    sink.inject_failures(1)
+    with pytest.raises(TransferError) as err:
+        asyncio.run(sink.read(handle, [1], [3], timeout=WAIT_S))
+    assert err.value.outcome == "injected"
+    stats = asyncio.run(sink.read(handle, [1], [3], timeout=WAIT_S))
+    assert stats.blocks == 1
+    assert block_hashes(sink_kv(sink), [3]) == source.call(Command("hashes", block_ids=[1])).hashes
+    source.wait_released("req-inject")
+
+
+def test_wire_round_trip(source: SourcePeer) -> None:
+    assert decode(encode(source.info), AgentInfo) == source.info
+    assert SRC_LAYOUT.region_bytes == 2 * 4 * 2 * 8 * 4
+    assert SRC_LAYOUT.total_bytes == 3 * 10 * SRC_LAYOUT.region_bytes
+
+
+def test_no_lease_left_behind(source: SourcePeer) -> None:
+    """Runs last: every lease above ended by read, release or expiry."""
+    assert source.call(Command("poll")).num_leases == 0

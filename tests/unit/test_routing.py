@@ -1,0 +1,52 @@
+"""Prefix index folding KV events, and the routing policies' choices."""
+
+from engine.hashing import ROOT_SEED, block_hashes
+from router.policy import Candidate, LeastLoaded, PrefixAware, RoundRobin, make_policy
+from router.prefix_index import PrefixIndex
+from transfer.messages import KvEvents, KvSnapshot
+
+
+def test_index_folds_events_in_order_and_detects_gaps() -> None:
+    index = PrefixIndex(block_size=4, seed=ROOT_SEED)
+    tokens = list(range(12))
+    h = index.hashes(tokens)
+    assert h == block_hashes(tokens, 4, ROOT_SEED)
+    assert index.apply(KvEvents("w0", 1, stored=h, removed=[]))
+    assert index.match(h, "w0") == 3
+    assert index.apply(KvEvents("w0", 2, stored=[], removed=[h[1]]))
+    assert index.match(h, "w0") == 1
+    assert not index.apply(KvEvents("w0", 4, stored=[h[1]], removed=[]))
+    assert index.match(h, "w0") == 1
+    index.reset(KvSnapshot("w0", 4, h))
+    assert index.match(h, "w0") == 3
+    assert index.apply(KvEvents("w0", 5, stored=[], removed=[]))
+    index.remove_worker("w0")
+    assert index.match(h, "w0") == 0
+
+
+def cands(*rows: tuple[int, int, int]) -> list[Candidate]:
+    return [Candidate(i, f"w{i}", p, load, free) for i, (p, load, free) in enumerate(rows)]
+
+
+def test_prefix_policy_prefers_held_prefix_until_load_outweighs_it() -> None:
+    policy = PrefixAware()
+    chosen, reason = policy.pick("prefill", cands((0, 0, 100), (1024, 200, 100)), 1100, 10)
+    assert (chosen.index, reason) == (1, "prefix_hit")
+    chosen, reason = policy.pick("prefill", cands((0, 0, 100), (1024, 5000, 100)), 1100, 10)
+    assert (chosen.index, reason) == (0, "load")
+
+
+def test_policies_skip_workers_without_room() -> None:
+    rows = cands((1024, 0, 2), (0, 0, 100))
+    assert PrefixAware().pick("decode", rows, 1100, 70)[0].index == 1
+    assert LeastLoaded().pick("decode", rows, 1100, 70)[0].index == 1
+    assert PrefixAware().pick("decode", cands((0, 0, 5), (0, 0, 9)), 10, 70)[0].index == 1
+
+
+def test_round_robin_and_least_loaded() -> None:
+    rr = RoundRobin()
+    rows = cands((0, 0, 10), (0, 0, 10), (0, 0, 10))
+    assert [rr.pick("prefill", rows, 8, 1)[0].index for _ in range(4)] == [0, 1, 2, 0]
+    assert rr.pick("decode", rows, 8, 1)[0].index == 0
+    assert LeastLoaded().pick("decode", cands((0, 50, 10), (0, 10, 10)), 8, 1)[0].index == 1
+    assert make_policy("prefix").name == "prefix"
