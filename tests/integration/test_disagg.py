@@ -15,13 +15,14 @@ from typing import Any
 import pytest
 import ray
 
-from cluster.client import ClientConfig, KvFailurePolicy, PDClient, RequestFailed
+from cluster.client import ClientConfig, KvFailurePolicy, PDClient
 from cluster.workers import WorkerGroup, start_workers
 from engine.config import EngineConfig
 from engine.loader import default_model_path, load_model_source
 from transfer.messages import (
     GenerateRequest,
     PrefillResult,
+    RequestFailed,
     SamplingSpec,
     TokenBatch,
     WorkerStats,

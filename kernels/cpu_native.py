@@ -1,0 +1,210 @@
+"""The native CPU attention backend: ``cpu_attention.c`` built on first use and called through ctypes.
+
+The kernel reads K/V in place from the paged cache (no gather), which is what makes
+CPU decode fast: the torch reference copies every sequence's K/V into a workspace
+before ``scaled_dot_product_attention`` reads it again.
+
+Build cache: ``$PDSERVE_CACHE/kernels`` (default ``~/.cache/pdserve/kernels``); the
+library's file name carries a hash of the C source, the compiler's version, the
+flags and the CPU model, so an edit (or a new compiler) builds a new library and
+a stale one is never loaded. Each build writes a temporary file and renames it into
+place, so concurrent processes never load a half-written library.
+
+``PDSERVE_NATIVE_KERNELS=0`` turns the backend off. A missing compiler or a failed
+build logs one warning and the torch backend is used instead; nothing crashes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from kernels.attention import AttentionMetadata
+from kernels.torch_ref import TorchAttentionBackend
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_attention.c")
+CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-shared", "-fPIC", "-pthread")
+SUPPORTED_MACHINES = ("x86_64", "aarch64")
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+_MAX_HEAD_DIM = 256
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve")) / "kernels"
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "CPU part")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def library_name(source: bytes, compiler_version: str, cpu_model: str = "") -> str:
+    """File name of the library built from ``source``: changes whenever any input of the build does."""
+    digest = hashlib.sha256()
+    for part in (source, compiler_version.encode(), " ".join(CFLAGS).encode(), cpu_model.encode()):
+        digest.update(part)
+        digest.update(b"\0")
+    return f"cpu_attention-{digest.hexdigest()[:20]}.so"
+
+
+def _compiler_version(cc: str) -> str:
+    result = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True, timeout=60)
+    return result.stdout.splitlines()[0] if result.stdout else cc
+
+
+def build_library(directory: Path | None = None) -> Path:
+    """Compile ``cpu_attention.c`` unless the cache already holds this exact build; return its path."""
+    cc = os.environ.get("CC", "gcc")
+    if shutil.which(cc) is None:
+        raise RuntimeError(f"C compiler {cc!r} not found")
+    directory = directory or cache_dir()
+    source = SOURCE.read_bytes()
+    path = directory / library_name(source, _compiler_version(cc), _cpu_model())
+    if path.exists():
+        return path
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.stem + ".", suffix=".tmp.so", dir=directory)
+    os.close(fd)
+    try:
+        result = subprocess.run(
+            [cc, *CFLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300
+        )
+        if result.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {result.stderr.strip()[-2000:]}")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+@functools.lru_cache(maxsize=1)
+def load_library() -> ctypes.CDLL | None:
+    """The built and loaded kernel library, or ``None`` (with one warning) when it cannot be had."""
+    try:
+        lib = ctypes.CDLL(str(build_library()))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        logger.warning("native CPU attention unavailable, using the torch backend: %s", exc)
+        return None
+    fn = lib.pdserve_paged_attention
+    fn.restype = ctypes.c_int32
+    fn.argtypes = [
+        ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,  # q, q stride, kv, out
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,  # query_start_loc, seq_lens, block_tables
+        ctypes.c_int32, ctypes.c_int32,  # num_seqs, table width
+        ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32,  # heads, kv heads, head_dim, block
+        ctypes.c_float, ctypes.c_int32, ctypes.c_int32,  # scale, dtype, num_threads
+    ]
+    return lib
+
+
+def native_available() -> bool:
+    """Whether the native kernel can run here (builds it on the first call)."""
+    if os.environ.get("PDSERVE_NATIVE_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    if not sys.platform.startswith("linux") or platform.machine() not in SUPPORTED_MACHINES:
+        return False
+    return load_library() is not None
+
+
+class NativeCpuAttentionBackend:
+    """``AttentionBackend`` for CPU tensors in float32 or bfloat16; anything else goes to the torch backend.
+
+    ``num_threads`` defaults to ``torch.get_num_threads()`` at each call.
+    """
+
+    def __init__(self, num_threads: int | None = None) -> None:
+        lib = load_library()
+        if lib is None:
+            raise RuntimeError("native CPU attention library is unavailable")
+        self._kernel = lib.pdserve_paged_attention
+        self._num_threads = num_threads
+        self._meta: AttentionMetadata | None = None
+        self._write_rows = torch.empty(0, dtype=torch.int64)
+        self._query_start_loc = torch.empty(0, dtype=torch.int32)
+        self._seq_lens = torch.empty(0, dtype=torch.int32)
+        self._block_tables = torch.empty(0, dtype=torch.int32)
+        self._fallback = TorchAttentionBackend()
+        self._fallback_meta: AttentionMetadata | None = None
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        bs = meta.block_size
+        slots = meta.slot_mapping.to("cpu", torch.int64)
+        self._write_rows = torch.div(slots, bs, rounding_mode="floor") * (2 * bs) + slots % bs
+        self._query_start_loc = meta.query_start_loc.to("cpu", torch.int32).contiguous()
+        self._seq_lens = meta.seq_lens.to("cpu", torch.int32).contiguous()
+        self._block_tables = meta.block_tables.to("cpu", torch.int32).contiguous()
+        self._meta = meta
+
+    def supports(self, q: torch.Tensor, kv_layer: torch.Tensor) -> bool:
+        _, _, block_size, kv_heads, head_dim = kv_layer.shape
+        return (
+            kv_layer.device.type == "cpu"
+            and q.device.type == "cpu"
+            and kv_layer.dtype in _DTYPE_CODES
+            and kv_layer.is_contiguous()
+            and head_dim % 16 == 0
+            and head_dim <= _MAX_HEAD_DIM
+            and q.shape[1] % kv_heads == 0
+            and block_size & (block_size - 1) == 0
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_layer: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        meta = self._meta
+        if meta is None:
+            raise RuntimeError("NativeCpuAttentionBackend.forward called before prepare")
+        if not self.supports(q, kv_layer):
+            if self._fallback_meta is not meta:
+                self._fallback.prepare(meta)
+                self._fallback_meta = meta
+            return self._fallback.forward(q, k, v, kv_layer, scale)
+        bs = meta.block_size
+        _, _, _, kv_heads, head_dim = kv_layer.shape
+        rows = kv_layer.view(-1, kv_heads, head_dim)
+        rows.index_copy_(0, self._write_rows, k.to(kv_layer.dtype))
+        rows.index_copy_(0, self._write_rows + bs, v.to(kv_layer.dtype))
+
+        qc = q.to(kv_layer.dtype)
+        if qc.stride(2) != 1 or qc.stride(1) != head_dim:
+            qc = qc.contiguous()
+        num_tokens, num_heads, _ = q.shape
+        out = torch.empty((num_tokens, num_heads, head_dim), dtype=kv_layer.dtype)
+        if num_tokens == 0:
+            return out.to(q.dtype)
+        threads = self._num_threads or torch.get_num_threads()
+        status = self._kernel(
+            qc.data_ptr(), qc.stride(0), kv_layer.data_ptr(), out.data_ptr(),
+            self._query_start_loc.data_ptr(), self._seq_lens.data_ptr(), self._block_tables.data_ptr(),
+            meta.num_seqs, self._block_tables.shape[1] if self._block_tables.dim() == 2 else 0,
+            num_heads, kv_heads, head_dim, bs,
+            scale, _DTYPE_CODES[kv_layer.dtype], threads,
+        )
+        if status != 0:
+            raise RuntimeError(f"native paged attention failed with code {status}")
+        return out if out.dtype == q.dtype else out.to(q.dtype)

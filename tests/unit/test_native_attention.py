@@ -1,0 +1,197 @@
+"""The native CPU paged-attention kernel against the torch reference and plain dense attention."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import NativeCpuAttentionBackend, TorchAttentionBackend, get_attention_backend
+from kernels.attention import AttentionMetadata
+from kernels.cpu_native import build_library, library_name, load_library, native_available
+
+pytestmark = pytest.mark.skipif(not native_available(), reason="native CPU attention cannot be built here")
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of the last ``q.shape[0]`` positions over all of ``k``/``v`` ([L, kv_heads, d])."""
+    q_len, num_heads, _ = q.shape
+    seq_len, kv_heads, _ = k.shape
+    rep = num_heads // kv_heads
+    kr = k.double().repeat_interleave(rep, dim=1).transpose(0, 1)
+    vr = v.double().repeat_interleave(rep, dim=1).transpose(0, 1)
+    scores = torch.matmul(q.double().transpose(0, 1), kr.transpose(1, 2)) * scale
+    qpos = torch.arange(seq_len - q_len, seq_len)[:, None]
+    scores = scores.masked_fill(torch.arange(seq_len)[None, :] > qpos, float("-inf"))
+    return torch.matmul(torch.softmax(scores, -1), vr).transpose(0, 1).to(q.dtype)
+
+
+def make_step(
+    query_lens: list[int],
+    seq_lens: list[int],
+    num_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    seed: int = 0,
+) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Metadata, the cache (earlier tokens written, shuffled block ids), q, new k/v and the dense answer."""
+    gen = torch.Generator().manual_seed(seed)
+    need = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(need) + 3
+    ids = torch.randperm(num_blocks, generator=gen).tolist()
+    tables: list[list[int]] = []
+    for n in need:
+        tables.append(ids[:n])
+        ids = ids[n:]
+    kv = torch.randn(num_blocks, 2, block_size, kv_heads, head_dim, generator=gen)
+    full_k = [torch.randn(s, kv_heads, head_dim, generator=gen) for s in seq_lens]
+    full_v = [torch.randn(s, kv_heads, head_dim, generator=gen) for s in seq_lens]
+    for table, s_len, q_len, fk, fv in zip(tables, seq_lens, query_lens, full_k, full_v, strict=True):
+        pos = torch.arange(s_len - q_len)
+        blocks = torch.tensor(table, dtype=torch.int64)[pos // block_size]
+        kv[blocks, 0, pos % block_size] = fk[: s_len - q_len]
+        kv[blocks, 1, pos % block_size] = fv[: s_len - q_len]
+    qs = [torch.randn(q, num_heads, head_dim, generator=gen) for q in query_lens]
+    new_k = torch.cat([fk[s - q :] for fk, s, q in zip(full_k, seq_lens, query_lens, strict=True)])
+    new_v = torch.cat([fv[s - q :] for fv, s, q in zip(full_v, seq_lens, query_lens, strict=True)])
+    scale = head_dim**-0.5
+    expected = torch.cat(
+        [dense_attention(q, fk, fv, scale) for q, fk, fv in zip(qs, full_k, full_v, strict=True)]
+    )
+    meta = AttentionMetadata.build(block_size, query_lens, seq_lens, tables)
+    return meta, kv, torch.cat(qs), new_k, new_v, expected
+
+
+def run_native(
+    query_lens: list[int],
+    seq_lens: list[int],
+    num_heads: int,
+    kv_heads: int,
+    head_dim: int = 64,
+    block_size: int = 16,
+    seed: int = 0,
+    num_threads: int | None = None,
+) -> None:
+    meta, kv, q, k, v, expected = make_step(
+        query_lens, seq_lens, num_heads, kv_heads, head_dim, block_size, seed
+    )
+    scale = head_dim**-0.5
+    kv_ref = kv.clone()
+    reference = TorchAttentionBackend()
+    reference.prepare(meta)
+    ref_out = reference.forward(q, k, v, kv_ref, scale)
+
+    native = NativeCpuAttentionBackend(num_threads)
+    native.prepare(meta)
+    out = native.forward(q, k, v, kv, scale)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    assert torch.equal(kv, kv_ref), "K/V slot writes differ from the torch backend"
+
+
+@pytest.mark.parametrize(("num_heads", "kv_heads"), [(9, 3), (6, 1), (4, 4)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_mixed_batch(num_heads: int, kv_heads: int, head_dim: int) -> None:
+    # decodes, prefill chunks starting mid-sequence, a whole prompt; partial last blocks
+    run_native([1, 7, 1, 23, 1, 40], [13, 45, 4, 23, 100, 71], num_heads, kv_heads, head_dim, block_size=16)
+
+
+@pytest.mark.parametrize("num_threads", [1, 2, 3])
+def test_pure_decode_threads(num_threads: int) -> None:
+    lens = [1, 2, 15, 16, 17, 31, 33, 64, 100, 129]
+    run_native([1] * len(lens), lens, 9, 3, block_size=16, seed=1, num_threads=num_threads)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 64])
+def test_block_sizes(block_size: int) -> None:
+    run_native([1, 9, 1], [70, 20, 3], 8, 2, head_dim=64, block_size=block_size, seed=2)
+
+
+def test_many_heads_split_across_items() -> None:
+    # 40 query heads do not fit one work item: rows are split within a token
+    run_native([3, 1], [10, 33], 40, 8, head_dim=64, block_size=8, seed=3)
+
+
+def test_q_view_with_token_stride() -> None:
+    meta, kv, q, k, v, expected = make_step([1, 5], [20, 9], 6, 2, 64, 16, seed=4)
+    qkv = torch.cat([q, torch.randn(q.shape[0], 4, 64)], dim=1)  # q as a strided view, as the model passes it
+    native = NativeCpuAttentionBackend()
+    native.prepare(meta)
+    out = native.forward(qkv[:, :6], k, v, kv, 64**-0.5)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_bfloat16_cache() -> None:
+    meta, kv, q, k, v, expected = make_step([1, 6, 1], [30, 22, 5], 9, 3, 64, 16, seed=5)
+    ref_kv = kv.to(torch.bfloat16)
+    native_kv = ref_kv.clone()
+    reference = TorchAttentionBackend()
+    reference.prepare(meta)
+    ref_out = reference.forward(q.bfloat16(), k, v, ref_kv, 0.125)
+    native = NativeCpuAttentionBackend()
+    native.prepare(meta)
+    out = native.forward(q.bfloat16(), k, v, native_kv, 0.125)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(native_kv, ref_kv)
+    torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_unsupported_dtype_falls_back_to_torch() -> None:
+    meta, kv, q, k, v, expected = make_step([1, 4], [9, 12], 4, 2, 64, 16, seed=6)
+    native = NativeCpuAttentionBackend()
+    native.prepare(meta)
+    out = native.forward(q.double(), k.double(), v.double(), kv.double(), 0.125)
+    torch.testing.assert_close(out, expected.double(), atol=1e-5, rtol=1e-5)
+
+
+def test_backend_is_reusable_across_steps() -> None:
+    backend = get_attention_backend("cpu")
+    assert isinstance(backend, NativeCpuAttentionBackend)
+    kv = torch.zeros(4, 2, 4, 1, 64)
+    for step, (q_len, s_len) in enumerate([(3, 3), (1, 4), (1, 5)]):
+        backend.prepare(AttentionMetadata.build(4, [q_len], [s_len], [[2, 0]]))
+        q = torch.randn(q_len, 2, 64)
+        out = backend.forward(q, torch.randn(q_len, 1, 64), torch.randn(q_len, 1, 64), kv, 0.25)
+        assert out.shape == (q_len, 2, 64), step
+    assert kv[0, :, 1:].abs().sum() == 0
+
+
+def test_disabled_by_env_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDSERVE_NATIVE_KERNELS", "0")
+    assert not native_available()
+    assert isinstance(get_attention_backend("cpu"), TorchAttentionBackend)
+
+
+def test_library_name_changes_with_source_and_compiler() -> None:
+    base = library_name(b"int x;", "gcc 12.2.0", "cpu")
+    assert base == library_name(b"int x;", "gcc 12.2.0", "cpu")
+    assert base != library_name(b"int x; ", "gcc 12.2.0", "cpu")
+    assert base != library_name(b"int x;", "gcc 13.1.0", "cpu")
+    assert base != library_name(b"int x;", "gcc 12.2.0", "other cpu")
+    assert base.endswith(".so")
+
+
+def test_build_is_cached_by_name(tmp_path: Path) -> None:
+    first = build_library(tmp_path)
+    mtime = first.stat().st_mtime_ns
+    assert build_library(tmp_path) == first
+    assert first.stat().st_mtime_ns == mtime
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary files left behind
+
+
+def test_failed_build_warns_and_falls_back(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "no-such-compiler-pdserve")
+    load_library.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="kernels.cpu_native"):
+            assert not native_available()
+            assert isinstance(get_attention_backend("cpu"), TorchAttentionBackend)
+        assert sum("native CPU attention unavailable" in r.getMessage() for r in caplog.records) == 1
+    finally:
+        load_library.cache_clear()
