@@ -205,6 +205,15 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default: when the model has a chat template)")
     add_engine_args(gen)
     add_sampling_args(gen)
+    from cluster.serve import add_serve_args
+
+    serve = sub.add_parser(
+        "serve", help="serve the OpenAI HTTP API from prefill and decode workers on Ray",
+        description="Start (or attach to) Ray, start the prefill and decode workers, and serve the "
+                    "OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models, /health, "
+                    "/metrics) until Ctrl-C or SIGTERM.",
+    )
+    add_serve_args(serve)
     return parser
 
 
@@ -263,6 +272,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return run_generate(args)
+        if args.command == "serve":
+            from cluster.serve import run_serve
+
+            return run_serve(args)
     except (UsageError, ValueError, FileNotFoundError) as exc:
         return _fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
     return _fail(f"unknown command {args.command!r}")

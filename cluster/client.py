@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,7 +116,7 @@ class PDClient:
             await asyncio.wait_for(asyncio.gather(*[d.connect.remote(info) for d in self.decode]), timeout)
             self._agents.add(name)
 
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenBatch]:
+    async def generate(self, req: GenerateRequest) -> AsyncGenerator[TokenBatch, None]:
         """Stream token batches for ``req``; raises RequestFailed when it cannot be served."""
         rid = req.request_id
         self._touched[rid] = set()

@@ -13,8 +13,8 @@ disconnects has its backend requests aborted.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
-import secrets
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -23,8 +23,7 @@ from dataclasses import dataclass
 import msgspec
 from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.responses import Response, StreamingResponse
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.responses import Response
 
 from engine.tokenizer import Tokenizer
 from router.admission import AdmissionGate, Ticket
@@ -36,16 +35,15 @@ from router.errors import (
     invalid,
     model_not_found,
     timeout,
-    too_large,
-    unauthorized,
     unavailable,
 )
-from router.metrics import RouterMetrics
+from router.http import Gatekeeper, SSEResponse, read_body
+from router.metrics import RouterMetrics, worker_metrics
 from router.protocol import (
     ChatCompletionRequest,
+    CompletionParams,
     CompletionRequest,
     Prompt,
-    _Common,
     check_common,
     completion_prompts,
     decode_body,
@@ -66,7 +64,7 @@ from router.streaming import (
 )
 from transfer.messages import GenerateRequest, RequestFailed
 
-OPEN_PATHS = frozenset({"/health"})
+WORKER_STATS_TIMEOUT = 5.0
 
 
 @dataclass(frozen=True)
@@ -83,68 +81,11 @@ class RouterConfig:
     default_max_tokens: int | None = None
 
 
-class _Gatekeeper:
-    """ASGI middleware: the API key check on every path but /health, and request counting by status."""
-
-    def __init__(self, app: ASGIApp, api_key: str | None, metrics: RouterMetrics) -> None:
-        self.app, self.metrics = app, metrics
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        path: str = scope["path"]
-        if self.expected is not None and path not in OPEN_PATHS:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
-                self.metrics.requests.labels(path, "401").inc()
-                return await unauthorized().response()(scope, receive, send)
-        status = ["499"]
-
-        async def counting_send(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                status[0] = str(message["status"])
-            await send(message)
-
-        try:
-            await self.app(scope, receive, counting_send)
-        finally:
-            if path.startswith("/v1/"):
-                self.metrics.requests.labels(path, status[0]).inc()
-
-
-class _SSEResponse(StreamingResponse):
-    """A streaming response that always closes its body iterator (aborting unfinished requests)."""
-
-    body_iterator: AsyncIterator[bytes]
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            import anyio
-
-            with anyio.CancelScope(shield=True):
-                await self.body_iterator.aclose()  # type: ignore[attr-defined]
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limit:
-        raise too_large(limit)
-    body = bytearray()
-    async for part in request.stream():
-        body += part
-        if len(body) > limit:
-            raise too_large(limit)
-    return bytes(body)
-
-
 @dataclass
 class _Job:
     """One HTTP generation request, fanned out into ``len(prompts) x n`` backend requests."""
 
-    req: _Common
+    req: CompletionParams
     chat: bool
     envelope: Envelope
     prompts: list[list[int]]
@@ -159,14 +100,14 @@ def create_app(backend: Backend, tokenizer: Tokenizer, config: RouterConfig) -> 
     metrics = RouterMetrics(gate)
     app = FastAPI(title="pdserve", summary="OpenAI-compatible API of a prefill/decode serving cluster.")
     install_handlers(app)
-    app.add_middleware(_Gatekeeper, api_key=config.api_key, metrics=metrics)
+    app.add_middleware(Gatekeeper, api_key=config.api_key, metrics=metrics)
     started_at = int(time.time())
 
     @functools.lru_cache(maxsize=65536)
     def token_text(token_id: int) -> str:
         return tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def build_job(req: _Common, chat: bool, prompts: list[list[int]], param: str) -> _Job:
+    def build_job(req: CompletionParams, chat: bool, prompts: list[list[int]], param: str) -> _Job:
         n = req.choices
         requests: list[GenerateRequest] = []
         prefix = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -190,8 +131,8 @@ def create_app(backend: Backend, tokenizer: Tokenizer, config: RouterConfig) -> 
             [ChoiceDecoder(i, tokenizer, stops) for i in range(len(requests))],
             [LogprobFormatter(chat, token_text) for _ in requests])
 
-    async def prepare(request: Request, type_: type[_Common]) -> _Common:
-        req = decode_body(await _read_body(request, config.max_request_bytes), type_)
+    async def prepare(request: Request, type_: type[CompletionParams]) -> CompletionParams:
+        req = decode_body(await read_body(request, config.max_request_bytes), type_)
         check_common(req)
         if req.model != config.model_name:
             raise model_not_found(req.model)
@@ -214,7 +155,7 @@ def create_app(backend: Backend, tokenizer: Tokenizer, config: RouterConfig) -> 
         ticket.started()
         metrics.ttft.labels(endpoint).observe(time.monotonic() - admitted)
         if job.req.streaming:
-            return _SSEResponse(stream(job, first, deltas, ticket), media_type="text/event-stream",
+            return SSEResponse(stream(job, first, deltas, ticket), media_type="text/event-stream",
                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         with ticket:
             texts: list[list[str]] = [[] for _ in job.requests]
@@ -305,7 +246,11 @@ def create_app(backend: Backend, tokenizer: Tokenizer, config: RouterConfig) -> 
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        text = generate_latest(metrics.registry)
+        if backend.is_ready():
+            with contextlib.suppress(TimeoutError, RequestFailed):
+                text += worker_metrics(await asyncio.wait_for(backend.stats(), WORKER_STATS_TIMEOUT))
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     schema_components = openapi_components()
 

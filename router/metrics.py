@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from router.admission import AdmissionGate
+from transfer.messages import WorkerStats
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
@@ -29,3 +30,22 @@ class RouterMetrics:
         flight = Gauge("pdserve:router_in_flight_requests", "Requests admitted and not yet answered in full.",
                        registry=r)
         flight.set_function(lambda: gate.in_flight)
+
+
+WORKER_GAUGES = {
+    "num_running": "Requests running on the worker.",
+    "num_waiting": "Requests waiting on the worker.",
+    "num_used_blocks": "KV blocks held by requests or leases on the worker.",
+    "num_free_kv_blocks": "Free KV blocks on the worker.",
+    "num_leases": "KV leases the worker holds for decode to pull.",
+}
+
+
+def worker_metrics(stats: list[WorkerStats]) -> bytes:
+    """Prometheus text for the workers' current stats (``pdserve:worker_*{worker,role}``)."""
+    registry = CollectorRegistry()
+    for name, doc in WORKER_GAUGES.items():
+        gauge = Gauge(f"pdserve:worker_{name}", doc, ["worker", "role"], registry=registry)
+        for s in stats:
+            gauge.labels(s.worker_id, s.role).set(getattr(s, name))
+    return generate_latest(registry)

@@ -51,7 +51,7 @@ class StreamOptions(msgspec.Struct, frozen=True):
     include_usage: bool = False
 
 
-class _Common(msgspec.Struct, frozen=True, kw_only=True):
+class CompletionParams(msgspec.Struct, frozen=True, kw_only=True):
     """Fields shared by both endpoints (OpenAI's, then vLLM-style extras)."""
 
     model: str
@@ -92,7 +92,7 @@ class _Common(msgspec.Struct, frozen=True, kw_only=True):
         return None
 
 
-class ChatCompletionRequest(_Common, frozen=True, kw_only=True):
+class ChatCompletionRequest(CompletionParams, frozen=True, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool | None = None
@@ -108,7 +108,7 @@ class ChatCompletionRequest(_Common, frozen=True, kw_only=True):
         return [{"role": m.role, "content": m.text()} for m in self.messages]
 
 
-class CompletionRequest(_Common, frozen=True, kw_only=True):
+class CompletionRequest(CompletionParams, frozen=True, kw_only=True):
     prompt: str | list[str | int | list[int]]
     logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool | None = None
@@ -151,7 +151,7 @@ def decode_body(raw: bytes, type_: type[T]) -> T:
         raise invalid(f"Request body is not valid JSON: {exc}.") from None
 
 
-def check_common(req: _Common) -> None:
+def check_common(req: CompletionParams) -> None:
     """Cross-field checks msgspec cannot express; raises a 400 APIError."""
     stops = stop_strings(req)
     if len(stops) > MAX_STOP:
@@ -170,7 +170,7 @@ def check_common(req: _Common) -> None:
         raise invalid("'echo' is not supported.", "echo")
 
 
-def stop_strings(req: _Common) -> list[str]:
+def stop_strings(req: CompletionParams) -> list[str]:
     if req.stop is None:
         return []
     return [req.stop] if isinstance(req.stop, str) else list(req.stop)
@@ -200,7 +200,7 @@ def completion_prompts(req: CompletionRequest, vocab_size: int) -> list[Prompt]:
     return prompts
 
 
-def sampling_for(req: _Common, max_tokens: int, index: int) -> SamplingSpec:
+def sampling_for(req: CompletionParams, max_tokens: int, index: int) -> SamplingSpec:
     """The wire sampling parameters of choice ``index`` (a seeded request uses ``seed + index``)."""
     seed = None if req.seed is None else req.seed + index
     return SamplingSpec(

@@ -93,7 +93,10 @@ class ChoiceDecoder:
         self._filter = StopFilter(self.stops)
 
     def feed(self, batch: TokenBatch) -> ChoiceDelta:
-        """Consume one batch; the delta's ``finish_reason`` is set when this choice has ended."""
+        """Consume one batch; the delta's ``finish_reason`` is set when this choice has ended (later
+        batches are ignored)."""
+        if self.finish_reason is not None:
+            return ChoiceDelta(self.index, "", [], self.finish_reason)
         self.prompt_tokens = batch.prompt_tokens or self.prompt_tokens
         self.cached_tokens = max(self.cached_tokens, batch.cached_tokens)
         text: list[str] = []

@@ -97,6 +97,7 @@ class WorkerStats(msgspec.Struct, frozen=True, kw_only=True):
     transfer_seconds: float = 0.0
     transfer_failures: int = 0
     leases_expired: int = 0
+    pid: int = 0
 
 
 class KvEvents(msgspec.Struct, frozen=True):

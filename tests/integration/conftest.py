@@ -3,8 +3,16 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
 
+import httpx
 import pytest
 
 
@@ -17,3 +25,78 @@ def ray_session() -> Iterator[None]:
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     yield
     ray.shutdown()
+
+
+@dataclass
+class PdserveServer:
+    """A ``pdserve serve`` subprocess on a free local port."""
+
+    url: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM, then the exit code; fails when the process is still alive after ``timeout``."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(10)
+            pytest.fail(f"pdserve serve did not exit within {timeout} s of SIGTERM\n{self.log_tail()}")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+SERVER_FLAGS = ("--num-prefill", "1", "--num-decode", "1", "--worker-cpus", "0.5", "--torch-threads", "1",
+                "--kv-cache-memory", "256M")
+
+
+@pytest.fixture(scope="module")
+def pdserve_factory(default_model_path: Path,
+                    tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., PdserveServer]]:
+    """Start ``pdserve serve`` with extra flags and wait for /health 200 (180 s); all stop at module end,
+    each asserted to exit 0 within 30 s of SIGTERM."""
+    servers: list[PdserveServer] = []
+    root = Path(__file__).resolve().parents[2]
+
+    def start(*extra: str) -> PdserveServer:
+        port = _free_port()
+        log_path = tmp_path_factory.mktemp("pdserve") / "serve.log"
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        cmd = [sys.executable, "-m", "cluster.cli", "serve", "--model", str(default_model_path),
+               "--port", str(port), *SERVER_FLAGS, *extra]
+        with log_path.open("wb") as log:
+            proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
+        server = PdserveServer(f"http://127.0.0.1:{port}", proc, log_path)
+        servers.append(server)
+        deadline = time.monotonic() + 180
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"pdserve serve exited with {proc.returncode}\n{server.log_tail()}")
+            try:
+                if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
+                    return server
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"pdserve serve not healthy within 180 s\n{server.log_tail()}")
+            time.sleep(0.5)
+
+    yield start
+    codes = [s.stop() for s in reversed(servers)]
+    assert codes == [0] * len(codes), codes
+
+
+@pytest.fixture(scope="module")
+def pdserve_server(pdserve_factory: Callable[..., PdserveServer]) -> PdserveServer:
+    """One default server per test module."""
+    return pdserve_factory()

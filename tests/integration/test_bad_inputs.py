@@ -1,0 +1,185 @@
+"""Bad requests get OpenAI-shaped 4xx errors (never a 500), full queues get 503 + Retry-After, slow
+requests 408, and the server keeps serving normally afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import pytest
+
+if TYPE_CHECKING:
+    from tests.integration.conftest import PdserveServer
+
+pytestmark = pytest.mark.slow
+
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+MODEL = "tiny"
+MAX_MODEL_LEN = 1024
+CHAT = "/v1/chat/completions"
+COMP = "/v1/completions"
+MSGS = [{"role": "user", "content": "Say hi."}]
+BAD = "invalid_request_error"
+
+
+@pytest.fixture(scope="module")
+def server(pdserve_factory: Callable[..., PdserveServer]) -> PdserveServer:
+    return pdserve_factory("--api-key", KEY, "--served-model-name", MODEL, "--max-request-bytes", "64K",
+                           "--max-model-len", str(MAX_MODEL_LEN), "--max-queued-requests", "3",
+                           "--request-timeout", "6")
+
+
+def chat(**kw: Any) -> bytes:
+    return json.dumps({"model": MODEL, "messages": MSGS, "max_tokens": 4, **kw}).encode()
+
+
+def comp(**kw: Any) -> bytes:
+    return json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": 4, **kw}).encode()
+
+
+# (id, method, path, body, headers, status, error type, param)
+CASES: list[tuple[str, str, str, bytes, dict[str, str], int, str, str | None]] = [
+    ("malformed-json", "POST", CHAT, b'{"model": ', AUTH, 400, BAD, None),
+    ("trailing-garbage", "POST", COMP, comp() + b"}", AUTH, 400, BAD, None),
+    ("non-object", "POST", CHAT, b"[1, 2, 3]", AUTH, 400, BAD, None),
+    ("string-body", "POST", COMP, b'"hello"', AUTH, 400, BAD, None),
+    ("empty-body", "POST", COMP, b"", AUTH, 400, BAD, None),
+    ("non-utf8", "POST", COMP, b'{"model": "tiny", "prompt": "\xff\xfe"}', AUTH, 400, BAD, None),
+    ("nan-literal", "POST", COMP, b'{"model": "tiny", "prompt": "x", "temperature": NaN}', AUTH, 400, BAD,
+     None),
+    ("missing-model", "POST", CHAT, json.dumps({"messages": MSGS}).encode(), AUTH, 400, BAD, "model"),
+    ("missing-messages", "POST", CHAT, json.dumps({"model": MODEL}).encode(), AUTH, 400, BAD, "messages"),
+    ("empty-messages", "POST", CHAT, chat(messages=[]), AUTH, 400, BAD, "messages"),
+    ("messages-string", "POST", CHAT, chat(messages="hi"), AUTH, 400, BAD, "messages"),
+    ("bad-role", "POST", CHAT, chat(messages=[{"role": "wizard", "content": "x"}]), AUTH, 400, BAD,
+     "messages[0].role"),
+    ("content-number", "POST", CHAT, chat(messages=[{"role": "user", "content": 5}]), AUTH, 400, BAD,
+     "messages[0].content"),
+    ("max-tokens-string", "POST", CHAT, chat(max_tokens="10"), AUTH, 400, BAD, "max_tokens"),
+    ("max-tokens-zero", "POST", COMP, comp(max_tokens=0), AUTH, 400, BAD, "max_tokens"),
+    ("max-tokens-float", "POST", COMP, comp(max_tokens=2.5), AUTH, 400, BAD, "max_tokens"),
+    ("max-completion-tokens-negative", "POST", CHAT, chat(max_completion_tokens=-1), AUTH, 400, BAD,
+     "max_completion_tokens"),
+    ("temperature-high", "POST", CHAT, chat(temperature=3), AUTH, 400, BAD, "temperature"),
+    ("temperature-string", "POST", COMP, comp(temperature="hot"), AUTH, 400, BAD, "temperature"),
+    ("top-p-zero", "POST", COMP, comp(top_p=0), AUTH, 400, BAD, "top_p"),
+    ("min-p-high", "POST", COMP, comp(min_p=1.5), AUTH, 400, BAD, "min_p"),
+    ("top-k-negative", "POST", COMP, comp(top_k=-5), AUTH, 400, BAD, "top_k"),
+    ("n-zero", "POST", CHAT, chat(n=0), AUTH, 400, BAD, "n"),
+    ("n-huge", "POST", COMP, comp(n=1000), AUTH, 400, BAD, "n"),
+    ("presence-penalty", "POST", CHAT, chat(presence_penalty=2.5), AUTH, 400, BAD, "presence_penalty"),
+    ("frequency-penalty", "POST", COMP, comp(frequency_penalty=-3), AUTH, 400, BAD, "frequency_penalty"),
+    ("repetition-penalty-zero", "POST", COMP, comp(repetition_penalty=0), AUTH, 400, BAD,
+     "repetition_penalty"),
+    ("stop-five", "POST", COMP, comp(stop=["a", "b", "c", "d", "e"]), AUTH, 400, BAD, "stop"),
+    ("stop-number", "POST", CHAT, chat(stop=5), AUTH, 400, BAD, "stop"),
+    ("stop-empty-string", "POST", CHAT, chat(stop=[""]), AUTH, 400, BAD, "stop"),
+    ("seed-string", "POST", COMP, comp(seed="abc"), AUTH, 400, BAD, "seed"),
+    ("seed-too-big", "POST", COMP, comp(seed=2**70), AUTH, 400, BAD, "seed"),
+    ("stream-string", "POST", CHAT, chat(stream="yes"), AUTH, 400, BAD, "stream"),
+    ("stream-options-without-stream", "POST", CHAT, chat(stream_options={"include_usage": True}), AUTH,
+     400, BAD, "stream_options"),
+    ("chat-logprobs-int", "POST", CHAT, chat(logprobs=3), AUTH, 400, BAD, "logprobs"),
+    ("top-logprobs-alone", "POST", CHAT, chat(top_logprobs=2), AUTH, 400, BAD, "top_logprobs"),
+    ("top-logprobs-high", "POST", CHAT, chat(logprobs=True, top_logprobs=50), AUTH, 400, BAD, "top_logprobs"),
+    ("completion-logprobs-high", "POST", COMP, comp(logprobs=99), AUTH, 400, BAD, "logprobs"),
+    ("min-tokens-over-max", "POST", COMP, comp(min_tokens=10, max_tokens=4), AUTH, 400, BAD, "min_tokens"),
+    ("prompt-empty", "POST", COMP, comp(prompt=""), AUTH, 400, BAD, "prompt"),
+    ("prompt-empty-list", "POST", COMP, comp(prompt=[]), AUTH, 400, BAD, "prompt"),
+    ("prompt-mixed", "POST", COMP, comp(prompt=[1, "a"]), AUTH, 400, BAD, "prompt"),
+    ("prompt-token-out-of-vocab", "POST", COMP, comp(prompt=[10**9]), AUTH, 400, BAD, "prompt"),
+    ("prompt-negative-token", "POST", COMP, comp(prompt=[[1, -2]]), AUTH, 400, BAD, "prompt"),
+    ("prompt-object", "POST", COMP, comp(prompt={"text": "x"}), AUTH, 400, BAD, "prompt"),
+    ("prompt-too-long", "POST", COMP, comp(prompt=[1] * (MAX_MODEL_LEN + 5)), AUTH, 400, BAD, "prompt"),
+    ("prompt-plus-max-tokens", "POST", COMP, comp(prompt=[1] * 1000, max_tokens=100), AUTH, 400, BAD,
+     "max_tokens"),
+    ("chat-too-long", "POST", CHAT, chat(messages=[{"role": "user", "content": "word " * 1200}]), AUTH,
+     400, BAD, "messages"),
+    ("echo-unsupported", "POST", COMP, comp(echo=True), AUTH, 400, BAD, "echo"),
+    ("unknown-model", "POST", CHAT, chat(model="gpt-4"), AUTH, 404, BAD, "model"),
+    ("missing-key", "POST", CHAT, chat(), {}, 401, BAD, None),
+    ("wrong-key", "POST", COMP, comp(), {"Authorization": "Bearer nope"}, 401, BAD, None),
+    ("models-without-key", "GET", "/v1/models", b"", {}, 401, BAD, None),
+    ("metrics-without-key", "GET", "/metrics", b"", {}, 401, BAD, None),
+    ("too-large", "POST", COMP, comp(prompt="x" * 70_000), AUTH, 413, BAD, None),
+    ("unknown-route", "POST", "/v1/nothing", comp(), AUTH, 404, BAD, None),
+    ("wrong-method", "GET", CHAT, b"", AUTH, 405, BAD, None),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "body", "headers", "status", "kind", "param"),
+                         [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input(server: PdserveServer, method: str, path: str, body: bytes, headers: dict[str, str],
+                   status: int, kind: str, param: str | None) -> None:
+    resp = httpx.request(method, server.url + path, content=body or None, timeout=30,
+                         headers={"Content-Type": "application/json", **headers})
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == kind and error["message"]
+    assert error["param"] == param, error
+    if status == 404 and path == CHAT:
+        assert error["code"] == "model_not_found"
+
+
+def test_health_needs_no_key(server: PdserveServer) -> None:
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def metric(server: PdserveServer, name: str) -> float:
+    text = httpx.get(f"{server.url}/metrics", headers=AUTH, timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+def wait_idle(server: PdserveServer, timeout: float = 20.0) -> None:
+    names = ("pdserve:router_in_flight_requests", "pdserve:router_queued_requests",
+             "pdserve:router_queued_prompt_tokens", "pdserve:worker_num_running",
+             "pdserve:worker_num_used_blocks", "pdserve:worker_num_leases")
+    deadline = time.monotonic() + timeout
+    while any(metric(server, n) for n in names):
+        assert time.monotonic() < deadline, {n: metric(server, n) for n in names}
+        time.sleep(0.2)
+
+
+def test_request_timeout_is_408_and_aborts(server: PdserveServer) -> None:
+    start = time.monotonic()
+    resp = httpx.post(f"{server.url}{COMP}", headers=AUTH, timeout=60,
+                      content=comp(max_tokens=900, ignore_eos=True))
+    assert resp.status_code == 408, resp.text
+    assert resp.json()["error"]["code"] == "request_timeout"
+    assert time.monotonic() - start < 20
+    wait_idle(server)
+
+
+def test_burst_beyond_queue_gets_503_then_normal_service(server: PdserveServer) -> None:
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(headers=AUTH, timeout=120) as http:
+            reqs = [http.post(f"{server.url}{CHAT}", content=chat(max_tokens=8, temperature=0))
+                    for _ in range(30)]
+            return list(await asyncio.gather(*reqs))
+
+    responses = asyncio.run(burst())
+    refused = [r for r in responses if r.status_code == 503]
+    served = [r for r in responses if r.status_code == 200]
+    assert len(refused) + len(served) == len(responses), [r.text for r in responses]
+    assert refused and served
+    for r in refused:
+        assert r.headers["Retry-After"].isdigit()
+        assert r.json()["error"]["code"] == "queue_full"
+    texts = {r.json()["choices"][0]["message"]["content"] for r in served}
+    assert len(texts) == 1 and all(r.json()["choices"][0]["finish_reason"] for r in served)
+    wait_idle(server)
+
+
+def test_still_serving_after_everything(server: PdserveServer) -> None:
+    resp = httpx.post(f"{server.url}{CHAT}", headers=AUTH, content=chat(max_tokens=8), timeout=60)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["message"]["content"]
+    text = httpx.get(f"{server.url}/metrics", headers=AUTH).text
+    assert 'status="500"' not in text
