@@ -130,7 +130,8 @@ class PrefillWorker:
         s = self.engine.stats()
         pool = self.engine.kv.pool
         return pack(WorkerStats(
-            worker_id=self.worker_id, role=self.role, pid=os.getpid(), num_running=s.num_running, num_waiting=s.num_waiting,
+            worker_id=self.worker_id, role=self.role, pid=os.getpid(),
+            num_running=s.num_running, num_waiting=s.num_waiting,
             num_kv_blocks=s.num_kv_blocks, num_free_kv_blocks=s.num_free_kv_blocks,
             num_used_blocks=pool.num_used_blocks, num_cached_blocks=len(pool.cached),
             num_leases=self.source.num_leases(), prefix_queries=s.prefix_queries,
