@@ -7,7 +7,9 @@ Retry-After), then generation under ``request_timeout`` (408, the backend
 request aborted). A streaming response starts only once the first token has
 arrived, so failures before it still get their status code; a failure after it
 ends the stream with an ``error`` event and ``data: [DONE]``. A client that
-disconnects has its backend requests aborted.
+disconnects has its backend requests aborted. Generation responses carry
+``x-pdserve-decode-worker``: the decode worker that produced the first token.
+``GET /v1/workers`` lists every live worker's ``WorkerStats``.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ from router.streaming import (
 from transfer.messages import GenerateRequest, RequestFailed
 
 WORKER_STATS_TIMEOUT = 5.0
+DECODE_WORKER_HEADER = "x-pdserve-decode-worker"
 
 
 @dataclass(frozen=True)
@@ -154,9 +157,10 @@ def create_app(backend: Backend, tokenizer: Tokenizer, config: RouterConfig) -> 
             raise _as_api_error(exc, config.request_timeout) from None
         ticket.started()
         metrics.ttft.labels(endpoint).observe(time.monotonic() - admitted)
+        worker = {DECODE_WORKER_HEADER: job.decoders[first.index].worker_id}
         if job.req.streaming:
             return SSEResponse(stream(job, first, deltas, ticket), media_type="text/event-stream",
-                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **worker})
         with ticket:
             texts: list[list[str]] = [[] for _ in job.requests]
             lps: list[list[Json]] = [[] for _ in job.requests]
@@ -174,7 +178,7 @@ def create_app(backend: Backend, tokenizer: Tokenizer, config: RouterConfig) -> 
                           else None, d.finish_reason, chunk=False) for i, d in enumerate(job.decoders)]
         metrics.output_tokens.inc(sum(d.num_tokens for d in job.decoders))
         body = job.envelope.wrap(choices, chunk=False, usage=usage(job.decoders, _lens(job), job.req.choices))
-        return Response(msgspec.json.encode(body), media_type="application/json")
+        return Response(msgspec.json.encode(body), media_type="application/json", headers=worker)
 
     async def stream(job: _Job, first: ChoiceDelta, deltas: AsyncGenerator[ChoiceDelta, None],
                      ticket: Ticket) -> AsyncIterator[bytes]:
@@ -251,6 +255,18 @@ def create_app(backend: Backend, tokenizer: Tokenizer, config: RouterConfig) -> 
             with contextlib.suppress(TimeoutError, RequestFailed):
                 text += worker_metrics(await asyncio.wait_for(backend.stats(), WORKER_STATS_TIMEOUT))
         return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/workers")
+    async def workers() -> Response:
+        """Every live worker's current stats (KV blocks, running requests, leases, process id)."""
+        if not backend.is_ready():
+            raise unavailable("The server is starting; retry shortly.", code="not_ready")
+        try:
+            stats = await asyncio.wait_for(backend.stats(), WORKER_STATS_TIMEOUT)
+        except (TimeoutError, RequestFailed) as exc:
+            raise unavailable(f"Worker stats unavailable: {type(exc).__name__}", code="stats_unavailable") \
+                from None
+        return Response(msgspec.json.encode({"workers": stats}), media_type="application/json")
 
     schema_components = openapi_components()
 

@@ -84,6 +84,7 @@ class ChoiceDecoder:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     finish_reason: str | None = None
+    worker_id: str = ""
     _detok: IncrementalDetokenizer = field(init=False)
     _filter: StopFilter = field(init=False)
     _pending: list[TokenLogprob] = field(default_factory=list)
@@ -99,6 +100,7 @@ class ChoiceDecoder:
             return ChoiceDelta(self.index, "", [], self.finish_reason)
         self.prompt_tokens = batch.prompt_tokens or self.prompt_tokens
         self.cached_tokens = max(self.cached_tokens, batch.cached_tokens)
+        self.worker_id = self.worker_id or batch.worker_id
         text: list[str] = []
         for i, token in enumerate(batch.token_ids):
             self.num_tokens += 1
