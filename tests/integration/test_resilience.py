@@ -1,0 +1,150 @@
+"""Faults over real HTTP against `pdserve serve` (1 prefill, 2 decode, round-robin, migration limit 1):
+a storm of client disconnects leaves no KV held anywhere, and a decode worker killed mid-stream has its
+request migrated so the client's stream completes with the undisturbed greedy text.
+
+The migration test kills a worker for good (actors are not restarted), so it runs last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import pytest
+
+if TYPE_CHECKING:
+    from tests.integration.conftest import PdserveServer
+
+pytestmark = pytest.mark.slow
+
+KEY = "resilience-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+MODEL = "tiny"
+CHAT = "/v1/chat/completions"
+HEADER = "x-pdserve-decode-worker"
+BUSY_FIELDS = ("num_used_blocks", "num_running", "num_leases", "num_reserved")
+
+
+@pytest.fixture(scope="module")
+def server(pdserve_factory: Callable[..., PdserveServer]) -> PdserveServer:
+    return pdserve_factory("--num-prefill", "1", "--num-decode", "2", "--routing", "round-robin",
+                           "--migration-limit", "1", "--api-key", KEY, "--served-model-name", MODEL)
+
+
+def workers(server: PdserveServer) -> list[dict[str, Any]]:
+    resp = httpx.get(f"{server.url}/v1/workers", headers=AUTH, timeout=10)
+    assert resp.status_code == 200, resp.text
+    return list(resp.json()["workers"])
+
+
+def wait_drained(server: PdserveServer, num_workers: int, timeout: float = 60.0) -> list[dict[str, Any]]:
+    """Until ``num_workers`` workers answer and none holds a block, a request, a lease or a reservation."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = workers(server)
+        busy = {w["worker_id"]: {f: w[f] for f in BUSY_FIELDS if w[f]} for w in stats}
+        if len(stats) == num_workers and not any(busy.values()):
+            return stats
+        assert time.monotonic() < deadline, busy
+        time.sleep(0.2)
+
+
+def chat(content: str, max_tokens: int, stream: bool) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": content}],
+                            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+def events(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
+    for line in lines:
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[6:])
+
+
+def serves_normally(server: PdserveServer) -> None:
+    resp = httpx.post(f"{server.url}{CHAT}", headers=AUTH, json=chat("Say hi.", 8, False), timeout=60)
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["choices"][0]["message"]["content"] and body["usage"]["completion_tokens"] == 8
+
+
+def test_workers_endpoint(server: PdserveServer) -> None:
+    assert httpx.get(f"{server.url}/v1/workers", timeout=10).status_code == 401
+    stats = wait_drained(server, 3)
+    assert sorted((w["role"], w["worker_id"]) for w in stats) == [
+        ("decode", "decode-0"), ("decode", "decode-1"), ("prefill", "prefill-0")]
+    assert all(w["pid"] > 0 and w["num_kv_blocks"] > 0 for w in stats)
+    assert "/v1/workers" in httpx.get(f"{server.url}/openapi.json", headers=AUTH, timeout=10).json()["paths"]
+
+
+def test_disconnect_storm_frees_everything(server: PdserveServer) -> None:
+    async def one(http: httpx.AsyncClient, i: int) -> tuple[str, int]:
+        body = chat(f"Write a long story about lighthouse number {i}.", 400, True)
+        async with http.stream("POST", f"{server.url}{CHAT}", json=body) as resp:
+            assert resp.status_code == 200
+            got = 0
+            async for line in resp.aiter_lines():
+                got += line.startswith("data: {")
+                if got == 3:  # the role chunk and two with text
+                    break
+            return resp.headers[HEADER], got
+
+    async def storm() -> list[tuple[str, int]]:
+        async with httpx.AsyncClient(headers=AUTH, timeout=120) as http:
+            return list(await asyncio.wait_for(asyncio.gather(*[one(http, i) for i in range(50)]), 180))
+
+    results = asyncio.run(storm())
+    assert all(got == 3 for _, got in results), results
+    assert {w for w, _ in results} == {"decode-0", "decode-1"}  # round-robin over both decode workers
+    wait_drained(server, 3)
+    serves_normally(server)
+    wait_drained(server, 3)
+
+
+def test_decode_worker_killed_mid_stream_migrates(server: PdserveServer) -> None:
+    prompt, max_tokens = "List the planets of the solar system and describe each one.", 64
+    baseline = httpx.post(f"{server.url}{CHAT}", headers=AUTH, json=chat(prompt, max_tokens, False),
+                          timeout=120)
+    assert baseline.status_code == 200, baseline.text
+    assert baseline.headers[HEADER] in {"decode-0", "decode-1"}
+    expected = baseline.json()["choices"][0]["message"]["content"]
+
+    text: list[str] = []
+    finish: list[str] = []
+    usage: dict[str, Any] = {}
+    killed = ""
+    with httpx.Client(headers=AUTH, timeout=120) as http, \
+            http.stream("POST", f"{server.url}{CHAT}", json=chat(prompt, max_tokens, True)) as resp:
+        assert resp.status_code == 200
+        victim = resp.headers[HEADER]
+        for n, event in enumerate(events(resp.iter_lines()), 1):
+            for c in event["choices"]:
+                text.append(c["delta"].get("content") or "")
+                if c["finish_reason"]:
+                    finish.append(c["finish_reason"])
+            usage = event.get("usage") or usage
+            if n == 4:
+                assert not finish, "the stream ended before the kill"
+                stats = {w["worker_id"]: w for w in workers(server)}
+                survivor = next(w for w in stats.values()
+                                if w["role"] == "decode" and w["worker_id"] != victim)
+                os.kill(stats[victim]["pid"], signal.SIGKILL)
+                killed = victim
+    assert killed
+    assert finish == ["length"]
+    assert usage["completion_tokens"] == max_tokens
+    assert "".join(text) == expected
+    after = wait_drained(server, 2)
+    assert {w["worker_id"] for w in after} == {"prefill-0", survivor["worker_id"]}
+    moved = next(w for w in after if w["worker_id"] == survivor["worker_id"])
+    assert moved["prefix_queries"] > survivor["prefix_queries"]  # the continuation ran on the survivor
+    serves_normally(server)
+    wait_drained(server, 2)
