@@ -5,7 +5,9 @@
 Each of N system prompts (``--prefix-len`` tokens, distinct) is followed by M
 short questions; the N x M requests are sent in a seeded random order with a
 fixed concurrency, once per policy, each policy on freshly started workers so
-no cache carries over. Reported: prefix-cache hit rate (prompt tokens served
+no cache carries over. Each worker's KV (``--kv-cache-memory``) holds fewer
+prefixes than the workload has, as in production where the working set
+outgrows one worker's cache. Reported: prefix-cache hit rate (prompt tokens served
 from a cache, on the decode or prefill worker, / prompt tokens), mean and p90
 TTFT, and wall time.
 """
@@ -70,9 +72,10 @@ def workload(args: argparse.Namespace) -> list[list[int]]:
 
 
 async def run_policy(args: argparse.Namespace, policy: str, prompts: list[list[int]]) -> dict[str, Any]:
-    config = EngineConfig(dtype="float32", max_num_batched_tokens=1024, kv_cache_memory=768 * 2**20)
+    config = EngineConfig(dtype="float32", max_num_batched_tokens=1024, kv_cache_memory=args.kv_cache_memory)
     group = start_workers(args.model, config, num_prefill=2, num_decode=2)
-    client = PDClient(group.prefill, group.decode, ClientConfig(routing=policy))
+    client = PDClient(group.prefill, group.decode,
+                      ClientConfig(routing=policy, disagg_min_tokens=args.disagg_min_tokens))
     await client.start()
     sem = asyncio.Semaphore(args.concurrency)
     ttfts: list[float] = []
@@ -121,6 +124,11 @@ def main() -> None:
     parser.add_argument("--questions", type=int, default=8)
     parser.add_argument("--prefix-len", type=int, default=1024)
     parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--disagg-min-tokens", type=int, default=128,
+                        help="prompts whose part the decode worker lacks is shorter prefill there")
+    parser.add_argument("--kv-cache-memory", type=int, default=320 * 2**20,
+                        help="KV bytes per worker; the default holds about six of the eight prefixes, "
+                        "so a policy that spreads every prefix over every worker evicts")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     prompts = workload(args)

@@ -85,6 +85,7 @@ class PDClient:
         self.decisions: dict[tuple[str, str, str], int] = {}
         self._touched: dict[str, set[Any]] = {}
         self._agents: set[str] = set()
+        self._charges: dict[tuple[int, str], int] = {}
 
     @property
     def prefill(self) -> list[Any]:
@@ -155,20 +156,25 @@ class PDClient:
         return self._choose("decode", live, req)
 
     def _choose(self, role: str, live: list[WorkerState], req: GenerateRequest) -> WorkerState:
+        """Ask the policy; charge the worker the work it takes on until ``_release_load``: the
+        prompt tokens it lacks (to compute on prefill, to receive or compute on decode) plus, on
+        decode, the tokens it will generate."""
         n = len(req.prompt_token_ids)
         hashes = self.table.index.hashes(req.prompt_token_ids) if self.table.index else []
         cands = self.table.candidates(live, hashes, self.block_size)
         need = -(-(n + 1) // self.block_size)
         chosen, reason = self.policy.pick(role, cands, n, need)
-        key = (role, self.policy.name, reason)
-        self.decisions[key] = self.decisions.get(key, 0) + 1
+        self._count(role, reason)
         worker = live[chosen.index]
-        worker.inflight_tokens += n + (req.sampling.max_tokens or 0 if role == "decode" else 0)
+        output = (req.sampling.max_tokens or 0) if role == "decode" else 0
+        charge = max(n - chosen.prefix_tokens, 0) + output
+        worker.inflight_tokens += charge
+        self._charges[(id(worker), req.request_id)] = charge
         return worker
 
     def _release_load(self, worker: WorkerState, req: GenerateRequest) -> None:
-        worker.inflight_tokens = max(0, worker.inflight_tokens - len(req.prompt_token_ids)
-                                     - (req.sampling.max_tokens or 0))
+        charge = self._charges.pop((id(worker), req.request_id), 0)
+        worker.inflight_tokens = max(0, worker.inflight_tokens - charge)
 
     async def _open(self, req: GenerateRequest, decode: WorkerState) -> Any:
         self._touched[req.request_id].add(decode.handle)
