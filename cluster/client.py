@@ -169,12 +169,14 @@ class PDClient:
         output = (req.sampling.max_tokens or 0) if role == "decode" else 0
         charge = max(n - chosen.prefix_tokens, 0) + output
         worker.inflight_tokens += charge
+        worker.pending[req.request_id] = set(hashes)
         self._charges[(id(worker), req.request_id)] = charge
         return worker
 
     def _release_load(self, worker: WorkerState, req: GenerateRequest) -> None:
         charge = self._charges.pop((id(worker), req.request_id), 0)
         worker.inflight_tokens = max(0, worker.inflight_tokens - charge)
+        worker.pending.pop(req.request_id, None)
 
     async def _open(self, req: GenerateRequest, decode: WorkerState) -> Any:
         self._touched[req.request_id].add(decode.handle)

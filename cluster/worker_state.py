@@ -3,7 +3,10 @@
 A background task refreshes every worker's stats and folds its KV events into
 the ``PrefixIndex`` every ``interval`` seconds (a missed batch triggers a
 snapshot resync). Load is tracked locally as well, so routing reacts to the
-requests this client just sent without waiting for the next refresh.
+requests this client just sent without waiting for the next refresh, and so
+are the prompt blocks of requests in flight on each worker (``pending``): a
+prefix sent to a worker counts as held there from the moment it is sent,
+before the worker has computed and published it.
 """
 
 from __future__ import annotations
@@ -31,7 +34,19 @@ class WorkerState:
     inflight_tokens: int = 0
     free_blocks: int = 0
     stats: WorkerStats | None = None
-    requests: set[str] = field(default_factory=set)
+    pending: dict[str, set[int]] = field(default_factory=dict)
+
+    def pending_match(self, hashes: list[int]) -> int:
+        """Leading blocks of ``hashes`` that requests already sent here will leave in its cache."""
+        best = 0
+        for held in self.pending.values():
+            n = 0
+            for h in hashes:
+                if h not in held:
+                    break
+                n += 1
+            best = max(best, n)
+        return best
 
 
 class WorkerTable:
@@ -54,7 +69,8 @@ class WorkerTable:
     def candidates(self, workers: list[WorkerState], hashes: list[int], block_size: int) -> list[Candidate]:
         out = []
         for i, w in enumerate(workers):
-            prefix = self.index.match(hashes, w.worker_id) * block_size if self.index else 0
+            held = self.index.match(hashes, w.worker_id) if self.index else 0
+            prefix = max(held, w.pending_match(hashes)) * block_size
             out.append(Candidate(i, w.worker_id, prefix, w.inflight_tokens, w.free_blocks))
         return out
 

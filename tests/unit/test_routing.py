@@ -50,3 +50,19 @@ def test_round_robin_and_least_loaded() -> None:
     assert rr.pick("decode", rows, 8, 1)[0].index == 0
     assert LeastLoaded().pick("decode", cands((0, 50, 10), (0, 10, 10)), 8, 1)[0].index == 1
     assert make_policy("prefix").name == "prefix"
+
+
+def test_prefix_sent_to_a_worker_counts_as_held_before_it_is_published() -> None:
+    from cluster.worker_state import WorkerState, WorkerTable
+
+    table = WorkerTable([], [object(), object()], call_timeout=1.0)
+    table.index = PrefixIndex(block_size=4, seed=ROOT_SEED)
+    a, b = table.decode
+    a.worker_id, b.worker_id = "d0", "d1"
+    h = table.index.hashes(list(range(16)))
+    a.pending["r1"] = set(h[:3])
+    rows = table.candidates([a, b], h, block_size=4)
+    assert [r.prefix_tokens for r in rows] == [12, 0]
+    assert PrefixAware().pick("decode", rows, 16, 5)[0].worker_id == "d0"
+    other = table.index.hashes([7] + list(range(1, 16)))
+    assert isinstance(a, WorkerState) and a.pending_match(other) == 0
