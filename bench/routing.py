@@ -126,8 +126,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--disagg-min-tokens", type=int, default=128,
                         help="prompts whose part the decode worker lacks is shorter prefill there")
-    parser.add_argument("--kv-cache-memory", type=int, default=320 * 2**20,
-                        help="KV bytes per worker; the default holds about six of the eight prefixes, "
+    parser.add_argument("--kv-cache-memory", type=int, default=256 * 2**20,
+                        help="KV bytes per worker; the default holds about four of the eight prefixes, "
                         "so a policy that spreads every prefix over every worker evicts")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()

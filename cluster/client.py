@@ -161,7 +161,7 @@ class PDClient:
         decode, the tokens it will generate."""
         n = len(req.prompt_token_ids)
         hashes = self.table.index.hashes(req.prompt_token_ids) if self.table.index else []
-        cands = self.table.candidates(live, hashes, self.block_size)
+        cands = self.table.candidates(live, hashes, self.block_size, n)
         need = -(-(n + 1) // self.block_size)
         chosen, reason = self.policy.pick(role, cands, n, need)
         self._count(role, reason)

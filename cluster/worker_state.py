@@ -66,12 +66,13 @@ class WorkerTable:
     def find(self, handle: Any) -> WorkerState | None:
         return next((w for w in self.all() if w.handle == handle), None)
 
-    def candidates(self, workers: list[WorkerState], hashes: list[int], block_size: int) -> list[Candidate]:
+    def candidates(self, workers: list[WorkerState], hashes: list[int], block_size: int,
+                   num_tokens: int = 0) -> list[Candidate]:
         out = []
         for i, w in enumerate(workers):
-            held = self.index.match(hashes, w.worker_id) if self.index else 0
-            prefix = max(held, w.pending_match(hashes)) * block_size
-            out.append(Candidate(i, w.worker_id, prefix, w.inflight_tokens, w.free_blocks))
+            held = max(self.index.match(hashes, w.worker_id) if self.index else 0, w.pending_match(hashes))
+            need = max(1, -(-(num_tokens + 1) // block_size) - held)
+            out.append(Candidate(i, w.worker_id, held * block_size, w.inflight_tokens, w.free_blocks, need))
         return out
 
     def mark_dead(self, worker: WorkerState) -> None:

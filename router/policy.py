@@ -3,10 +3,12 @@
 A policy sees ``Candidate`` rows (one per live worker of a role) and returns
 the chosen one with a reason, for metrics. ``prefix`` minimises the work a
 request adds: the tokens the worker must still compute (prefill) or receive
-(decode, weighted by ``transfer_weight`` since moving K/V is cheaper than
-computing it) plus the tokens already queued or running there. Workers
-without room for the blocks a request needs are passed over while any
-other has room.
+(decode, weighted by ``transfer_weight``; 1.0 by default because a decode
+worker that holds the prefix can compute the rest itself under conditional
+disaggregation, so a miss there usually costs a whole prefill) plus the
+tokens already queued or running there. Workers
+without room for the blocks a request needs there (beyond the prefix they
+hold) are passed over while any other has room.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ class Candidate:
     prefix_tokens: int
     load_tokens: int
     free_blocks: int
+    need_blocks: int = 0
 
 
 class RoutingPolicy(Protocol):
@@ -35,7 +38,8 @@ class RoutingPolicy(Protocol):
 
 
 def _with_room(candidates: list[Candidate], need_blocks: int) -> list[Candidate]:
-    roomy = [c for c in candidates if c.free_blocks >= need_blocks]
+    """Workers with room for the blocks they lack (``need_blocks`` minus the prefix they hold)."""
+    roomy = [c for c in candidates if c.free_blocks >= (c.need_blocks or need_blocks)]
     return roomy or sorted(candidates, key=lambda c: -c.free_blocks)[:1]
 
 
@@ -63,7 +67,7 @@ class LeastLoaded:
 class PrefixAware:
     name = "prefix"
 
-    def __init__(self, transfer_weight: float = 0.25) -> None:
+    def __init__(self, transfer_weight: float = 1.0) -> None:
         self.transfer_weight = transfer_weight
 
     def cost(self, role: str, c: Candidate, prompt_tokens: int) -> float:

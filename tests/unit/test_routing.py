@@ -66,3 +66,9 @@ def test_prefix_sent_to_a_worker_counts_as_held_before_it_is_published() -> None
     assert PrefixAware().pick("decode", rows, 16, 5)[0].worker_id == "d0"
     other = table.index.hashes([7] + list(range(1, 16)))
     assert isinstance(a, WorkerState) and a.pending_match(other) == 0
+
+
+def test_room_counts_only_the_blocks_a_worker_lacks() -> None:
+    holder = Candidate(0, "w0", prefix_tokens=1024, load_tokens=0, free_blocks=4, need_blocks=3)
+    empty = Candidate(1, "w1", prefix_tokens=0, load_tokens=0, free_blocks=100, need_blocks=67)
+    assert PrefixAware().pick("decode", [holder, empty], 1050, 67)[0].worker_id == "w0"
