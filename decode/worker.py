@@ -25,14 +25,12 @@ import uuid
 from collections.abc import AsyncIterator
 
 import msgspec
-import torch
 
-from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
-from engine.kv_events import KvEventPublisher
 from engine.outputs import RequestOutput
 from engine.sampling import SamplingParams, TokenLogprobs
+from engine.worker import EngineWorker
 from transfer.errors import TransferError
 from transfer.messages import (
     GenerateRequest,
@@ -64,17 +62,13 @@ def to_batch(outputs: list[RequestOutput], worker_id: str) -> TokenBatch:
     )
 
 
-class DecodeWorker:
+class DecodeWorker(EngineWorker):
     role = "decode"
 
     def __init__(self, worker_id: str, model: str | None, engine_config: bytes,
                  transfer_timeout: float = 30.0, torch_threads: int = 1,
                  request_timeout: float = 300.0) -> None:
-        torch.set_num_threads(torch_threads)
-        self.worker_id = worker_id
-        self.engine = LLMEngine(model, unpack(engine_config, EngineConfig))
-        self.aengine = AsyncEngine(self.engine)
-        self.events = KvEventPublisher(self.engine.kv)
+        super().__init__(worker_id, model, unpack(engine_config, EngineConfig), torch_threads)
         self.layout = KvLayout.from_tensor(self.engine.runner.kv_cache, self.engine.model_config.name)
         self.sink = KvSink(self.engine.runner.kv_cache, self.layout,
                            agent_name=f"{worker_id}-{uuid.uuid4().hex[:8]}")
@@ -178,9 +172,6 @@ class DecodeWorker:
         self.transfer_seconds += time.perf_counter() - t0
         return None
 
-    async def abort(self, request_id: str) -> None:
-        await self.aengine.mutate(lambda e: e.abort_request(request_id))
-
     async def inject_transfer_failures(self, n: int) -> None:
         self.sink.inject_failures(n)
 
@@ -200,17 +191,8 @@ class DecodeWorker:
 
     async def kv_events(self) -> bytes:
         """``KvEvents`` since the last call (the router's prefix index polls this)."""
-        batch = await self.aengine.mutate(lambda e: self.events.drain())
+        batch = await self.drain_events()
         return pack(KvEvents(self.worker_id, batch.seq, batch.stored, batch.removed))
 
     async def kv_snapshot(self) -> bytes:
-        seq, hashes = await self.aengine.mutate(lambda e: self.events.snapshot())
-        return pack(KvSnapshot(self.worker_id, seq, hashes))
-
-    async def check_integrity(self) -> None:
-        await self.aengine.mutate(lambda e: e.kv.check_integrity())
-
-    async def kv_digest(self, request_id: str, num_tokens: int) -> str:
-        from engine.kv_digest import kv_digest
-
-        return await self.aengine.mutate(lambda e: kv_digest(e, request_id, num_tokens))
+        return pack(KvSnapshot(self.worker_id, *await self.events_snapshot()))

@@ -24,13 +24,11 @@ import time
 import uuid
 
 import msgspec
-import torch
 
-from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
-from engine.kv_events import KvEventPublisher
 from engine.sampling import SamplingParams
+from engine.worker import EngineWorker
 from transfer.compat import compat_hash
 from transfer.messages import (
     GenerateRequest,
@@ -52,17 +50,13 @@ def sampling_params(req: GenerateRequest) -> SamplingParams:
     return SamplingParams(**msgspec.structs.asdict(req.sampling))
 
 
-class PrefillWorker:
+class PrefillWorker(EngineWorker):
     role = "prefill"
 
     def __init__(self, worker_id: str, model: str | None, engine_config: bytes,
                  lease_seconds: float = 30.0, torch_threads: int = 1, poll_interval: float = 0.01,
                  request_timeout: float = 300.0) -> None:
-        torch.set_num_threads(torch_threads)
-        self.worker_id = worker_id
-        self.engine = LLMEngine(model, unpack(engine_config, EngineConfig))
-        self.aengine = AsyncEngine(self.engine)
-        self.events = KvEventPublisher(self.engine.kv)
+        super().__init__(worker_id, model, unpack(engine_config, EngineConfig), torch_threads)
         self.layout = KvLayout.from_tensor(self.engine.runner.kv_cache, self.engine.model_config.name)
         self.source = KvSource(self.engine.runner.kv_cache, self.layout,
                                agent_name=f"{worker_id}-{uuid.uuid4().hex[:8]}")
@@ -123,9 +117,6 @@ class PrefillWorker:
         """Free a request's leased blocks now (idempotent); returns how many were freed."""
         return await self.aengine.mutate(lambda e: e.release_kv(request_id))
 
-    async def abort(self, request_id: str) -> None:
-        await self.aengine.mutate(lambda e: e.abort_request(request_id))
-
     async def stats(self) -> bytes:
         s = self.engine.stats()
         pool = self.engine.kv.pool
@@ -141,21 +132,11 @@ class PrefillWorker:
 
     async def kv_events(self) -> bytes:
         """``KvEvents`` since the last call (the router's prefix index polls this)."""
-        batch = await self.aengine.mutate(lambda e: self.events.drain())
+        batch = await self.drain_events()
         return pack(KvEvents(self.worker_id, batch.seq, batch.stored, batch.removed))
 
     async def kv_snapshot(self) -> bytes:
-        seq, hashes = await self.aengine.mutate(lambda e: self.events.snapshot())
-        return pack(KvSnapshot(self.worker_id, seq, hashes))
-
-    async def check_integrity(self) -> None:
-        await self.aengine.mutate(lambda e: e.kv.check_integrity())
-
-    async def kv_digest(self, request_id: str, num_tokens: int) -> str:
-        """SHA-256 of the K/V bytes of a request's first ``num_tokens`` tokens (tests compare both sides)."""
-        from engine.kv_digest import kv_digest
-
-        return await self.aengine.mutate(lambda e: kv_digest(e, request_id, num_tokens))
+        return pack(KvSnapshot(self.worker_id, *await self.events_snapshot()))
 
     async def _poll_leases(self) -> None:
         while True:

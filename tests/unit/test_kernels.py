@@ -12,21 +12,9 @@ from kernels import TorchAttentionBackend, get_attention_backend
 from kernels.attention import AttentionMetadata
 from kernels.norm import rms_norm
 from kernels.rope import RotaryEmbedding, apply_rotary
+from tests.unit.attention_cases import make_case
 
 HEAD_DIM = 16
-
-
-def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of the last ``q.shape[0]`` positions over all of ``k``/``v`` ([L, kv_heads, d])."""
-    q_len, num_heads, _ = q.shape
-    seq_len, kv_heads, _ = k.shape
-    rep = num_heads // kv_heads
-    kr = k.repeat_interleave(rep, dim=1).transpose(0, 1)
-    vr = v.repeat_interleave(rep, dim=1).transpose(0, 1)
-    scores = torch.matmul(q.transpose(0, 1), kr.transpose(1, 2)) * scale
-    qpos = torch.arange(seq_len - q_len, seq_len)[:, None]
-    scores = scores.masked_fill(torch.arange(seq_len)[None, :] > qpos, float("-inf"))
-    return torch.matmul(torch.softmax(scores, -1), vr).transpose(0, 1)
 
 
 def run_step(
@@ -37,34 +25,11 @@ def run_step(
     block_size: int,
     seed: int = 0,
 ) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    need = [-(-s // block_size) for s in seq_lens]
-    num_blocks = sum(need) + 3
-    ids = torch.randperm(num_blocks, generator=gen).tolist()
-    tables: list[list[int]] = []
-    for n in need:
-        tables.append(ids[:n])
-        ids = ids[n:]
-    kv = torch.randn(num_blocks, 2, block_size, kv_heads, HEAD_DIM, generator=gen)
-    full_k = [torch.randn(s, kv_heads, HEAD_DIM, generator=gen) for s in seq_lens]
-    full_v = [torch.randn(s, kv_heads, HEAD_DIM, generator=gen) for s in seq_lens]
-    for table, s_len, q_len, fk, fv in zip(tables, seq_lens, query_lens, full_k, full_v, strict=True):
-        for pos in range(s_len - q_len):
-            kv[table[pos // block_size], 0, pos % block_size] = fk[pos]
-            kv[table[pos // block_size], 1, pos % block_size] = fv[pos]
-    qs = [torch.randn(q, num_heads, HEAD_DIM, generator=gen) for q in query_lens]
-    new_k = torch.cat([fk[s - q:] for fk, s, q in zip(full_k, seq_lens, query_lens, strict=True)])
-    new_v = torch.cat([fv[s - q:] for fv, s, q in zip(full_v, seq_lens, query_lens, strict=True)])
-
-    meta = AttentionMetadata.build(block_size, query_lens, seq_lens, tables)
+    case = make_case(query_lens, seq_lens, num_heads, kv_heads, HEAD_DIM, block_size, seed)
+    meta, kv, q, new_k, new_v, expected, full_k, full_v, tables = case
     backend = TorchAttentionBackend()
     backend.prepare(meta)
-    scale = HEAD_DIM**-0.5
-    out = backend.forward(torch.cat(qs), new_k, new_v, kv, scale)
-
-    expected = torch.cat(
-        [dense_attention(q, fk, fv, scale) for q, fk, fv in zip(qs, full_k, full_v, strict=True)]
-    )
+    out = backend.forward(q, new_k, new_v, kv, HEAD_DIM**-0.5)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     for table, s_len, fk, fv in zip(tables, seq_lens, full_k, full_v, strict=True):
         positions = torch.arange(s_len)
