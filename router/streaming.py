@@ -17,6 +17,7 @@ Contracts:
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from router.backend import Backend
 from transfer.messages import GenerateRequest, TokenBatch, TokenLogprob
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 DONE = b"data: [DONE]\n\n"
 
 
@@ -173,34 +175,58 @@ class ClientGone(Exception):
     """The HTTP client disconnected before the response was complete."""
 
 
+_CLEANUPS: set[asyncio.Task[None]] = set()
+
+
+def _close_in_background(it: AsyncIterator[object], step: asyncio.Future[object] | None) -> None:
+    """Finish ``step`` (cancelled) and close ``it`` in a task of its own, so that the caller's
+    response (a 408, a closed stream) is not held up by the aborts that closing sends to the
+    workers; the task is kept referenced until it ends."""
+    async def cleanup() -> None:
+        started = time.monotonic()
+        if step is not None and not step.done():
+            step.cancel()
+            await asyncio.gather(step, return_exceptions=True)
+        try:
+            await _close(it)
+        except Exception:  # closing must not raise into the loop's exception handler
+            log.exception("closing an abandoned request stream failed")
+        if time.monotonic() - started > 5:
+            log.warning("closing an abandoned request stream took %.1f s", time.monotonic() - started)
+
+    task = asyncio.get_running_loop().create_task(cleanup())
+    _CLEANUPS.add(task)
+    task.add_done_callback(_CLEANUPS.discard)
+
+
 async def guarded(it: AsyncIterator[T], deadline: float, disconnected: Callable[[], Awaitable[bool]],
                   poll_seconds: float = 0.5) -> AsyncGenerator[T, None]:
     """Yield from ``it``; past ``deadline`` (monotonic) raise TimeoutError, and when the client has
-    gone raise ClientGone, closing ``it`` either way."""
+    gone raise ClientGone. ``it`` is closed either way: at once when it ran to its end, and in the
+    background when it was abandoned (deadline, client gone, consumer closed this generator early),
+    so the abandoning side never waits on the workers' aborts."""
+    step: asyncio.Future[T] | None = None
     try:
         while True:
             step = asyncio.ensure_future(anext(it))
-            try:
-                while not step.done():
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise TimeoutError
-                    await asyncio.wait({step}, timeout=min(poll_seconds, left))
-                    if not step.done() and await disconnected():
-                        raise ClientGone
-            finally:
-                if not step.done():
-                    step.cancel()
-                    with anyio.CancelScope(shield=True):
-                        await asyncio.gather(step, return_exceptions=True)
+            while not step.done():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                await asyncio.wait({step}, timeout=min(poll_seconds, left))
+                if not step.done() and await disconnected():
+                    raise ClientGone
             try:
                 item = step.result()
             except StopAsyncIteration:
+                step = None
+                await _close(it)
                 return
+            step = None
             yield item
-    finally:
-        with anyio.CancelScope(shield=True):
-            await _close(it)
+    except BaseException:
+        _close_in_background(it, step)  # type: ignore[arg-type]
+        raise
 
 
 def sse(payload: msgspec.Struct | dict[str, object]) -> bytes:

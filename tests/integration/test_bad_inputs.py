@@ -143,7 +143,7 @@ def wait_idle(server: PdserveServer, timeout: float = 20.0) -> None:
              "pdserve:worker_num_used_blocks", "pdserve:worker_num_leases")
     deadline = time.monotonic() + timeout
     while any(metric(server, n) for n in names):
-        assert time.monotonic() < deadline, {n: metric(server, n) for n in names}
+        assert time.monotonic() < deadline, ({n: metric(server, n) for n in names}, server.log_tail())
         time.sleep(0.2)
 
 
@@ -153,7 +153,8 @@ def test_request_timeout_is_408_and_aborts(server: PdserveServer) -> None:
                       content=comp(max_tokens=900, ignore_eos=True))
     assert resp.status_code == 408, resp.text
     assert resp.json()["error"]["code"] == "request_timeout"
-    assert time.monotonic() - start < 20
+    elapsed = time.monotonic() - start
+    assert elapsed < 10, f"408 took {elapsed:.1f} s\n{server.log_tail()}"
     wait_idle(server)
 
 
