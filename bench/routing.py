@@ -133,6 +133,7 @@ def main() -> None:
     args = parser.parse_args()
     prompts = workload(args)
     ray.init(
+        address="local",
         num_cpus=8,
         include_dashboard=False,
         log_to_driver=False,

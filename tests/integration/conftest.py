@@ -21,7 +21,7 @@ def ray_session() -> Iterator[None]:
     import ray
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=16, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     yield
     ray.shutdown()
