@@ -214,6 +214,15 @@ def build_parser() -> argparse.ArgumentParser:
                     "/metrics) until Ctrl-C or SIGTERM.",
     )
     add_serve_args(serve)
+    from cluster.plan import add_plan_args
+
+    plan = sub.add_parser(
+        "plan", help="size the KV cache of a model on a device (no model weights are loaded)",
+        description="Print KV bytes per token, KV blocks and tokens, and concurrent sequences at a "
+                    "context length for MODEL on a device of --device-memory (or a --kv-cache-memory "
+                    "budget), with the engine's own sizing formula.",
+    )
+    add_plan_args(plan, _size, DTYPES)
     return parser
 
 
@@ -262,10 +271,12 @@ def _fail(message: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from cluster.config import parse_with_config
+
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
-    except UsageError as exc:
+        args = parse_with_config(parser, argv)
+    except (UsageError, ValueError) as exc:
         return _fail(str(exc))
     except SystemExit as exc:  # --help
         return exc.code if isinstance(exc.code, int) else 0
@@ -276,8 +287,15 @@ def main(argv: list[str] | None = None) -> int:
             from cluster.serve import run_serve
 
             return run_serve(args)
+        if args.command == "plan":
+            from cluster.plan import run_plan
+
+            return run_plan(args)
     except (UsageError, ValueError, FileNotFoundError) as exc:
         return _fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+    except TimeoutError as exc:  # a worker's resources could not be reserved
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 1
     return _fail(f"unknown command {args.command!r}")
 
 

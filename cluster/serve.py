@@ -7,13 +7,23 @@ answers 503 until every worker has loaded and connected, then 200, and one line
 ``pdserve: serving <model> on http://host:port (P prefill, D decode)`` is logged.
 SIGINT or SIGTERM stops uvicorn, kills the actors and shuts down the Ray instance
 this command started.
+
+On a cluster (``--address auto``, e.g. as the entrypoint of ``ray job submit``)
+the router runs where this command runs (the head node, or the node
+``--entrypoint-resources`` picks) and each worker reserves a placement group on
+a node offering ``--prefill-resources`` / ``--decode-resources``, one GPU per
+worker with ``--device cuda``. A worker whose process dies is restarted by Ray
+up to ``--max-restarts`` times and re-registered by the client. ``ray job stop``
+sends SIGTERM: the same clean shutdown; the actors and placement groups belong
+to this driver, so nothing outlives it even when it is killed outright.
+Settings may come from ``--config FILE.yaml`` (flags override it); the
+effective configuration is logged at start.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import math
 import os
@@ -68,6 +78,9 @@ def _bytes(text: str) -> int:
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """The flags of ``pdserve serve`` (the engine flags included)."""
     g = parser.add_argument_group("server")
+    g.add_argument("--config", default=None, metavar="FILE",
+                   help="YAML file of settings keyed by flag name (e.g. 'num-decode: 2'); flags given on "
+                        "the command line override it")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     g.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     g.add_argument("--api-key", default=None, metavar="KEY",
@@ -112,7 +125,44 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="Ray CPUs reserved by each worker (default: 1)")
     c.add_argument("--torch-threads", type=_positive(int), default=1, metavar="N",
                    help="torch threads in each worker (default: 1)")
+    c.add_argument("--prefill-resources", type=_resources("--prefill-resources"), default={},
+                   metavar="NAME=N[,...]",
+                   help="Ray custom resources each prefill worker needs, e.g. prefill_node=1: prefill runs "
+                        "only on nodes started with them (default: none)")
+    c.add_argument("--decode-resources", type=_resources("--decode-resources"), default={},
+                   metavar="NAME=N[,...]",
+                   help="Ray custom resources each decode worker needs, e.g. decode_node=1 (default: none)")
+    c.add_argument("--prefill-tp", type=_tp("--prefill-tp"), default=1, metavar="N",
+                   help="devices per prefill worker (tensor parallelism); only 1 is supported so far")
+    c.add_argument("--decode-tp", type=_tp("--decode-tp"), default=1, metavar="N",
+                   help="devices per decode worker (tensor parallelism); only 1 is supported so far")
+    c.add_argument("--max-restarts", type=_non_negative, default=3, metavar="N",
+                   help="times Ray restarts a worker whose process died; it then rejoins (default: 3)")
+    c.add_argument("--placement-timeout", type=_positive(float), default=300.0, metavar="SECONDS",
+                   help="fail when a worker's resources cannot be reserved within this long (default: 300)")
     add_engine_args(parser)
+
+
+def _resources(flag: str) -> Any:
+    def convert(text: str) -> dict[str, float]:
+        from cluster.placement import parse_resources
+
+        try:
+            return parse_resources(text, flag)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc).removeprefix(f"{flag}: ")) from None
+
+    return convert
+
+
+def _tp(flag: str) -> Any:
+    def convert(text: str) -> int:
+        value = _positive(int)(text)
+        if value != 1:
+            raise argparse.ArgumentTypeError(f"{value}: tensor parallelism is not implemented yet; use 1")
+        return int(value)
+
+    return convert
 
 
 def serving_max_model_len(source: ModelSource, config: EngineConfig) -> int:
@@ -129,10 +179,10 @@ def _start_ray(args: argparse.Namespace) -> bool:
     """Start or attach to Ray; True when this process started the instance."""
     import ray
 
-    env = {"env_vars": {"OMP_NUM_THREADS": str(args.torch_threads)}}
-    if args.address is not None:
-        ray.init(address=args.address, runtime_env=env, log_to_driver=True)
+    if args.address is not None:  # the workers set their own env; a job's runtime_env stays as submitted
+        ray.init(address=args.address, log_to_driver=True)
         return False
+    env = {"env_vars": {"OMP_NUM_THREADS": str(args.torch_threads)}}
     workers = args.num_prefill + args.num_decode
     cpus = max(os.cpu_count() or 1, math.ceil(workers * args.worker_cpus))
     ray.init(address="local", num_cpus=cpus, include_dashboard=False, runtime_env=env, log_to_driver=True)
@@ -166,6 +216,10 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.num_decode < 1 or args.num_prefill < 0:
         raise ValueError("--num-decode must be >= 1 and --num-prefill >= 0")
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    from cluster.config import describe
+
+    log.info("pdserve: configuration%s:\n%s", f" (from {args.config} and flags)" if args.config else "",
+             describe(args))
 
     import ray
     import uvicorn
@@ -194,12 +248,18 @@ def run_serve(args: argparse.Namespace) -> int:
         default_max_tokens=args.default_max_tokens)
     tokenizer = source.load_tokenizer()
     started_ray = _start_ray(args)
-    actors: list[Any] = []
+    group = None
     try:
-        opts = WorkerOptions(num_cpus=args.worker_cpus, torch_threads=args.torch_threads)
-        group = start_workers(str(path), engine_config, args.num_prefill, args.num_decode, opts, opts,
+        gpus = 1 if engine_config.device.startswith("cuda") else 0
+        common = {"num_cpus": args.worker_cpus, "num_gpus": gpus, "torch_threads": args.torch_threads,
+                  "max_restarts": args.max_restarts, "placement_groups": True,
+                  "placement_timeout": args.placement_timeout}
+        popts = WorkerOptions(resources=args.prefill_resources, tp=args.prefill_tp,
+                              resources_flag="--prefill-resources", **common)
+        dopts = WorkerOptions(resources=args.decode_resources, tp=args.decode_tp,
+                              resources_flag="--decode-resources", **common)
+        group = start_workers(str(path), engine_config, args.num_prefill, args.num_decode, popts, dopts,
                               lease_seconds=args.lease_seconds)
-        actors = group.all()
         client = PDClient(group.prefill, group.decode, ClientConfig(
             kv_failure_policy=KvFailurePolicy(args.kv_failure_policy), routing=args.routing,
             disagg_min_tokens=args.disagg_min_tokens,
@@ -216,9 +276,8 @@ def run_serve(args: argparse.Namespace) -> int:
         ok = asyncio.run(_serve(server, backend, ready))
         return 0 if ok else 1
     finally:
-        for actor in actors:
-            with contextlib.suppress(Exception):  # already dead
-                ray.kill(actor)
+        if group is not None:
+            group.shutdown()
         if started_ray:
             ray.shutdown()
         log.info("pdserve: stopped")

@@ -1,7 +1,16 @@
-"""Start prefill and decode workers as Ray actors (the worker classes themselves know nothing of Ray)."""
+"""Start prefill and decode workers as Ray actors (the worker classes themselves know nothing of Ray).
+
+With ``WorkerOptions.placement_groups`` each worker first reserves its own
+placement group (``cluster.placement``) on a node that offers the role's
+resources, and the actor is scheduled into it. ``max_restarts`` lets Ray
+restart a worker whose process died (the actor re-runs its constructor: a
+fresh engine and a new NIXL agent; ``PDClient`` re-registers it). Actors are
+named but never detached: they die with the driver that created them.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -9,6 +18,7 @@ from typing import Any
 import msgspec
 import ray
 
+from cluster.placement import Placement, release, reserve, scheduling
 from decode.worker import DecodeWorker
 from engine.config import EngineConfig
 from prefill.worker import PrefillWorker
@@ -19,30 +29,50 @@ class WorkerOptions:
     """Placement and behaviour of one role's workers."""
 
     num_cpus: float = 1.0
-    num_gpus: float = 0.0
+    num_gpus: int = 0
     resources: dict[str, float] = field(default_factory=dict)
     max_restarts: int = 0
     torch_threads: int = 1
+    tp: int = 1
+    placement_groups: bool = False
+    placement_timeout: float = 300.0
+    resources_flag: str = "--resources"
+
+    def placement(self) -> Placement:
+        return Placement(self.num_cpus, self.num_gpus, self.tp, dict(self.resources))
 
 
 @dataclass
 class WorkerGroup:
     prefill: list[Any]
     decode: list[Any]
+    placement_groups: list[Any] = field(default_factory=list)
 
     def all(self) -> list[Any]:
         return self.prefill + self.decode
 
+    def shutdown(self) -> None:
+        """Kill every actor (no restart) and remove the placement groups."""
+        for actor in self.all():
+            with contextlib.suppress(Exception):  # already dead
+                ray.kill(actor, no_restart=True)
+        release(self.placement_groups)
 
-def _actor(cls: type, name: str, opts: WorkerOptions) -> Any:
-    return ray.remote(cls).options(
-        name=name,
-        num_cpus=opts.num_cpus,
-        num_gpus=opts.num_gpus,
-        resources=dict(opts.resources),
-        max_restarts=opts.max_restarts,
-        max_concurrency=1000,
-    )
+
+def _actor(cls: type, name: str, opts: WorkerOptions, group: Any) -> Any:
+    options: dict[str, Any] = {
+        "name": name,
+        "num_cpus": opts.num_cpus,
+        "num_gpus": opts.num_gpus,
+        "resources": dict(opts.resources),
+        "max_restarts": opts.max_restarts,
+        "max_task_retries": 0,
+        "max_concurrency": 1000,
+        "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(opts.torch_threads)}},
+    }
+    if group is not None:
+        options["scheduling_strategy"] = scheduling(group)
+    return ray.remote(cls).options(**options)
 
 
 def start_workers(
@@ -56,7 +86,10 @@ def start_workers(
     transfer_timeout: float = 30.0,
     name_prefix: str | None = None,
 ) -> WorkerGroup:
-    """Create the actors (they load the model in their own processes); call ``ready`` before use."""
+    """Create the actors (they load the model in their own processes); call ``ready`` before use.
+
+    With placement groups, raises TimeoutError naming the role's resources flag when a worker's
+    reservation cannot be placed (the groups made so far are removed)."""
     if num_decode < 1:
         raise ValueError("at least one decode worker is needed (--num-decode)")
     if num_prefill < 0:
@@ -65,14 +98,26 @@ def start_workers(
     popts = prefill_opts or WorkerOptions()
     dopts = decode_opts or WorkerOptions()
     cfg = msgspec.msgpack.encode(engine_config)
-    prefill = [
-        _actor(PrefillWorker, f"{prefix}-prefill-{i}", popts).remote(
-            f"prefill-{i}", model, cfg, lease_seconds=lease_seconds, torch_threads=popts.torch_threads)
-        for i in range(num_prefill)
-    ]
-    decode = [
-        _actor(DecodeWorker, f"{prefix}-decode-{i}", dopts).remote(
-            f"decode-{i}", model, cfg, transfer_timeout=transfer_timeout, torch_threads=dopts.torch_threads)
-        for i in range(num_decode)
-    ]
-    return WorkerGroup(prefill, decode)
+    group = WorkerGroup([], [])
+
+    def place(name: str, opts: WorkerOptions) -> Any:
+        if not opts.placement_groups:
+            return None
+        pg = reserve(opts.placement(), name, opts.placement_timeout, opts.resources_flag)
+        group.placement_groups.append(pg)
+        return pg
+
+    try:
+        for i in range(num_prefill):
+            name = f"{prefix}-prefill-{i}"
+            group.prefill.append(_actor(PrefillWorker, name, popts, place(name, popts)).remote(
+                f"prefill-{i}", model, cfg, lease_seconds=lease_seconds, torch_threads=popts.torch_threads))
+        for i in range(num_decode):
+            name = f"{prefix}-decode-{i}"
+            group.decode.append(_actor(DecodeWorker, name, dopts, place(name, dopts)).remote(
+                f"decode-{i}", model, cfg, transfer_timeout=transfer_timeout,
+                torch_threads=dopts.torch_threads))
+    except BaseException:
+        group.shutdown()
+        raise
+    return group

@@ -122,7 +122,15 @@ def read_hf_config(folder: str | Path) -> ModelConfig:
     """Build a ``ModelConfig`` from ``folder/config.json`` (and generation_config.json)."""
     folder = Path(folder)
     _check_folder(folder)
-    source = folder / "config.json"
+    return read_hf_config_file(folder / "config.json")
+
+
+def read_hf_config_file(source: str | Path) -> ModelConfig:
+    """Build a ``ModelConfig`` from one ``config.json`` file (a generation_config.json beside it counts)."""
+    source = Path(source)
+    if not source.is_file():
+        raise FileNotFoundError(f"config file not found: {source}")
+    folder = source.parent
     raw = read_json(source)
     arch = _architecture(raw, source)
     hidden = _required(raw, "hidden_size", source)
@@ -149,7 +157,7 @@ def read_hf_config(folder: str | Path) -> ModelConfig:
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=_eos_ids(raw, folder),
         sliding_window=_sliding_window(raw, arch),
-        name=folder.resolve().name,
+        name=folder.resolve().name if source.name == "config.json" else source.stem,
     )
 
 

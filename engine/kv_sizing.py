@@ -1,4 +1,8 @@
-"""How many KV blocks a memory budget buys. ``pdserve plan`` uses the same formula."""
+"""How many KV blocks a memory budget buys. ``pdserve plan`` uses the same functions.
+
+KV bytes per token = 2 (K and V) x layers x KV heads x head dim x bytes per
+element; a block holds ``block_size`` tokens of every layer.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +10,35 @@ import torch
 
 from engine.config import EngineConfig, ModelConfig
 
+# Bytes per KV element for each name ``--kv-cache-dtype`` accepts (``auto`` means the model dtype).
+KV_CACHE_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+    "int8": torch.int8,
+}
+
+
+def element_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
 
 def kv_block_bytes(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of one block over all layers: block_size x 2 x layers x kv_heads x head_dim x elem."""
-    element = torch.empty((), dtype=dtype).element_size()
-    return block_size * model.kv_bytes_per_token(element)
+    return block_size * model.kv_bytes_per_token(element_bytes(dtype))
+
+
+def blocks_for_budget(model: ModelConfig, block_size: int, dtype: torch.dtype, budget: int) -> int:
+    """Whole blocks that fit in ``budget`` bytes (0 when not even one does)."""
+    return max(budget, 0) // kv_block_bytes(model, block_size, dtype)
+
+
+def device_kv_budget(total_memory: int, utilization: float, used_bytes: int) -> int:
+    """The KV budget on an accelerator: ``utilization`` of its memory minus what is already used."""
+    return int(total_memory * utilization) - used_bytes
 
 
 def num_kv_blocks(model: ModelConfig, engine: EngineConfig, weight_bytes: int = 0) -> int:
@@ -26,10 +54,10 @@ def num_kv_blocks(model: ModelConfig, engine: EngineConfig, weight_bytes: int = 
     if engine.device.startswith("cuda"):
         device = torch.device(engine.device)
         total = torch.cuda.get_device_properties(device).total_memory
-        budget = int(total * engine.gpu_memory_utilization) - torch.cuda.memory_allocated(device)
+        budget = device_kv_budget(total, engine.gpu_memory_utilization, torch.cuda.memory_allocated(device))
     else:
         budget = engine.kv_cache_memory
-    blocks = budget // block
+    blocks = blocks_for_budget(model, engine.block_size, engine.torch_dtype, budget)
     if blocks < 1:
         raise ValueError(
             f"the KV budget of {budget} bytes holds no block of {block} bytes; "

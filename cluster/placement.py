@@ -1,0 +1,89 @@
+"""Where workers run: one Ray placement group per worker, on the nodes its role's resources select.
+
+A worker's group holds ``tp`` bundles packed on one node (``STRICT_PACK``):
+bundle 0 carries the worker's CPUs, its custom resources
+(``--prefill-resources`` / ``--decode-resources``, e.g. ``prefill_node=1``, which only the
+nodes started with that resource offer) and one GPU when the engine runs on
+CUDA; bundles 1.. reserve one more GPU each for tensor-parallel ranks. The
+actor itself is scheduled into bundle 0, so a restarted actor returns to the
+same reservation. Groups are created by the driver and removed with it (they
+are never detached), so nothing outlives ``pdserve serve``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+_RESOURCE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:/-]*$")
+RESERVED = frozenset({"CPU", "GPU", "memory", "object_store_memory"})
+
+
+def parse_resources(text: str, flag: str = "--resources") -> dict[str, float]:
+    """``name=amount[,...]`` (amount defaults to 1) -> ``{name: amount}``; ValueError names ``flag``."""
+    out: dict[str, float] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, amount = part.partition("=")
+        name = name.strip()
+        if not _RESOURCE_RE.match(name):
+            raise ValueError(f"{flag}: invalid resource name {name!r}")
+        if name in RESERVED:
+            raise ValueError(f"{flag}: {name} is set by --worker-cpus / --device, not as a custom resource")
+        try:
+            value = float(amount) if amount.strip() else 1.0
+        except ValueError:
+            raise ValueError(f"{flag}: invalid amount {amount!r} for {name!r}") from None
+        if value <= 0:
+            raise ValueError(f"{flag}: amount for {name!r} must be > 0")
+        out[name] = value
+    return out
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What one worker of a role reserves."""
+
+    num_cpus: float = 1.0
+    num_gpus: int = 0
+    tp: int = 1
+    resources: dict[str, float] = field(default_factory=dict)
+
+    def bundles(self) -> list[dict[str, float]]:
+        first: dict[str, float] = {"CPU": self.num_cpus, **self.resources}
+        if self.num_gpus:
+            first["GPU"] = float(self.num_gpus)
+        return [first] + [{"GPU": float(self.num_gpus)} for _ in range(self.tp - 1) if self.num_gpus]
+
+
+def reserve(placement: Placement, name: str, timeout: float, flag: str) -> Any:
+    """A ready placement group for one worker; TimeoutError (naming ``flag``) when no node offers it."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    bundles = placement.bundles()
+    group = placement_group(bundles, strategy="STRICT_PACK", name=name)
+    ready, _ = ray.wait([group.ready()], timeout=timeout)
+    if not ready:
+        remove_placement_group(group)
+        total = ray.cluster_resources()
+        raise TimeoutError(
+            f"{name}: no node could host {bundles} within {timeout:.0f} s (cluster resources: {total}); "
+            f"check {flag}, --worker-cpus and --device")
+    return group
+
+
+def release(groups: list[Any]) -> None:
+    """Remove placement groups (ignores ones already gone)."""
+    from ray.util.placement_group import remove_placement_group
+
+    for group in groups:
+        with contextlib.suppress(Exception):  # the cluster may already be gone at shutdown
+            remove_placement_group(group)
+
+
+def scheduling(group: Any) -> Any:
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=0)

@@ -1,0 +1,195 @@
+"""``pdserve plan``: how much KV cache a device holds for a model, before anyone buys one.
+
+KV bytes per token = 2 x layers x KV heads x head dim x bytes per element (the
+engine's own formula, ``engine.kv_sizing``). The KV budget is either
+``--kv-cache-memory`` (what the CPU engine takes as its budget) or
+``--device-memory`` x ``--gpu-memory-utilization`` minus the weights (what the
+CUDA engine computes, with the weights as the memory already in use). The
+budget buys whole blocks of ``--block-size`` tokens; a sequence of
+``--max-model-len`` tokens needs ceil(len / block size) blocks, so the
+concurrent sequences are blocks // that. Weights count every parameter at
+``--dtype`` (the engine casts on load, GGUF included) unless
+``--weight-memory`` says otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from engine.config import ModelConfig, parse_dtype
+
+DEFAULT_DEVICE_MEMORY = 80 * 1024**3
+CONTEXT_LENGTHS = (2048, 8192, 32768, 131072)
+
+
+def parameter_count(model: ModelConfig) -> int:
+    """Parameters of a Llama-family decoder from its shape (embeddings, attention, MLP, norms, head)."""
+    h, hd = model.hidden_size, model.head_dim
+    q, kv = model.num_heads * hd, model.num_kv_heads * hd
+    attention = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if model.attention_bias else 0)
+    layer = attention + 3 * h * model.intermediate_size + 2 * h
+    head = 0 if model.tie_word_embeddings else model.vocab_size * h
+    return model.vocab_size * h + model.num_layers * layer + h + head
+
+
+def read_model_config(path: str | Path) -> ModelConfig:
+    """A model folder, a ``.gguf`` file or a bare ``config.json``, read by the engine's loaders."""
+    from engine.gguf_loader import read_gguf_config
+    from engine.hf_loader import read_hf_config, read_hf_config_file
+
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"model path not found: {path} (expected a folder, a .gguf or a config.json)")
+    if path.is_dir():
+        return read_hf_config(path)
+    if path.suffix.lower() == ".gguf":
+        return read_gguf_config(path)
+    if path.suffix.lower() == ".json":
+        return read_hf_config_file(path)
+    raise ValueError(f"unknown model file type: {path} (expected a folder, a .gguf or a config.json)")
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    parameters: int
+    weight_bytes: int
+    dtype: str
+    kv_cache_dtype: str
+    kv_bytes_per_token: int
+    block_size: int
+    kv_block_bytes: int
+    device_memory: int | None
+    gpu_memory_utilization: float | None
+    kv_budget_bytes: int
+    num_kv_blocks: int
+    kv_tokens: int
+    max_model_len: int
+    blocks_per_sequence: int
+    concurrent_sequences: int
+    sequences_at: dict[int, int]
+
+
+def make_plan(model: ModelConfig, *, dtype: str = "bfloat16", kv_cache_dtype: str = "auto",
+              block_size: int = 16, device_memory: int = DEFAULT_DEVICE_MEMORY,
+              gpu_memory_utilization: float = 0.9, kv_cache_memory: int | None = None,
+              max_model_len: int | None = None, weight_memory: int | None = None) -> Plan:
+    """Size the KV cache with ``engine.kv_sizing`` (the functions the engine itself calls)."""
+    from engine.kv_sizing import (
+        KV_CACHE_DTYPES,
+        blocks_for_budget,
+        device_kv_budget,
+        element_bytes,
+        kv_block_bytes,
+    )
+
+    weights_dtype = parse_dtype(dtype)
+    kv_name = dtype if kv_cache_dtype == "auto" else kv_cache_dtype
+    kv_dtype = KV_CACHE_DTYPES.get(kv_name) or parse_dtype(kv_name)
+    params = parameter_count(model)
+    weights = weight_memory if weight_memory is not None else params * element_bytes(weights_dtype)
+    if kv_cache_memory is not None:
+        budget = kv_cache_memory
+    else:
+        budget = device_kv_budget(device_memory, gpu_memory_utilization, weights)
+    blocks = blocks_for_budget(model, block_size, kv_dtype, budget)
+    length = max_model_len or model.max_position_embeddings
+    per_seq = math.ceil(length / block_size)
+    lengths = sorted({n for n in CONTEXT_LENGTHS if n < length} | {length})
+    return Plan(
+        model=model.name, num_layers=model.num_layers, num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim, parameters=params, weight_bytes=weights, dtype=str(weights_dtype)[6:],
+        kv_cache_dtype=str(kv_dtype)[6:],
+        kv_bytes_per_token=model.kv_bytes_per_token(element_bytes(kv_dtype)),
+        block_size=block_size, kv_block_bytes=kv_block_bytes(model, block_size, kv_dtype),
+        device_memory=None if kv_cache_memory is not None else device_memory,
+        gpu_memory_utilization=None if kv_cache_memory is not None else gpu_memory_utilization,
+        kv_budget_bytes=budget, num_kv_blocks=blocks, kv_tokens=blocks * block_size,
+        max_model_len=length, blocks_per_sequence=per_seq, concurrent_sequences=blocks // per_seq,
+        sequences_at={n: blocks // math.ceil(n / block_size) for n in lengths},
+    )
+
+
+def _gib(n: int) -> str:
+    return f"{n / 1024**3:,.2f} GiB"
+
+
+def format_plan(plan: Plan) -> str:
+    """The plan as a two-column table, then concurrent sequences per context length."""
+    if plan.device_memory is not None:
+        budget_how = (f"{_gib(plan.device_memory)} x {plan.gpu_memory_utilization} - weights")
+    else:
+        budget_how = "--kv-cache-memory"
+    rows = [
+        ("model", f"{plan.model} ({plan.num_layers} layers, {plan.num_kv_heads} KV heads x {plan.head_dim})"),
+        ("parameters", f"{plan.parameters / 1e9:,.2f} B"),
+        ("weights", f"{_gib(plan.weight_bytes)} ({plan.dtype})"),
+        ("KV cache dtype", plan.kv_cache_dtype),
+        ("KV bytes per token", f"{plan.kv_bytes_per_token:,}"),
+        ("KV block", f"{plan.block_size} tokens = {plan.kv_block_bytes:,} bytes"),
+        ("KV budget", f"{_gib(plan.kv_budget_bytes)} ({plan.kv_budget_bytes:,} bytes; {budget_how})"),
+        ("KV blocks", f"{plan.num_kv_blocks:,}"),
+        ("KV tokens", f"{plan.kv_tokens:,}"),
+        ("max model len", f"{plan.max_model_len:,} tokens = {plan.blocks_per_sequence:,} blocks"),
+        ("concurrent sequences", f"{plan.concurrent_sequences:,} at {plan.max_model_len:,} tokens"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    lines = [f"{k:<{width}}  {v}" for k, v in rows]
+    lines += ["", f"{'context length':>14}  {'sequences':>10}"]
+    lines += [f"{n:>14,}  {s:>10,}" for n, s in plan.sequences_at.items()]
+    if plan.kv_budget_bytes <= 0:
+        lines.append("\nthe weights alone exceed the usable device memory: no room for KV")
+    return "\n".join(lines)
+
+
+def add_plan_args(parser: argparse.ArgumentParser, size: Callable[[str], int],
+                  dtypes: tuple[str, ...]) -> None:
+    from engine.kv_sizing import KV_CACHE_DTYPES
+
+    parser.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                        help="a Hugging Face model folder, a .gguf file or a bare config.json "
+                             "(default: the built-in SmolLM2 GGUF)")
+    parser.add_argument("--dtype", choices=dtypes, default="bfloat16",
+                        help="dtype the weights are held in (default: bfloat16)")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", *KV_CACHE_DTYPES), default="auto",
+                        help="dtype of the KV cache; auto follows --dtype (default: auto)")
+    parser.add_argument("--device-memory", type=size, default=DEFAULT_DEVICE_MEMORY, metavar="SIZE",
+                        help="memory of one device, e.g. 80G (default: 80G)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="F",
+                        help="fraction of device memory the engine may use, in (0, 1] (default: 0.9)")
+    parser.add_argument("--kv-cache-memory", type=size, default=None, metavar="SIZE",
+                        help="a KV budget in bytes instead of device memory minus weights (as the CPU "
+                             "engine's --kv-cache-memory)")
+    parser.add_argument("--weight-memory", type=size, default=None, metavar="SIZE",
+                        help="bytes the weights take (default: parameters x --dtype bytes)")
+    parser.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                        help="context length of one sequence (default: the model's)")
+    parser.add_argument("--block-size", type=int, default=16, metavar="N",
+                        help="tokens per KV block, a power of two (default: 16)")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from engine.loader import resolve_model
+
+    if not 0.0 < args.gpu_memory_utilization <= 1.0:
+        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
+    if args.block_size <= 0 or args.block_size & (args.block_size - 1):
+        raise ValueError(f"--block-size must be a positive power of two, got {args.block_size}")
+    if args.max_model_len is not None and args.max_model_len < 1:
+        raise ValueError("--max-model-len must be at least 1")
+    model = read_model_config(resolve_model(args.model))
+    plan = make_plan(model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
+                     device_memory=args.device_memory, gpu_memory_utilization=args.gpu_memory_utilization,
+                     kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
+                     weight_memory=args.weight_memory)
+    print(json.dumps(asdict(plan)) if args.json else format_plan(plan))
+    return 0
