@@ -19,6 +19,11 @@ Migration: when the decode worker dies mid-stream, the request continues on
 another decode worker with the prompt plus the tokens generated so far (at
 most ``migration_limit`` times); the caller sees one unbroken stream.
 
+Restarts: a worker Ray restarts (``max_restarts``) rejoins through
+``WorkerTable`` supervision: a restarted prefill worker brings a new NIXL agent,
+which every live decode worker connects to; a restarted decode worker connects
+to every live prefill worker's agent again.
+
 Every wait has a deadline; a consumer that stops iterating (or ``abort``)
 aborts the request on every worker it touched.
 """
@@ -81,6 +86,7 @@ class PDClient:
         self.config = config or ClientConfig()
         self.policy: RoutingPolicy = make_policy(self.config.routing)
         self.table = WorkerTable(prefill, decode, self.config.call_timeout)
+        self.table.on_revive = self._rejoin
         self.block_size = 16
         self.decisions: dict[tuple[str, str, str], int] = {}
         self._touched: dict[str, set[Any]] = {}
@@ -99,7 +105,8 @@ class PDClient:
         """Wait for every worker, handshake decode with prefill agents, start the prefix index."""
         layouts = await asyncio.wait_for(asyncio.gather(*[h.ready.remote() for h in self.decode]), timeout)
         infos = await asyncio.wait_for(asyncio.gather(*[h.ready.remote() for h in self.prefill]), timeout)
-        for info in infos:
+        for worker, info in zip(self.table.prefill, infos, strict=True):
+            worker.info = info
             await self._connect(info, timeout)
         layout = unpack(layouts[0], KvLayout)
         self.block_size = layout.block_size
@@ -111,11 +118,22 @@ class PDClient:
         await self.table.stop()
 
     async def _connect(self, info: bytes, timeout: float) -> None:
-        """Handshake every decode worker with a prefill agent (a restarted worker brings a new one)."""
+        """Handshake every live decode worker with a prefill agent (a restarted worker brings a new one)."""
         name = decode_wire(info, AgentInfo).agent_name
         if name not in self._agents:
-            await asyncio.wait_for(asyncio.gather(*[d.connect.remote(info) for d in self.decode]), timeout)
+            live = [d.handle for d in self.table.live("decode")]
+            await asyncio.wait_for(asyncio.gather(*[d.connect.remote(info) for d in live]), timeout)
             self._agents.add(name)
+
+    async def _rejoin(self, worker: WorkerState, info: bytes) -> None:
+        """Re-register a restarted worker: its NIXL connections start from nothing."""
+        if worker.role == "prefill":
+            worker.info = info
+            await self._connect(info, self.config.call_timeout)
+            return
+        infos = [p.info for p in self.table.live("prefill") if p.info]
+        await asyncio.wait_for(asyncio.gather(*[worker.handle.connect.remote(i) for i in infos]),
+                               self.config.call_timeout)
 
     async def generate(self, req: GenerateRequest) -> AsyncGenerator[TokenBatch, None]:
         """Stream token batches for ``req``; raises RequestFailed when it cannot be served."""
@@ -215,8 +233,8 @@ class PDClient:
                                                 self.config.prefill_timeout)
                 handle = decode_wire(unpack(result, PrefillResult).handle_bytes, KvHandle)
                 if handle.agent_name not in self._agents:
-                    info = await self._call(worker.handle.ready.remote())
-                    await self._connect(info, self.config.call_timeout)
+                    worker.info = await self._call(worker.handle.ready.remote())
+                    await self._connect(worker.info, self.config.call_timeout)
             except (*WorkerDied, RayTaskError, TimeoutError) as exc:
                 if isinstance(exc, WorkerDied):
                     self.table.mark_dead(worker)
@@ -273,8 +291,11 @@ class PDClient:
                              return_exceptions=True)
 
     async def stats(self) -> list[WorkerStats]:
-        replies = await asyncio.gather(*[self._call(w.stats.remote()) for w in self.prefill + self.decode],
-                                       return_exceptions=True)
+        """Stats of the live workers (a dead or restarting one is left out, within a few seconds)."""
+        timeout = min(self.config.call_timeout, 5.0)
+        replies = await asyncio.gather(
+            *[asyncio.wait_for(w.handle.stats.remote(), timeout) for w in self.table.all() if w.alive],
+            return_exceptions=True)
         return [unpack(r, WorkerStats) for r in replies if isinstance(r, bytes)]
 
     async def check_integrity(self) -> None:

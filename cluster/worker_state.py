@@ -7,6 +7,13 @@ requests this client just sent without waiting for the next refresh, and so
 are the prompt blocks of requests in flight on each worker (``pending``): a
 prefix sent to a worker counts as held there from the moment it is sent,
 before the worker has computed and published it.
+
+Supervision: a worker found dead (a call raised ``RayActorError`` /
+``ActorUnavailableError``, or its stats report a new pid: Ray restarted it
+behind our back) leaves routing and the prefix index, and a background task
+waits (``revive_timeout``) for Ray to restart it (``max_restarts``): once its
+``ready`` answers, ``on_revive`` re-registers it (new NIXL agent, connections)
+and it serves again. A worker Ray will not restart (``ActorDiedError``) stays out.
 """
 
 from __future__ import annotations
@@ -14,8 +21,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from router.policy import Candidate
 from router.prefix_index import PrefixIndex
@@ -35,6 +45,9 @@ class WorkerState:
     free_blocks: int = 0
     stats: WorkerStats | None = None
     pending: dict[str, set[int]] = field(default_factory=dict)
+    pid: int = 0
+    info: bytes = b""  # what ``ready`` returned: a prefill worker's NIXL agent info
+    restarts: int = 0
 
     def pending_match(self, hashes: list[int]) -> int:
         """Leading blocks of ``hashes`` that requests already sent here will leave in its cache."""
@@ -56,6 +69,9 @@ class WorkerTable:
         self.call_timeout = call_timeout
         self.index: PrefixIndex | None = None
         self._task: asyncio.Task[None] | None = None
+        self.on_revive: Callable[[WorkerState, bytes], Awaitable[None]] | None = None
+        self.revive_timeout = 600.0
+        self._revivals: dict[int, asyncio.Task[None]] = {}
 
     def all(self) -> list[WorkerState]:
         return self.prefill + self.decode
@@ -76,32 +92,74 @@ class WorkerTable:
         return out
 
     def mark_dead(self, worker: WorkerState) -> None:
+        """Take ``worker`` out of routing; wait in the background for Ray to restart it."""
         worker.alive = False
         if self.index is not None:
             self.index.remove_worker(worker.worker_id)
+        if self.on_revive is not None and id(worker) not in self._revivals:
+            with contextlib.suppress(RuntimeError):  # no running loop: nothing to supervise with
+                task = asyncio.get_running_loop().create_task(self._revive(worker))
+                self._revivals[id(worker)] = task
+                task.add_done_callback(lambda _: self._revivals.pop(id(worker), None))
+
+    async def _revive(self, worker: WorkerState) -> None:
+        name = worker.worker_id or worker.role
+        deadline = asyncio.get_running_loop().time() + self.revive_timeout
+        while asyncio.get_running_loop().time() < deadline:
+            try:
+                info = await asyncio.wait_for(worker.handle.ready.remote(), self.revive_timeout)
+                assert self.on_revive is not None
+                await self.on_revive(worker, info)
+            except ActorDiedError as exc:
+                log.warning("%s is dead and will not be restarted: %s", name, exc)
+                return
+            except (ActorUnavailableError, RayActorError, TimeoutError) as exc:
+                log.info("%s not back yet: %r", name, exc)
+                await asyncio.sleep(1.0)
+                continue
+            except Exception as exc:  # e.g. a handshake refused: try again until the deadline
+                log.warning("%s restarted but could not rejoin: %r", name, exc)
+                await asyncio.sleep(1.0)
+                continue
+            worker.pid, worker.restarts = 0, worker.restarts + 1
+            worker.inflight_tokens, worker.pending = 0, {}
+            worker.alive = True
+            log.warning("%s restarted and rejoined (restart %d)", name, worker.restarts)
+            return
+        log.warning("%s did not come back within %.0f s", name, self.revive_timeout)
 
     async def refresh(self) -> None:
-        for w in self.all():
-            if not w.alive:
-                continue
-            try:
-                reply = await asyncio.wait_for(w.handle.stats.remote(), self.call_timeout)
-                stats = unpack(reply, WorkerStats)
-                w.stats, w.worker_id, w.free_blocks = stats, stats.worker_id, stats.num_free_kv_blocks
-                if self.index is not None:
-                    events = unpack(await asyncio.wait_for(w.handle.kv_events.remote(), self.call_timeout),
-                                    KvEvents)
-                    if not self.index.apply(events):
-                        snap = await asyncio.wait_for(w.handle.kv_snapshot.remote(), self.call_timeout)
-                        self.index.reset(unpack(snap, KvSnapshot))
-            except Exception as exc:  # a dead or slow worker must not stop the refresh of the others
-                log.warning("refresh of %s failed: %r", w.worker_id or w.role, exc)
+        await asyncio.gather(*[self._refresh_one(w) for w in self.all() if w.alive])
+
+    async def _refresh_one(self, w: WorkerState) -> None:
+        try:
+            reply = await asyncio.wait_for(w.handle.stats.remote(), self.call_timeout)
+            stats = unpack(reply, WorkerStats)
+            if w.pid and stats.pid != w.pid:  # Ray restarted it between two refreshes
+                log.warning("%s has a new process (pid %d, was %d)", stats.worker_id, stats.pid, w.pid)
+                self.mark_dead(w)
+                return
+            w.stats, w.worker_id, w.free_blocks, w.pid = (stats, stats.worker_id, stats.num_free_kv_blocks,
+                                                          stats.pid)
+            if self.index is not None:
+                events = unpack(await asyncio.wait_for(w.handle.kv_events.remote(), self.call_timeout),
+                                KvEvents)
+                if not self.index.apply(events):
+                    snap = await asyncio.wait_for(w.handle.kv_snapshot.remote(), self.call_timeout)
+                    self.index.reset(unpack(snap, KvSnapshot))
+        except (RayActorError, ActorUnavailableError) as exc:
+            log.warning("%s died: %r", w.worker_id or w.role, exc)
+            self.mark_dead(w)
+        except Exception as exc:  # a slow worker must not stop the refresh of the others
+            log.warning("refresh of %s failed: %r", w.worker_id or w.role, exc)
 
     def start(self, interval: float) -> None:
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._loop(interval))
 
     async def stop(self) -> None:
+        for task in list(self._revivals.values()):
+            task.cancel()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -2,7 +2,8 @@
 a storm of client disconnects leaves no KV held anywhere, and a decode worker killed mid-stream has its
 request migrated so the client's stream completes with the undisturbed greedy text.
 
-The migration test kills a worker for good (actors are not restarted), so it runs last.
+The migration test kills a decode worker's process; Ray restarts it (``--max-restarts``) and the last
+test checks that it rejoins (a new pid, connected to the prefill agent again) and serves requests.
 """
 
 from __future__ import annotations
@@ -142,9 +143,32 @@ def test_decode_worker_killed_mid_stream_migrates(server: PdserveServer) -> None
     assert finish == ["length"]
     assert usage["completion_tokens"] == max_tokens
     assert "".join(text) == expected
-    after = wait_drained(server, 2)
-    assert {w["worker_id"] for w in after} == {"prefill-0", survivor["worker_id"]}
-    moved = next(w for w in after if w["worker_id"] == survivor["worker_id"])
+    moved = next(w for w in workers(server) if w["worker_id"] == survivor["worker_id"])
     assert moved["prefix_queries"] > survivor["prefix_queries"]  # the continuation ran on the survivor
-    serves_normally(server)
-    wait_drained(server, 2)
+    KILLED.update(worker_id=victim, pid=stats[victim]["pid"])
+
+
+KILLED: dict[str, Any] = {}
+
+
+def test_killed_decode_worker_restarts_and_serves(server: PdserveServer) -> None:
+    assert KILLED, "runs after the kill above"
+    deadline = time.monotonic() + 120
+    while True:  # Ray restarts the process; the client re-registers it
+        back = {w["worker_id"]: w for w in workers(server)}
+        if KILLED["worker_id"] in back:
+            break
+        assert time.monotonic() < deadline, f"{KILLED['worker_id']} did not rejoin: {sorted(back)}"
+        time.sleep(0.5)
+    assert back[KILLED["worker_id"]]["pid"] not in (0, KILLED["pid"])
+    wait_drained(server, 3)
+    served = set()
+    for _ in range(4):  # round-robin over both decode workers: the restarted one serves too
+        resp = httpx.post(f"{server.url}{CHAT}", headers=AUTH, json=chat("Count to five.", 8, False),
+                          timeout=60)
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["usage"]["completion_tokens"] == 8
+        served.add(resp.headers[HEADER])
+    assert served == {"decode-0", "decode-1"}
+    after = {w["worker_id"]: w for w in wait_drained(server, 3)}
+    assert after[KILLED["worker_id"]]["num_kv_blocks"] > 0
