@@ -48,8 +48,11 @@ def _convert(action: argparse.Action, key: str, value: Any, where: str) -> Any:
     text = _as_text(value)
     try:
         converted = action.type(text) if callable(action.type) else text
-    except (argparse.ArgumentTypeError, ValueError, TypeError) as exc:
+    except argparse.ArgumentTypeError as exc:
         raise ConfigError(f"{where}: key {key!r} ({flag}): {exc}") from None
+    except (ValueError, TypeError):
+        kind = getattr(action.type, "__name__", "")
+        raise ConfigError(f"{where}: key {key!r} ({flag}): invalid {kind} value: {text!r}") from None
     if action.choices is not None and converted not in action.choices:
         choices = ", ".join(map(str, action.choices))
         raise ConfigError(f"{where}: key {key!r} ({flag}): {value!r} is not one of {choices}")
@@ -89,15 +92,16 @@ def parse_with_config(parser: argparse.ArgumentParser, argv: list[str] | None) -
     path = getattr(args, "config", None)
     if path is None:
         return args
-    sub = _subparser(parser, args)
+    sub = subparser(parser, args.command)
     sub.set_defaults(**load_config(path, sub))
     return parser.parse_args(argv)
 
 
-def _subparser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+def subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    """The parser of subcommand ``command`` (``parser`` itself when it has no subcommands)."""
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
-            return action.choices[args.command]
+            return action.choices[command]
     return parser
 
 

@@ -1,0 +1,234 @@
+"""pdserve on a real multi-node Ray cluster, submitted as a Ray job with token authentication on.
+
+The module starts its own cluster with ``ray start`` (own temp dir, own ports,
+``RAY_AUTH_MODE=token``): a head node (the job driver and router run there) and
+two worker nodes on this machine, one offering the custom resource
+``prefill_node`` and one ``decode_node``. ``ray job submit`` runs
+``python -m cluster.cli serve --address auto`` (what the ``pdserve`` script runs)
+with ``--prefill-resources prefill_node=1 --decode-resources decode_node=1``; the
+tests check the actors' node ids, a request through the router, and that
+``ray job stop`` leaves no pdserve actor and no placement group behind. Only the
+processes this module started are killed at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+RAY = str(Path(sys.executable).with_name("ray"))
+ROLES = {"PrefillWorker": "prefill_node", "DecodeWorker": "decode_node"}
+
+STATE_SCRIPT = """
+import json, sys
+from ray.util.state import list_actors, list_nodes, list_placement_groups
+addr = sys.argv[1]
+print(json.dumps({
+    "actors": [dict(class_name=a.class_name, state=a.state, node_id=a.node_id, pid=a.pid, name=a.name)
+               for a in list_actors(address=addr, limit=1000)],
+    "nodes": [dict(node_id=n.node_id, state=n.state, resources=n.resources_total)
+              for n in list_nodes(address=addr)],
+    "groups": [dict(name=g.name, state=g.state) for g in list_placement_groups(address=addr)],
+}))
+"""
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [int(s.getsockname()[1]) for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+@dataclass
+class RayCluster:
+    temp_dir: Path
+    gcs_port: int
+    dashboard: str
+    env: dict[str, str]
+
+    def run(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(args, env=self.env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+    def state(self) -> dict[str, Any]:
+        done = self.run(sys.executable, "-c", STATE_SCRIPT, self.dashboard)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+    def job_status(self, job_id: str) -> str:
+        done = self.run(RAY, "job", "status", "--address", self.dashboard, job_id)
+        return done.stdout + done.stderr
+
+    def job_logs(self, job_id: str) -> str:
+        done = self.run(RAY, "job", "logs", "--address", self.dashboard, job_id)
+        return (done.stdout + done.stderr)[-4000:]
+
+    def kill_own_processes(self) -> None:
+        """Terminate every process of this cluster (found by its temp dir or GCS port) and their children."""
+        marks = (str(self.temp_dir), f":{self.gcs_port}")
+        own: list[psutil.Process] = []
+        for proc in psutil.process_iter(["cmdline"]):
+            cmd = " ".join(proc.info["cmdline"] or [])
+            if any(m in cmd for m in marks):
+                own.append(proc)
+        family = {p.pid: p for p in own}
+        for p in own:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                family.update({c.pid: c for c in p.children(recursive=True)})
+        procs = list(family.values())
+        for p in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.terminate()
+        _, alive = psutil.wait_procs(procs, timeout=5)
+        for p in alive:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        psutil.wait_procs(alive, timeout=5)
+
+
+def _node_args(ports: list[int]) -> list[str]:
+    names = ("--node-manager-port", "--object-manager-port", "--metrics-export-port",
+             "--dashboard-agent-listen-port", "--dashboard-agent-grpc-port", "--runtime-env-agent-port")
+    args = [x for name, port in zip(names, ports, strict=False) for x in (name, str(port))]
+    base = ports[len(names)]
+    return [*args, "--min-worker-port", str(base), "--max-worker-port", str(base + 40),
+            "--node-ip-address", "127.0.0.1", "--disable-usage-stats"]
+
+
+def _worker_port_base() -> int:
+    """A run of 41 ports (per node) that nothing listens on now, away from the ephemeral range."""
+    for base in range(20000 + secrets.randbelow(200) * 50, 30000, 50):
+        taken = {c.laddr.port for c in psutil.net_connections("inet") if c.laddr}
+        if not taken & set(range(base, base + 150)):
+            return base
+    raise RuntimeError("no free worker port range")
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[RayCluster]:
+    temp_dir = Path(tempfile.mkdtemp(prefix="pdr", dir="/tmp"))
+    gcs, dash, client, *node_ports = _free_ports(3 + 3 * 6)
+    base = _worker_port_base()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(16), RAY_DEDUP_LOGS="0",
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}")
+    cluster = RayCluster(temp_dir, gcs, f"http://127.0.0.1:{dash}", env)
+    try:
+        head = cluster.run(
+            RAY, "start", "--head", "--temp-dir", str(temp_dir), "--port", str(gcs),
+            "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash), "--ray-client-server-port",
+            str(client), "--num-cpus", "1", "--resources", json.dumps({"ingress": 1}),
+            *_node_args([*node_ports[0:6], base]))
+        assert head.returncode == 0, head.stdout[-2000:] + head.stderr[-2000:]
+        nodes = [subprocess.Popen(
+            [RAY, "start", "--address", f"127.0.0.1:{gcs}", "--num-cpus", "1",
+             "--resources", json.dumps({resource: 1}),
+             *_node_args([*node_ports[6 * i:6 * i + 6], base + 50 * i])],
+            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for i, resource in ((1, "prefill_node"), (2, "decode_node"))]
+        for node in nodes:
+            out, _ = node.communicate(timeout=120)
+            assert node.returncode == 0, out[-3000:]
+        yield cluster
+    finally:
+        cluster.kill_own_processes()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@dataclass
+class Job:
+    job_id: str
+    url: str
+
+
+@pytest.fixture(scope="module")
+def job(ray_cluster: RayCluster, default_model_path: Path) -> Iterator[Job]:
+    port = _free_ports(1)[0]
+    job_id = f"pdserve-test-{secrets.token_hex(4)}"
+    submit = ray_cluster.run(
+        RAY, "job", "submit", "--address", ray_cluster.dashboard, "--submission-id", job_id, "--no-wait",
+        "--working-dir", str(ROOT), "--entrypoint-resources", json.dumps({"ingress": 1}), "--",
+        "python", "-m", "cluster.cli", "serve", "--address", "auto", "--model", str(default_model_path),
+        "--host", "127.0.0.1", "--port", str(port), "--num-prefill", "1", "--num-decode", "1",
+        "--prefill-resources", "prefill_node=1", "--decode-resources", "decode_node=1",
+        "--worker-cpus", "1", "--torch-threads", "1", "--kv-cache-memory", "64M",
+        "--served-model-name", "tiny")
+    assert submit.returncode == 0, submit.stdout[-2000:] + submit.stderr[-2000:]
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 240
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        status = ray_cluster.job_status(job_id)
+        if any(s in status for s in ("FAILED", "STOPPED", "SUCCEEDED")) or time.monotonic() > deadline:
+            pytest.fail(f"pdserve job not healthy:\n{status}\n{ray_cluster.job_logs(job_id)}")
+        time.sleep(1.0)
+    yield Job(job_id, url)
+    ray_cluster.run(RAY, "job", "stop", "--address", ray_cluster.dashboard, job_id)
+
+
+def _alive_workers(state: dict[str, Any]) -> list[dict[str, Any]]:
+    return [a for a in state["actors"] if a["class_name"] in ROLES and a["state"] != "DEAD"]
+
+
+def test_job_places_prefill_and_decode_on_their_nodes(ray_cluster: RayCluster, job: Job) -> None:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 6,
+            "temperature": 0, "ignore_eos": True}
+    resp = httpx.post(f"{job.url}/v1/chat/completions", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["completion_tokens"] == 6
+    state = ray_cluster.state()
+    actors = _alive_workers(state)
+    assert sorted(a["class_name"] for a in actors) == ["DecodeWorker", "PrefillWorker"]
+    nodes = {n["node_id"]: n for n in state["nodes"]}
+    placed = {a["class_name"]: a["node_id"] for a in actors}
+    assert placed["PrefillWorker"] != placed["DecodeWorker"]
+    for cls, resource in ROLES.items():
+        assert resource in nodes[placed[cls]]["resources"], (cls, nodes[placed[cls]])
+    assert all(a["state"] == "ALIVE" for a in actors)
+    stats = httpx.get(f"{job.url}/v1/workers", timeout=10).json()["workers"]
+    assert {w["pid"] for w in stats} == {a["pid"] for a in actors}  # the router talks to those actors
+    assert sum(g["state"] == "CREATED" for g in state["groups"]) == 2  # one placement group per worker
+
+
+def test_job_stop_leaves_nothing_behind(ray_cluster: RayCluster, job: Job) -> None:
+    stop = ray_cluster.run(RAY, "job", "stop", "--address", ray_cluster.dashboard, job.job_id)
+    assert stop.returncode == 0, stop.stdout[-2000:] + stop.stderr[-2000:]
+    deadline = time.monotonic() + 60
+    while True:
+        state = ray_cluster.state()
+        left = _alive_workers(state) + [g for g in state["groups"] if g["state"] != "REMOVED"]
+        if not left:
+            break
+        assert time.monotonic() < deadline, left
+        time.sleep(1.0)
+    assert "stopped" in ray_cluster.job_status(job.job_id).lower()
+    logs = ray_cluster.job_logs(job.job_id)
+    assert "pdserve: stopped" in logs, logs  # SIGTERM from the job supervisor: the clean shutdown ran
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"{job.url}/health", timeout=2)

@@ -1,0 +1,83 @@
+"""``pdserve serve --config FILE.yaml``, the placement flags, and their errors (no Ray, no model)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cluster.cli import build_parser, main
+from cluster.config import ConfigError, describe, load_config, parse_with_config, subparser
+from cluster.placement import Placement, parse_resources
+
+CONFIG = """
+num-decode: 2
+num_prefill: 3
+routing: round-robin
+prefill-resources: {prefill_node: 1}
+decode-resources: "decode_node=1,ssd=0.5"
+enable-prefix-caching: false
+kv-cache-memory: 64M
+api-key: secret
+max-restarts: 5
+"""
+
+
+def write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "pdserve.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_file_then_flags_override(tmp_path: Path) -> None:
+    path = write(tmp_path, CONFIG)
+    args = parse_with_config(build_parser(), ["serve", "--config", path, "--num-decode", "4"])
+    assert (args.num_decode, args.num_prefill, args.routing) == (4, 3, "round-robin")
+    assert args.prefill_resources == {"prefill_node": 1.0}
+    assert args.decode_resources == {"decode_node": 1.0, "ssd": 0.5}
+    assert args.enable_prefix_caching is False and args.kv_cache_memory == 64 * 1024**2
+    assert args.max_restarts == 5 and args.port == 8000  # untouched flags keep their defaults
+    shown = describe(args)
+    assert "  num-decode: 4" in shown and "  api-key: ***" in shown and "secret" not in shown
+
+
+@pytest.mark.parametrize(("text", "needle"), [
+    ("num-decoders: 2\n", "unknown key 'num-decoders'"),
+    ("port: eighty\n", "key 'port' (--port): invalid int value"),
+    ("routing: random\n", "key 'routing' (--routing): 'random' is not one of"),
+    ("enable-prefix-caching: maybe\n", "(--enable-prefix-caching) must be true or false"),
+    ("prefill-resources: {CPU: 2}\n", "(--prefill-resources): CPU is set by --worker-cpus"),
+    ("kv-cache-memory: lots\n", "(--kv-cache-memory): invalid size"),
+    ("- a list\n", "must hold a mapping"),
+    ("port: [1, 2]\n", "takes one value"),
+])
+def test_bad_file_names_key_and_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str,
+                                     needle: str) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path, subparser(build_parser(), "serve"))
+    assert needle in str(err.value)
+    assert main(["serve", "--config", path]) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_missing_and_invalid_yaml(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--config", str(tmp_path / "nope.yaml")]) == 2
+    assert "--config: cannot read" in capsys.readouterr().err
+    assert main(["serve", "--config", write(tmp_path, "port: [\n")]) == 2
+    assert "is not valid YAML" in capsys.readouterr().err
+
+
+def test_placement_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    assert parse_resources("prefill_node=1, gpu.h100 , x=0.25") == {"prefill_node": 1.0, "gpu.h100": 1.0,
+                                                                     "x": 0.25}
+    for argv, needle in ((["--prefill-resources", "GPU=1"], "argument --prefill-resources"),
+                         (["--decode-resources", "a=-1"], "must be > 0"),
+                         (["--decode-resources", "9x=1"], "invalid resource name"),
+                         (["--prefill-tp", "2"], "tensor parallelism is not implemented yet"),
+                         (["--max-restarts", "-1"], "argument --max-restarts")):
+        assert main(["serve", *argv]) == 2
+        assert needle in capsys.readouterr().err
+    gpu = Placement(num_cpus=2, num_gpus=1, tp=2, resources={"decode_node": 1})
+    assert gpu.bundles() == [{"CPU": 2, "decode_node": 1, "GPU": 1.0}, {"GPU": 1.0}]
+    assert Placement(num_cpus=0.5).bundles() == [{"CPU": 0.5}]
