@@ -32,6 +32,8 @@ import httpx
 import psutil
 import pytest
 
+from cluster.plan import make_plan, read_model_config
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -196,7 +198,8 @@ def _alive_workers(state: dict[str, Any]) -> list[dict[str, Any]]:
     return [a for a in state["actors"] if a["class_name"] in ROLES and a["state"] != "DEAD"]
 
 
-def test_job_places_prefill_and_decode_on_their_nodes(ray_cluster: RayCluster, job: Job) -> None:
+def test_job_places_prefill_and_decode_on_their_nodes(ray_cluster: RayCluster, job: Job,
+                                                      default_model_path: Path) -> None:
     body = {"model": "tiny", "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 6,
             "temperature": 0, "ignore_eos": True}
     resp = httpx.post(f"{job.url}/v1/chat/completions", json=body, timeout=120)
@@ -213,6 +216,8 @@ def test_job_places_prefill_and_decode_on_their_nodes(ray_cluster: RayCluster, j
     assert all(a["state"] == "ALIVE" for a in actors)
     stats = httpx.get(f"{job.url}/v1/workers", timeout=10).json()["workers"]
     assert {w["pid"] for w in stats} == {a["pid"] for a in actors}  # the router talks to those actors
+    plan = make_plan(read_model_config(default_model_path), dtype="float32", kv_cache_memory=64 * 1024**2)
+    assert [w["num_kv_blocks"] for w in stats] == [plan.num_kv_blocks] * 2  # pdserve plan == the engines
     assert sum(g["state"] == "CREATED" for g in state["groups"]) == 2  # one placement group per worker
 
 
