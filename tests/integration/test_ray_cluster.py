@@ -144,15 +144,21 @@ def ray_cluster() -> Iterator[RayCluster]:
             str(client), "--num-cpus", "1", "--resources", json.dumps({"ingress": 1}),
             *_node_args([*node_ports[0:6], base]))
         assert head.returncode == 0, head.stdout[-2000:] + head.stderr[-2000:]
-        nodes = [subprocess.Popen(
-            [RAY, "start", "--address", f"127.0.0.1:{gcs}", "--num-cpus", "1",
-             "--resources", json.dumps({resource: 1}),
-             *_node_args([*node_ports[6 * i:6 * i + 6], base + 50 * i])],
-            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            for i, resource in ((1, "prefill_node"), (2, "decode_node"))]
-        for node in nodes:
-            out, _ = node.communicate(timeout=120)
-            assert node.returncode == 0, out[-3000:]
+        outputs = []
+        for i, resource in ((1, "prefill_node"), (2, "decode_node")):  # one at a time: 2 cores
+            node = cluster.run(RAY, "start", "--address", f"127.0.0.1:{gcs}", "--num-cpus", "1",
+                               "--resources", json.dumps({resource: 1}),
+                               *_node_args([*node_ports[6 * i:6 * i + 6], base + 50 * i]))
+            outputs.append(node.stdout[-1500:] + node.stderr[-1500:])
+        # `ray start` gives a raylet 30 s to register; on a loaded machine it may register later
+        deadline = time.monotonic() + 120
+        while True:
+            alive = [n for n in cluster.state()["nodes"] if n["state"] == "ALIVE"]
+            offered = {r for n in alive for r in n["resources"]}
+            if len(alive) == 3 and {"prefill_node", "decode_node"} <= offered:
+                break
+            assert time.monotonic() < deadline, (alive, outputs)
+            time.sleep(2.0)
         yield cluster
     finally:
         cluster.kill_own_processes()
