@@ -30,7 +30,7 @@ def _flag(action: argparse.Action) -> str:
 
 
 def _as_text(value: Any) -> str:
-    if isinstance(value, dict):  # resource maps: {prefill_node: 1} -> "prefill_node=1"
+    if isinstance(value, dict):  # resource and label maps: {prefill_node: 1} -> "prefill_node=1"
         return ",".join(f"{k}={v}" for k, v in value.items())
     return str(value)
 

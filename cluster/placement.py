@@ -3,7 +3,8 @@
 A worker's group holds ``tp`` bundles packed on one node (``STRICT_PACK``):
 bundle 0 carries the worker's CPUs, its custom resources
 (``--prefill-resources`` / ``--decode-resources``, e.g. ``prefill_node=1``, which only the
-nodes started with that resource offer) and one GPU when the engine runs on
+nodes started with that resource offer; ``--prefill-labels`` / ``--decode-labels`` select
+nodes by Ray node labels instead or as well) and one GPU when the engine runs on
 CUDA; bundles 1.. reserve one more GPU each for tensor-parallel ranks. The
 actor itself is scheduled into bundle 0, so a restarted actor returns to the
 same reservation. Groups are created by the driver and removed with it (they
@@ -41,6 +42,22 @@ def parse_resources(text: str, flag: str = "--resources") -> dict[str, float]:
     return out
 
 
+def parse_labels(text: str, flag: str = "--labels") -> dict[str, str]:
+    """``key=value[,...]`` -> a Ray label selector (values may use Ray's ``!`` / ``in(...)`` operators)."""
+    from ray._private.label_utils import validate_label_selector
+
+    out: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = part.partition("=")
+        if not sep or not key.strip() or not value.strip():
+            raise ValueError(f"{flag}: expected key=value, got {part!r}")
+        out[key.strip()] = value.strip()
+    problem = validate_label_selector(out)
+    if problem:
+        raise ValueError(f"{flag}: {problem}")
+    return out
+
+
 @dataclass(frozen=True)
 class Placement:
     """What one worker of a role reserves."""
@@ -49,6 +66,7 @@ class Placement:
     num_gpus: int = 0
     tp: int = 1
     resources: dict[str, float] = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=dict)
 
     def bundles(self) -> list[dict[str, float]]:
         first: dict[str, float] = {"CPU": self.num_cpus, **self.resources}
@@ -63,14 +81,15 @@ def reserve(placement: Placement, name: str, timeout: float, flag: str) -> Any:
     from ray.util.placement_group import placement_group, remove_placement_group
 
     bundles = placement.bundles()
-    group = placement_group(bundles, strategy="STRICT_PACK", name=name)
+    selector = [dict(placement.labels) for _ in bundles] if placement.labels else None
+    group = placement_group(bundles, strategy="STRICT_PACK", name=name, bundle_label_selector=selector)
     ready, _ = ray.wait([group.ready()], timeout=timeout)
     if not ready:
         remove_placement_group(group)
         total = ray.cluster_resources()
         raise TimeoutError(
             f"{name}: no node could host {bundles} within {timeout:.0f} s (cluster resources: {total}); "
-            f"check {flag}, --worker-cpus and --device")
+            f"check {flag}, the role's labels, --worker-cpus and --device")
     return group
 
 

@@ -132,6 +132,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--decode-resources", type=_resources("--decode-resources"), default={},
                    metavar="NAME=N[,...]",
                    help="Ray custom resources each decode worker needs, e.g. decode_node=1 (default: none)")
+    c.add_argument("--prefill-labels", type=_labels("--prefill-labels"), default={},
+                   metavar="KEY=VALUE[,...]",
+                   help="Ray node labels prefill workers must run on (ray start --labels), e.g. "
+                        "pdserve-role=prefill (default: none)")
+    c.add_argument("--decode-labels", type=_labels("--decode-labels"), default={},
+                   metavar="KEY=VALUE[,...]",
+                   help="Ray node labels decode workers must run on, e.g. pdserve-role=decode "
+                        "(default: none)")
     c.add_argument("--prefill-tp", type=_tp("--prefill-tp"), default=1, metavar="N",
                    help="devices per prefill worker (tensor parallelism); only 1 is supported so far")
     c.add_argument("--decode-tp", type=_tp("--decode-tp"), default=1, metavar="N",
@@ -149,6 +157,18 @@ def _resources(flag: str) -> Any:
 
         try:
             return parse_resources(text, flag)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc).removeprefix(f"{flag}: ")) from None
+
+    return convert
+
+
+def _labels(flag: str) -> Any:
+    def convert(text: str) -> dict[str, str]:
+        from cluster.placement import parse_labels
+
+        try:
+            return parse_labels(text, flag)
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc).removeprefix(f"{flag}: ")) from None
 
@@ -254,10 +274,10 @@ def run_serve(args: argparse.Namespace) -> int:
         common = {"num_cpus": args.worker_cpus, "num_gpus": gpus, "torch_threads": args.torch_threads,
                   "max_restarts": args.max_restarts, "placement_groups": True,
                   "placement_timeout": args.placement_timeout}
-        popts = WorkerOptions(resources=args.prefill_resources, tp=args.prefill_tp,
-                              resources_flag="--prefill-resources", **common)
-        dopts = WorkerOptions(resources=args.decode_resources, tp=args.decode_tp,
-                              resources_flag="--decode-resources", **common)
+        popts = WorkerOptions(resources=args.prefill_resources, labels=args.prefill_labels,
+                              tp=args.prefill_tp, resources_flag="--prefill-resources", **common)
+        dopts = WorkerOptions(resources=args.decode_resources, labels=args.decode_labels,
+                              tp=args.decode_tp, resources_flag="--decode-resources", **common)
         group = start_workers(str(path), engine_config, args.num_prefill, args.num_decode, popts, dopts,
                               lease_seconds=args.lease_seconds)
         client = PDClient(group.prefill, group.decode, ClientConfig(

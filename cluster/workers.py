@@ -37,9 +37,10 @@ class WorkerOptions:
     placement_groups: bool = False
     placement_timeout: float = 300.0
     resources_flag: str = "--resources"
+    labels: dict[str, str] = field(default_factory=dict)
 
     def placement(self) -> Placement:
-        return Placement(self.num_cpus, self.num_gpus, self.tp, dict(self.resources))
+        return Placement(self.num_cpus, self.num_gpus, self.tp, dict(self.resources), dict(self.labels))
 
 
 @dataclass

@@ -5,7 +5,8 @@ The module starts its own cluster with ``ray start`` (own temp dir, own ports,
 two worker nodes on this machine, one offering the custom resource
 ``prefill_node`` and one ``decode_node``. ``ray job submit`` runs
 ``python -m cluster.cli serve --address auto`` (what the ``pdserve`` script runs)
-with ``--prefill-resources prefill_node=1 --decode-resources decode_node=1``; the
+with ``--prefill-resources prefill_node=1 --decode-resources decode_node=1`` (and the
+decode node's label, ``--decode-labels pdserve-role=decode_node``); the
 tests check the actors' node ids, a request through the router, and that
 ``ray job stop`` leaves no pdserve actor and no placement group behind. Only the
 processes this module started are killed at the end.
@@ -148,6 +149,7 @@ def ray_cluster() -> Iterator[RayCluster]:
         for i, resource in ((1, "prefill_node"), (2, "decode_node")):  # one at a time: 2 cores
             node = cluster.run(RAY, "start", "--address", f"127.0.0.1:{gcs}", "--num-cpus", "1",
                                "--resources", json.dumps({resource: 1}),
+                               "--labels", f"pdserve-role={resource}",
                                *_node_args([*node_ports[6 * i:6 * i + 6], base + 50 * i]))
             outputs.append(node.stdout[-1500:] + node.stderr[-1500:])
         # `ray start` gives a raylet 30 s to register; on a loaded machine it may register later
@@ -181,6 +183,7 @@ def job(ray_cluster: RayCluster, default_model_path: Path) -> Iterator[Job]:
         "python", "-m", "cluster.cli", "serve", "--address", "auto", "--model", str(default_model_path),
         "--host", "127.0.0.1", "--port", str(port), "--num-prefill", "1", "--num-decode", "1",
         "--prefill-resources", "prefill_node=1", "--decode-resources", "decode_node=1",
+        "--decode-labels", "pdserve-role=decode_node",
         "--worker-cpus", "1", "--torch-threads", "1", "--kv-cache-memory", "64M",
         "--served-model-name", "tiny")
     assert submit.returncode == 0, submit.stdout[-2000:] + submit.stderr[-2000:]

@@ -8,7 +8,7 @@ import pytest
 
 from cluster.cli import build_parser, main
 from cluster.config import ConfigError, describe, load_config, parse_with_config, subparser
-from cluster.placement import Placement, parse_resources
+from cluster.placement import Placement, parse_labels, parse_resources
 
 CONFIG = """
 num-decode: 2
@@ -75,9 +75,12 @@ def test_placement_flags(capsys: pytest.CaptureFixture[str]) -> None:
                          (["--decode-resources", "a=-1"], "must be > 0"),
                          (["--decode-resources", "9x=1"], "invalid resource name"),
                          (["--prefill-tp", "2"], "tensor parallelism is not implemented yet"),
+                         (["--decode-labels", "role"], "expected key=value"),
+                         (["--prefill-labels", "role=-bad-"], "argument --prefill-labels: Invalid label"),
                          (["--max-restarts", "-1"], "argument --max-restarts")):
         assert main(["serve", *argv]) == 2
         assert needle in capsys.readouterr().err
+    assert parse_labels("pdserve-role=decode, zone=us") == {"pdserve-role": "decode", "zone": "us"}
     gpu = Placement(num_cpus=2, num_gpus=1, tp=2, resources={"decode_node": 1})
     assert gpu.bundles() == [{"CPU": 2, "decode_node": 1, "GPU": 1.0}, {"GPU": 1.0}]
     assert Placement(num_cpus=0.5).bundles() == [{"CPU": 0.5}]
