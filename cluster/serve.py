@@ -104,7 +104,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="prefill workers; 0 runs prompts on the decode workers (default: 1)")
     c.add_argument("--num-decode", type=int, default=1, metavar="N", help="decode workers (default: 1)")
     c.add_argument("--address", default=None, metavar="ADDR",
-                   help="Ray address to attach to, e.g. 'auto' (default: start a local Ray instance)")
+                   help="Ray cluster to attach to: 'auto' (the cluster of this node, or the job's under "
+                        "ray job submit) or HOST:PORT (default: start a local Ray instance)")
     c.add_argument("--kv-failure-policy", choices=POLICIES, default="retry",
                    help="when a prefill worker or a KV transfer fails: retry on another prefill worker, "
                         "recompute on decode, or fail the request (default: retry)")
@@ -122,7 +123,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--lease-seconds", type=_positive(float), default=30.0, metavar="SECONDS",
                    help="how long prefill keeps KV blocks for decode to pull (default: 30)")
     c.add_argument("--worker-cpus", type=_positive(float), default=1.0, metavar="N",
-                   help="Ray CPUs reserved by each worker (default: 1)")
+                   help="Ray CPUs reserved by each worker; with --device cuda each also reserves one "
+                        "GPU (default: 1)")
     c.add_argument("--torch-threads", type=_positive(int), default=1, metavar="N",
                    help="torch threads in each worker (default: 1)")
     c.add_argument("--prefill-resources", type=_resources("--prefill-resources"), default={},
@@ -235,6 +237,11 @@ def run_serve(args: argparse.Namespace) -> int:
     check_engine_kwargs(kwargs)
     if args.num_decode < 1 or args.num_prefill < 0:
         raise ValueError("--num-decode must be >= 1 and --num-prefill >= 0")
+    if args.address is None:
+        for flag in ("--prefill-resources", "--decode-resources", "--prefill-labels", "--decode-labels"):
+            if getattr(args, flag[2:].replace("-", "_")):
+                raise ValueError(f"{flag} selects nodes of a Ray cluster: give its --address (e.g. auto); "
+                                 "the local instance pdserve starts has no custom resources or labels")
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     from cluster.config import describe
 

@@ -3,7 +3,8 @@ a storm of client disconnects leaves no KV held anywhere, and a decode worker ki
 request migrated so the client's stream completes with the undisturbed greedy text.
 
 The migration test kills a decode worker's process; Ray restarts it (``--max-restarts``) and the last
-test checks that it rejoins (a new pid, connected to the prefill agent again) and serves requests.
+test checks that it rejoins (a new pid, connected to the prefill agent again) and serves requests, then
+kills the prefill worker and checks that decode pulls KV from the restarted one's new NIXL agent.
 """
 
 from __future__ import annotations
@@ -151,16 +152,20 @@ def test_decode_worker_killed_mid_stream_migrates(server: PdserveServer) -> None
 KILLED: dict[str, Any] = {}
 
 
-def test_killed_decode_worker_restarts_and_serves(server: PdserveServer) -> None:
-    assert KILLED, "runs after the kill above"
+def wait_rejoined(server: PdserveServer, worker_id: str, old_pid: int) -> dict[str, Any]:
+    """Until ``worker_id`` answers from a new process (Ray restarted it, the client re-registered it)."""
     deadline = time.monotonic() + 120
-    while True:  # Ray restarts the process; the client re-registers it
+    while True:
         back = {w["worker_id"]: w for w in workers(server)}
-        if KILLED["worker_id"] in back:
-            break
-        assert time.monotonic() < deadline, f"{KILLED['worker_id']} did not rejoin: {sorted(back)}"
+        if worker_id in back and back[worker_id]["pid"] not in (0, old_pid):
+            return back[worker_id]
+        assert time.monotonic() < deadline, f"{worker_id} did not rejoin: {sorted(back)}"
         time.sleep(0.5)
-    assert back[KILLED["worker_id"]]["pid"] not in (0, KILLED["pid"])
+
+
+def test_killed_workers_restart_and_serve(server: PdserveServer) -> None:
+    assert KILLED, "runs after the kill above"
+    wait_rejoined(server, KILLED["worker_id"], KILLED["pid"])
     wait_drained(server, 3)
     served = set()
     for _ in range(4):  # round-robin over both decode workers: the restarted one serves too
@@ -170,5 +175,15 @@ def test_killed_decode_worker_restarts_and_serves(server: PdserveServer) -> None
         assert resp.json()["usage"]["completion_tokens"] == 8
         served.add(resp.headers[HEADER])
     assert served == {"decode-0", "decode-1"}
+    wait_drained(server, 3)
+
+    # a restarted prefill worker has a new NIXL agent: decode must connect to it and pull from it
+    before = {w["worker_id"]: w for w in workers(server)}
+    os.kill(before["prefill-0"]["pid"], signal.SIGKILL)
+    wait_rejoined(server, "prefill-0", before["prefill-0"]["pid"])
+    for _ in range(2):
+        serves_normally(server)
     after = {w["worker_id"]: w for w in wait_drained(server, 3)}
-    assert after[KILLED["worker_id"]]["num_kv_blocks"] > 0
+    assert after["prefill-0"]["prefix_queries"] >= 1  # the fresh process computed prompts
+    pulled = sum(after[d]["transfer_blocks"] - before[d]["transfer_blocks"] for d in ("decode-0", "decode-1"))
+    assert pulled > 0

@@ -81,6 +81,8 @@ def test_placement_flags(capsys: pytest.CaptureFixture[str]) -> None:
         assert main(["serve", *argv]) == 2
         assert needle in capsys.readouterr().err
     assert parse_labels("pdserve-role=decode, zone=us") == {"pdserve-role": "decode", "zone": "us"}
+    assert main(["serve", "--decode-resources", "decode_node=1"]) == 2  # no --address: a local Ray
+    assert "--decode-resources selects nodes of a Ray cluster: give its --address" in capsys.readouterr().err
     gpu = Placement(num_cpus=2, num_gpus=1, tp=2, resources={"decode_node": 1})
     assert gpu.bundles() == [{"CPU": 2, "decode_node": 1, "GPU": 1.0}, {"GPU": 1.0}]
     assert Placement(num_cpus=0.5).bundles() == [{"CPU": 0.5}]
