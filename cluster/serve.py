@@ -211,6 +211,10 @@ def _start_ray(args: argparse.Namespace) -> bool:
     return True
 
 
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 async def _serve(server: Any, backend: ClusterBackend, ready_line: str) -> bool:
     """Run uvicorn until a signal; connect the workers meanwhile. False when the workers never came up."""
     failed: list[BaseException] = []
@@ -277,6 +281,8 @@ def run_serve(args: argparse.Namespace) -> int:
     started_ray = _start_ray(args)
     group = None
     try:
+        for sig in (signal.SIGINT, signal.SIGTERM):  # while placing workers: unwind through `finally`
+            signal.signal(sig, _exit_on_signal)
         gpus = 1 if engine_config.device.startswith("cuda") else 0
         common = {"num_cpus": args.worker_cpus, "num_gpus": gpus, "torch_threads": args.torch_threads,
                   "max_restarts": args.max_restarts, "placement_groups": True,
