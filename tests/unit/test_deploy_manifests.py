@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from cluster.cli import build_parser
+from cluster.config import parse_with_config
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 RAY_VERSION = version("ray")
@@ -58,7 +59,7 @@ def serve_args(entrypoint: str) -> Any:
 
 def test_every_file_parses_and_has_a_readme() -> None:
     files = sorted(DEPLOY.rglob("*.yaml"))
-    assert {p.parent.name for p in files} == {"kuberay", "cluster-launcher"}
+    assert {p.parent.name for p in files} == {"deploy", "kuberay", "cluster-launcher"}
     for path in files:
         documents(path)
     for folder in {p.parent for p in files}:
@@ -137,3 +138,11 @@ def test_cluster_launcher() -> None:
         assert "RAY_AUTH_MODE=token" in command
     docker = (DEPLOY / "kuberay" / "Dockerfile").read_text()
     assert f"rayproject/ray:{RAY_VERSION}-" in docker
+
+
+def test_example_config_file_loads() -> None:
+    path = DEPLOY / "pdserve.yaml"
+    args = parse_with_config(build_parser(), ["serve", "--config", str(path), "--num-decode", "3"])
+    assert (args.address, args.device, args.num_prefill, args.num_decode) == ("auto", "cuda", 2, 3)
+    assert args.prefill_resources == {"prefill_node": 1.0} and args.decode_resources == {"decode_node": 1.0}
+    assert "pdserve.yaml" in (DEPLOY / "README.md").read_text()
