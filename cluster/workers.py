@@ -12,6 +12,7 @@ import ray
 from decode.worker import DecodeWorker
 from engine.config import EngineConfig
 from prefill.worker import PrefillWorker
+from transfer.tracing import TraceConfig
 
 
 @dataclass(frozen=True)
@@ -55,8 +56,10 @@ def start_workers(
     lease_seconds: float = 30.0,
     transfer_timeout: float = 30.0,
     name_prefix: str | None = None,
+    tracing: TraceConfig | None = None,
 ) -> WorkerGroup:
-    """Create the actors (they load the model in their own processes); call ``ready`` before use."""
+    """Create the actors (they load the model in their own processes); call ``ready`` before use.
+    With ``tracing`` (an OTLP endpoint) each worker exports its spans there."""
     if num_decode < 1:
         raise ValueError("at least one decode worker is needed (--num-decode)")
     if num_prefill < 0:
@@ -65,14 +68,17 @@ def start_workers(
     popts = prefill_opts or WorkerOptions()
     dopts = decode_opts or WorkerOptions()
     cfg = msgspec.msgpack.encode(engine_config)
+    trace = msgspec.msgpack.encode(tracing) if tracing is not None and tracing.endpoint else None
     prefill = [
         _actor(PrefillWorker, f"{prefix}-prefill-{i}", popts).remote(
-            f"prefill-{i}", model, cfg, lease_seconds=lease_seconds, torch_threads=popts.torch_threads)
+            f"prefill-{i}", model, cfg, lease_seconds=lease_seconds, torch_threads=popts.torch_threads,
+            tracing=trace)
         for i in range(num_prefill)
     ]
     decode = [
         _actor(DecodeWorker, f"{prefix}-decode-{i}", dopts).remote(
-            f"decode-{i}", model, cfg, transfer_timeout=transfer_timeout, torch_threads=dopts.torch_threads)
+            f"decode-{i}", model, cfg, transfer_timeout=transfer_timeout, torch_threads=dopts.torch_threads,
+            tracing=trace)
         for i in range(num_decode)
     ]
     return WorkerGroup(prefill, decode)
