@@ -141,3 +141,39 @@ def test_prometheus_scrapes_ttft(server: PdserveServer, tmp_path: Path) -> None:
     finally:
         proc.terminate()
         proc.wait(20)
+
+
+def scrape(server: PdserveServer) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def total(samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str) -> float:
+    want = set(labels.items())
+    return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)
+
+
+def test_vllm_named_metrics_count_one_request(server: PdserveServer) -> None:
+    before = scrape(server)
+    usage = chat(server, STORY * 3 + "Which wind?", 5)["usage"]
+    time.sleep(0.5)  # the client's worker stats refresh every 0.1 s
+    after = scrape(server)
+
+    def delta(name: str, **labels: str) -> float:
+        return total(after, name, **labels) - total(before, name, **labels)
+
+    blocks = math.ceil(usage["prompt_tokens"] / 16)
+    assert delta("pdserve:generation_tokens_total") == 5
+    assert delta("pdserve:prompt_tokens_total") == usage["prompt_tokens"]
+    assert delta("pdserve:time_to_first_token_seconds_count") == 1
+    assert delta("pdserve:e2e_request_latency_seconds_count") == 1
+    assert delta("pdserve:kv_transfer_bytes_total", role="decode", worker="decode-0") == blocks * 16 * 46080
+    assert delta("pdserve:kv_transfer_seconds_count", role="decode") == 1
+    assert delta("pdserve:request_queue_time_seconds_count", role="prefill") == 1
+    assert delta("pdserve:routing_decisions_total", role="prefill", policy="prefix") == 1
+    assert total(after, "pdserve:num_requests_running") == 0
+    assert total(after, "pdserve:kv_cache_usage_perc", role="decode") == 0
+    assert total(after, "pdserve:kv_transfer_failures_total") == 0
