@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -25,7 +26,7 @@ def exposed_names() -> set[str]:
     """Sample names of the router's registry plus the cluster families built from two workers' stats."""
     hist = Histogram()
     hist.observe(0.02)
-    base = {"num_running": 1, "num_waiting": 0, "num_kv_blocks": 10, "num_free_kv_blocks": 6,
+    base: dict[str, Any] = {"num_running": 1, "num_waiting": 0, "num_kv_blocks": 10, "num_free_kv_blocks": 6,
             "num_used_blocks": 4, "num_cached_blocks": 0}
     stats = [WorkerStats(worker_id="prefill-0", role="prefill", queue_time=hist.data(), **base),
              WorkerStats(worker_id="decode-0", role="decode", queue_time=hist.data(),
