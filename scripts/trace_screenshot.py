@@ -3,9 +3,14 @@
 Starts Phoenix (the venv scripts/observe.sh installs, $PDSERVE_CACHE/phoenix-venv) and `pdserve serve`
 tracing into it, sends one disaggregated chat request with a known ``traceparent``, waits for its spans,
 and has Chromium (Debian package ``chromium``, installed by scripts/ensure_apt.sh when missing) take
-the screenshot of that trace's page. Everything it starts is stopped at the end.
+the screenshot of that trace's page: its span tree with each hop's duration. With playwright-core
+(npm) under $PDSERVE_CACHE/playwright it also selects the ``kv.transfer`` span so its attributes
+show; without it Chromium's own ``--screenshot`` takes the page as it loads. Everything it starts is
+stopped at the end.
 
-    bash scripts/ensure_apt.sh chromium chromium && python scripts/trace_screenshot.py [OUT.png]
+    bash scripts/ensure_apt.sh chromium chromium
+    npm install --prefix ~/.cache/pdserve/playwright playwright-core@1.65.1   # optional
+    .venv/bin/python scripts/trace_screenshot.py [OUT.png]
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve"))
+PLAYWRIGHT = Path(os.environ.get("PLAYWRIGHT_NODE_MODULES", CACHE / "playwright" / "node_modules"))
 PHOENIX_PY = Path(os.environ.get("PHOENIX_PYTHON", CACHE / "phoenix-venv" / "bin" / "python"))
 STORY = ("The lighthouse keeper counted the ships that passed each night and wrote their names in a "
          "leather book, noting the wind, the tide and the colour of every sail. ")
@@ -83,11 +89,17 @@ def main() -> None:
             if project and len(got) >= 6:
                 break
         url = f"{phoenix}/projects/{project}/traces/{trace_id}"
-        subprocess.run(["/usr/bin/chromium", "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-                        "--no-first-run", "--disable-background-networking", "--disable-component-update",
-                        "--disable-sync", f"--user-data-dir={work / 'chromium'}", "--window-size=1600,1000",
-                        "--virtual-time-budget=15000", "--hide-scrollbars", f"--screenshot={out}", url],
-                       check=True, timeout=180, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if PLAYWRIGHT.is_dir():  # also selects the kv.transfer span to show its attributes
+            script = str(ROOT / "scripts" / "trace_screenshot.cjs")
+            subprocess.run(["node", script, url, str(out)], check=True, timeout=240,
+                           env={**os.environ, "NODE_PATH": str(PLAYWRIGHT)})
+        else:
+            flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                     "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                     f"--user-data-dir={work / 'chromium'}", "--window-size=1600,1000",
+                     "--virtual-time-budget=15000", "--hide-scrollbars", f"--screenshot={out}"]
+            subprocess.run(["/usr/bin/chromium", *flags, url], check=True, timeout=180,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         print(f"{out} ({url})")
     finally:
         for p in reversed(procs):
