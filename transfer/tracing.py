@@ -53,7 +53,11 @@ class TraceConfig(msgspec.Struct, frozen=True, kw_only=True):
         if not url and env.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
             base = env["OTEL_EXPORTER_OTLP_ENDPOINT"].rstrip("/")
             url = base if proto == "grpc" else f"{base}/v1/traces"
-        ratio = sample_ratio if sample_ratio is not None else float(env.get("OTEL_TRACES_SAMPLER_ARG", "1.0"))
+        try:
+            ratio = sample_ratio if sample_ratio is not None else float(env.get("OTEL_TRACES_SAMPLER_ARG", 1))
+        except ValueError:
+            raise ValueError(f"OTEL_TRACES_SAMPLER_ARG must be a number in [0, 1], not "
+                             f"{env['OTEL_TRACES_SAMPLER_ARG']!r}") from None
         if not 0.0 <= ratio <= 1.0:
             raise ValueError(f"trace sample ratio must be within [0, 1], not {ratio}")
         return cls(endpoint=url or None, protocol=proto, sample_ratio=ratio,
