@@ -1,12 +1,16 @@
 """Throughput of `pdserve serve` with tracing off vs on (every request traced, ratio 1.0).
 
-Each round starts one server with tracing off and one with ``--otlp-traces-endpoint`` pointed at an
-OTLP/HTTP sink in this process (it accepts and counts the spans), one after the other, and drives each
-with the same closed-loop load: ``--concurrency`` clients sending disaggregated chat requests
-(``--prompt-tokens`` long, ``--max-tokens`` generated, greedy, ``ignore_eos``) for ``--requests``
-requests. Prints requests/s and output tokens/s per run and the median cost of tracing.
+The load is closed-loop: ``--concurrency`` clients sending disaggregated chat requests
+(``--prompt-tokens`` long, ``--max-tokens`` generated, greedy, ``ignore_eos``), ``--requests`` per
+run, output tokens/s measured per run. Spans go to an OTLP/HTTP sink in this process.
 
-    python -m bench.tracing --rounds 3 --concurrency 8 --requests 48
+Default (``--mode interleaved``, robust on a noisy machine): one server started with
+``--otlp-traces-endpoint`` and ratio 1.0; runs alternate between requests sent with a sampled
+``traceparent`` (every hop records and exports its spans) and an unsampled one (nothing is recorded
+anywhere). ``--mode servers``: each round starts a server with tracing off (no endpoint at all), then
+one with it on, one after the other. Prints each run and the median cost of tracing.
+
+    python -m bench.tracing --rounds 5 --concurrency 4 --requests 24
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import secrets
 import socket
 import statistics
 import subprocess
@@ -81,8 +86,9 @@ def start_server(args: argparse.Namespace, extra: list[str]) -> tuple[subprocess
     raise RuntimeError("pdserve serve not healthy within 300 s")
 
 
-async def load(url: str, args: argparse.Namespace, n: int) -> tuple[float, int]:
-    """Send ``n`` requests with ``--concurrency`` clients; (seconds, output tokens)."""
+async def load(url: str, args: argparse.Namespace, n: int, sampled: bool | None = None) -> tuple[float, int]:
+    """Send ``n`` requests with ``--concurrency`` clients; (seconds, output tokens). ``sampled`` sends a
+    ``traceparent`` with that sampled flag on every request."""
     prompt = (WORDS * (args.prompt_tokens // 18 + 1)).split(" ")[:args.prompt_tokens]
     counter = iter(range(n))
     tokens = 0
@@ -92,7 +98,11 @@ async def load(url: str, args: argparse.Namespace, n: int) -> tuple[float, int]:
         for i in counter:
             body = {"model": "bench", "max_tokens": args.max_tokens, "temperature": 0.0, "ignore_eos": True,
                     "messages": [{"role": "user", "content": f"{i} " + " ".join(prompt)}]}
-            resp = await http.post(f"{url}/v1/chat/completions", json=body, timeout=600)
+            headers = {}
+            if sampled is not None:
+                flag = "01" if sampled else "00"
+                headers["traceparent"] = f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-{flag}"
+            resp = await http.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=600)
             resp.raise_for_status()
             tokens += resp.json()["usage"]["completion_tokens"]
 
@@ -113,6 +123,23 @@ def run_once(args: argparse.Namespace, extra: list[str]) -> float:
     return tokens / seconds
 
 
+def interleaved(args: argparse.Namespace, on_flags: list[str]) -> tuple[list[float], list[float]]:
+    proc, url = start_server(args, on_flags)
+    off: list[float] = []
+    on: list[float] = []
+    try:
+        asyncio.run(load(url, args, args.concurrency, sampled=True))  # warm-up
+        for r in range(args.rounds):
+            for sampled, out in ((False, off), (True, on)) if r % 2 == 0 else ((True, on), (False, off)):
+                seconds, tokens = asyncio.run(load(url, args, args.requests, sampled))
+                out.append(tokens / seconds)
+            print(f"round {r + 1}: tracing off {off[-1]:.1f} tok/s, on {on[-1]:.1f} tok/s", flush=True)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    return off, on
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=3)
@@ -120,15 +147,18 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=48)
     p.add_argument("--prompt-tokens", type=int, default=200)
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--mode", choices=("interleaved", "servers"), default="interleaved")
     args = p.parse_args()
     sink = SpanSink()
     on_flags = ["--otlp-traces-endpoint", sink.url, "--otlp-traces-sample-ratio", "1.0"]
-    off: list[float] = []
-    on: list[float] = []
-    for r in range(args.rounds):
-        off.append(run_once(args, []))
-        on.append(run_once(args, on_flags))
-        print(f"round {r + 1}: tracing off {off[-1]:.1f} tok/s, on {on[-1]:.1f} tok/s", flush=True)
+    if args.mode == "interleaved":
+        off, on = interleaved(args, on_flags)
+    else:
+        off, on = [], []
+        for r in range(args.rounds):
+            off.append(run_once(args, []))
+            on.append(run_once(args, on_flags))
+            print(f"round {r + 1}: tracing off {off[-1]:.1f} tok/s, on {on[-1]:.1f} tok/s", flush=True)
     cost = 1 - statistics.median(on) / statistics.median(off)
     print(f"median output tokens/s: off {statistics.median(off):.1f}, on {statistics.median(on):.1f}; "
           f"tracing cost {100 * cost:+.1f}% ({sink.bytes} OTLP bytes received)")
