@@ -37,3 +37,6 @@ class ClusterBackend:
 
     async def stats(self) -> list[WorkerStats]:
         return await self.client.stats()
+
+    def routing_decisions(self) -> dict[tuple[str, str, str], int]:
+        return dict(self.client.decisions)

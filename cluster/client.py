@@ -240,7 +240,8 @@ class PDClient:
                     self.table.mark_dead(worker)
                 last_error = f"prefill: {type(exc).__name__}: {exc}"
             else:
-                stream = decode.handle.generate.options(num_returns="streaming").remote(rid, result)
+                stream = decode.handle.generate.options(num_returns="streaming").remote(rid, result,
+                                                                                         len(tried))
                 first = await self._next(stream)
                 if isinstance(first, TokenBatch):
                     return _Prepended(first, stream)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import math
 import os
@@ -34,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from cluster.cli import add_engine_args, check_engine_kwargs, engine_kwargs_from_args, parse_size
 from router.policy import POLICIES as POLICIES_ROUTING
+from transfer.tracing import PROTOCOLS, TraceConfig, Tracing
 
 if TYPE_CHECKING:
     from cluster.backend import ClusterBackend
@@ -73,6 +75,16 @@ def _bytes(text: str) -> int:
         return parse_size(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _ratio(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be within [0, 1]")
+    return value
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -150,6 +162,16 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="times Ray restarts a worker whose process died; it then rejoins (default: 3)")
     c.add_argument("--placement-timeout", type=_positive(float), default=300.0, metavar="SECONDS",
                    help="fail when a worker's resources cannot be reserved within this long (default: 300)")
+    t = parser.add_argument_group("telemetry")
+    t.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="send OpenTelemetry traces over OTLP here, e.g. http://127.0.0.1:4318/v1/traces "
+                        "(http/protobuf) or 127.0.0.1:4317 (grpc) "
+                        "(default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, "
+                        "else $OTEL_EXPORTER_OTLP_ENDPOINT, else no tracing)")
+    t.add_argument("--otlp-traces-protocol", choices=PROTOCOLS, default=None,
+                   help="OTLP transport (default: $OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, else http/protobuf)")
+    t.add_argument("--otlp-traces-sample-ratio", type=_ratio, default=None, metavar="RATIO",
+                   help="fraction of requests traced, 0..1 (default: $OTEL_TRACES_SAMPLER_ARG, else 1.0)")
     add_engine_args(parser)
 
 
@@ -204,7 +226,8 @@ def _start_ray(args: argparse.Namespace) -> bool:
     if args.address is not None:  # the workers set their own env; a job's runtime_env stays as submitted
         ray.init(address=args.address, log_to_driver=True)
         return False
-    env = {"env_vars": {"OMP_NUM_THREADS": str(args.torch_threads)}}
+    otel = {k: v for k, v in os.environ.items() if k.startswith("OTEL_")}
+    env = {"env_vars": {"OMP_NUM_THREADS": str(args.torch_threads), **otel}}
     workers = args.num_prefill + args.num_decode
     cpus = max(os.cpu_count() or 1, math.ceil(workers * args.worker_cpus))
     ray.init(address="local", num_cpus=cpus, include_dashboard=False, runtime_env=env, log_to_driver=True)
@@ -278,6 +301,9 @@ def run_serve(args: argparse.Namespace) -> int:
         max_queued_tokens=args.max_queued_tokens, request_timeout=args.request_timeout,
         default_max_tokens=args.default_max_tokens)
     tokenizer = source.load_tokenizer()
+    trace_config = TraceConfig.from_env(args.otlp_traces_endpoint, args.otlp_traces_protocol,
+                                        args.otlp_traces_sample_ratio)
+    tracing = Tracing(trace_config, "router")
     started_ray = _start_ray(args)
     group = None
     try:
@@ -292,14 +318,14 @@ def run_serve(args: argparse.Namespace) -> int:
         dopts = WorkerOptions(resources=args.decode_resources, labels=args.decode_labels,
                               tp=args.decode_tp, resources_flag="--decode-resources", **common)
         group = start_workers(str(path), engine_config, args.num_prefill, args.num_decode, popts, dopts,
-                              lease_seconds=args.lease_seconds)
+                              lease_seconds=args.lease_seconds, tracing=trace_config)
         client = PDClient(group.prefill, group.decode, ClientConfig(
             kv_failure_policy=KvFailurePolicy(args.kv_failure_policy), routing=args.routing,
             disagg_min_tokens=args.disagg_min_tokens,
             prefill_saturation_tokens=args.prefill_saturation_tokens,
             migration_limit=args.migration_limit))
         backend = ClusterBackend(client, router_config.model_name, colocated=args.num_prefill == 0)
-        app = create_app(backend, tokenizer, router_config)
+        app = create_app(backend, tokenizer, router_config, tracing)
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                                access_log=False, timeout_graceful_shutdown=5))
         for sig in (signal.SIGINT, signal.SIGTERM):  # uvicorn re-raises the signal it caught on exit
@@ -310,7 +336,11 @@ def run_serve(args: argparse.Namespace) -> int:
         return 0 if ok else 1
     finally:
         if group is not None:
+            if tracing.enabled:
+                with contextlib.suppress(Exception):  # a dead worker has nothing left to flush
+                    ray.get([a.flush_traces.remote() for a in group.all()], timeout=10)
             group.shutdown()
+        tracing.shutdown()
         if started_ray:
             ray.shutdown()
         log.info("pdserve: stopped")

@@ -22,6 +22,7 @@ from cluster.placement import Placement, release, reserve, scheduling
 from decode.worker import DecodeWorker
 from engine.config import EngineConfig
 from prefill.worker import PrefillWorker
+from transfer.tracing import TraceConfig
 
 
 @dataclass(frozen=True)
@@ -86,11 +87,13 @@ def start_workers(
     lease_seconds: float = 30.0,
     transfer_timeout: float = 30.0,
     name_prefix: str | None = None,
+    tracing: TraceConfig | None = None,
 ) -> WorkerGroup:
     """Create the actors (they load the model in their own processes); call ``ready`` before use.
 
     With placement groups, raises TimeoutError naming the role's resources flag when a worker's
-    reservation cannot be placed (the groups made so far are removed)."""
+    reservation cannot be placed (the groups made so far are removed). With ``tracing`` (an OTLP
+    endpoint) each worker exports its spans there."""
     if num_decode < 1:
         raise ValueError("at least one decode worker is needed (--num-decode)")
     if num_prefill < 0:
@@ -99,6 +102,7 @@ def start_workers(
     popts = prefill_opts or WorkerOptions()
     dopts = decode_opts or WorkerOptions()
     cfg = msgspec.msgpack.encode(engine_config)
+    trace = msgspec.msgpack.encode(tracing) if tracing is not None and tracing.endpoint else None
     group = WorkerGroup([], [])
 
     def place(name: str, opts: WorkerOptions) -> Any:
@@ -112,12 +116,13 @@ def start_workers(
         for i in range(num_prefill):
             name = f"{prefix}-prefill-{i}"
             group.prefill.append(_actor(PrefillWorker, name, popts, place(name, popts)).remote(
-                f"prefill-{i}", model, cfg, lease_seconds=lease_seconds, torch_threads=popts.torch_threads))
+                f"prefill-{i}", model, cfg, lease_seconds=lease_seconds, torch_threads=popts.torch_threads,
+                tracing=trace))
         for i in range(num_decode):
             name = f"{prefix}-decode-{i}"
             group.decode.append(_actor(DecodeWorker, name, dopts, place(name, dopts)).remote(
                 f"decode-{i}", model, cfg, transfer_timeout=transfer_timeout,
-                torch_threads=dopts.torch_threads))
+                torch_threads=dopts.torch_threads, tracing=trace))
     except BaseException:
         group.shutdown()
         raise

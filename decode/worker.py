@@ -15,6 +15,12 @@ Contract (DESIGN.md steps 3, 5, 6):
   here (recompute).
 * ``submit`` runs a request entirely here (colocated mode).
 * ``abort`` frees everything a request holds, wherever it is.
+
+Spans (for requests carrying a trace context, children of the caller's span):
+``decode.queue`` from arrival here (the reservation) to the first schedule
+(the prompt's K/V in place), with a ``kv.transfer`` child per pull attempt
+(bytes, blocks, descriptors, backend, duration, outcome, attempt), then
+``decode`` from the first schedule to the end (output tokens, finish reason).
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
@@ -32,6 +40,7 @@ from engine.outputs import RequestOutput
 from engine.sampling import SamplingParams, TokenLogprobs
 from engine.worker import EngineWorker
 from transfer.errors import TransferError
+from transfer.histogram import Histogram
 from transfer.messages import (
     GenerateRequest,
     KvEvents,
@@ -46,7 +55,14 @@ from transfer.messages import (
     unpack,
 )
 from transfer.nixl_sink import KvSink
+from transfer.tracing import TracedRole, end_span, wall_ns
 from transfer.wire import AgentInfo, KvHandle, KvLayout, decode
+
+
+@dataclass
+class _Trace:
+    carrier: dict[str, str]
+    queue: Any
 
 
 def to_batch(outputs: list[RequestOutput], worker_id: str) -> TokenBatch:
@@ -62,13 +78,18 @@ def to_batch(outputs: list[RequestOutput], worker_id: str) -> TokenBatch:
     )
 
 
-class DecodeWorker(EngineWorker):
+class DecodeWorker(EngineWorker, TracedRole):
     role = "decode"
 
     def __init__(self, worker_id: str, model: str | None, engine_config: bytes,
                  transfer_timeout: float = 30.0, torch_threads: int = 1,
-                 request_timeout: float = 300.0) -> None:
+                 request_timeout: float = 300.0, tracing: bytes | None = None) -> None:
         super().__init__(worker_id, model, unpack(engine_config, EngineConfig), torch_threads)
+        self.init_tracing(tracing)
+        self.queue_time = Histogram()
+        self.transfer_time = Histogram()
+        self._traces: dict[str, _Trace] = {}
+        self._kv_ready: dict[str, float] = {}
         self.layout = KvLayout.from_tensor(self.engine.runner.kv_cache, self.engine.model_config.name)
         self.sink = KvSink(self.engine.runner.kv_cache, self.layout,
                            agent_name=f"{worker_id}-{uuid.uuid4().hex[:8]}")
@@ -87,6 +108,7 @@ class DecodeWorker(EngineWorker):
 
     async def reserve(self, request: bytes) -> bytes:
         req = unpack(request, GenerateRequest)
+        self._open_trace(req)
         params = SamplingParams(**msgspec.structs.asdict(req.sampling))
 
         def take(e: LLMEngine) -> bytes:
@@ -102,39 +124,51 @@ class DecodeWorker(EngineWorker):
         except ValueError as exc:
             return pack(WorkerError("invalid", str(exc)))
 
-    async def generate(self, request_id: str, prefill_result: bytes | None) -> AsyncIterator[bytes]:
-        """Stream ``TokenBatch`` bytes (or one ``WorkerError``) for a reserved request."""
-        if prefill_result is None:
-            def local(e: LLMEngine) -> None:
-                self.aengine.open_stream(request_id)
-                e.start_local(request_id)
+    async def generate(self, request_id: str, prefill_result: bytes | None,
+                       attempt: int = 1) -> AsyncIterator[bytes]:
+        """Stream ``TokenBatch`` bytes (or one ``WorkerError``) for a reserved request; ``attempt``
+        numbers the pulls of one request (for its ``kv.transfer`` spans)."""
+        last: RequestOutput | None = None
+        final = True
+        try:
+            if prefill_result is None:
+                def local(e: LLMEngine) -> None:
+                    self.aengine.open_stream(request_id)
+                    e.start_local(request_id)
 
-            await self.aengine.mutate(local)
-        else:
-            result = unpack(prefill_result, PrefillResult)
-            handle = decode(result.handle_bytes, KvHandle)
-            error = await self._pull(request_id, handle)
-            if error is not None:
-                yield pack(error)
-                return
-            lp = result.first_logprob
-            first_lp = TokenLogprobs(lp.token_id, lp.logprob, list(lp.top)) if lp else None
+                await self.aengine.mutate(local)
+            else:
+                result = unpack(prefill_result, PrefillResult)
+                handle = decode(result.handle_bytes, KvHandle)
+                error = await self._pull(request_id, handle, attempt)
+                if error is not None:
+                    final = error.kind != "transfer"  # the caller retries or recomputes
+                    yield pack(error)
+                    return
+                lp = result.first_logprob
+                first_lp = TokenLogprobs(lp.token_id, lp.logprob, list(lp.top)) if lp else None
 
-            def start(e: LLMEngine) -> RequestOutput:
-                self.aengine.open_stream(request_id)
-                return e.start_prefilled(request_id, result.first_token, first_lp, result.cached_tokens)
+                def start(e: LLMEngine) -> RequestOutput:
+                    self.aengine.open_stream(request_id)
+                    return e.start_prefilled(request_id, result.first_token, first_lp, result.cached_tokens)
 
-            first = await self.aengine.mutate(start)
-            yield pack(to_batch([first], self.worker_id))
-            if first.finished:
-                return
-        async for outputs in self.aengine.stream(request_id, self.request_timeout):
-            yield pack(to_batch(outputs, self.worker_id))
+                last = await self.aengine.mutate(start)
+                yield pack(to_batch([last], self.worker_id))
+                if last.finished:
+                    return
+            async for outputs in self.aengine.stream(request_id, self.request_timeout):
+                last = outputs[-1]
+                yield pack(to_batch(outputs, self.worker_id))
+        finally:
+            if final:
+                self._finish_trace(request_id, last)
 
     async def submit(self, request: bytes) -> AsyncIterator[bytes]:
         """Colocated: compute the prompt and decode here, streaming ``TokenBatch`` bytes."""
         req = unpack(request, GenerateRequest)
         params = SamplingParams(**msgspec.structs.asdict(req.sampling))
+        self._open_trace(req)
+        last: RequestOutput | None = None
 
         def add(e: LLMEngine) -> None:
             e.add_request(req.prompt_token_ids, params, request_id=req.request_id, priority=req.priority)
@@ -142,13 +176,15 @@ class DecodeWorker(EngineWorker):
 
         try:
             await self.aengine.mutate(add)
+            async for outputs in self.aengine.stream(req.request_id, self.request_timeout):
+                last = outputs[-1]
+                yield pack(to_batch(outputs, self.worker_id))
         except ValueError as exc:
             yield pack(WorkerError("invalid", str(exc)))
-            return
-        async for outputs in self.aengine.stream(req.request_id, self.request_timeout):
-            yield pack(to_batch(outputs, self.worker_id))
+        finally:
+            self._finish_trace(req.request_id, last)
 
-    async def _pull(self, request_id: str, handle: KvHandle) -> WorkerError | None:
+    async def _pull(self, request_id: str, handle: KvHandle, attempt: int = 1) -> WorkerError | None:
         res = self.engine.reserved.get(request_id)
         if res is None:
             self.sink.release(handle)
@@ -156,21 +192,73 @@ class DecodeWorker(EngineWorker):
         local = self.engine.kv.blocks_of(request_id)
         held = res.metrics.cached_prompt_tokens // self.engine.kv.block_size
         n = len(handle.block_ids)
-        t0 = time.perf_counter()
+        t0 = time.monotonic()
+        error: WorkerError | None = None
         try:
             stats = await self.sink.read(handle, handle.block_ids[held:n], local[held:n],
                                          self.transfer_timeout)
         except TransferError as exc:
-            self.transfer_failures += 1
             self.sink.release(handle)
-            return WorkerError("transfer", f"{exc.outcome}: {exc}")
+            error, outcome = WorkerError("transfer", f"{exc.outcome}: {exc}"), exc.outcome
         except Exception as exc:  # a dead or unknown peer surfaces from NIXL as a plain error
+            error, outcome = WorkerError("transfer", f"error: {exc}"), "error"
+        t1 = time.monotonic()
+        if error is None:
+            self.transfer_blocks += stats.blocks
+            self.transfer_bytes += stats.bytes
+            self.transfer_seconds += t1 - t0
+            self.transfer_time.observe(t1 - t0)
+            self._kv_ready[request_id] = t1
+            outcome = "ok"
+        else:
             self.transfer_failures += 1
-            return WorkerError("transfer", f"error: {exc}")
-        self.transfer_blocks += stats.blocks
-        self.transfer_bytes += stats.bytes
-        self.transfer_seconds += time.perf_counter() - t0
-        return None
+        trace = self._traces.get(request_id)
+        if trace is not None:
+            self.tracing.span_between("kv.transfer", trace.queue or trace.carrier, t0, t1, {
+                "pdserve.worker": self.worker_id, "kv.source_agent": handle.agent_name,
+                "kv.blocks": stats.blocks if error is None else n - held,
+                "kv.bytes": stats.bytes if error is None else 0,
+                "kv.descriptors": stats.descriptors if error is None else 0,
+                "kv.backend": self.sink.backend, "kv.duration_s": t1 - t0,
+                "kv.outcome": outcome, "kv.attempt": attempt,
+            }, error=None if error is None else error.message)
+        return error
+
+    def _open_trace(self, req: GenerateRequest) -> None:
+        if self.tracing.enabled and req.trace_context:
+            span = self.tracing.start_span("decode.queue", req.trace_context, attributes={
+                "pdserve.worker": self.worker_id, "pdserve.request_id": req.request_id,
+                "gen_ai.usage.input_tokens": len(req.prompt_token_ids)})
+            self._traces[req.request_id] = _Trace(req.trace_context, span)
+
+    def _finish_trace(self, request_id: str, last: RequestOutput | None) -> None:
+        """Observe the queue time; end ``decode.queue`` at the first schedule and emit ``decode``."""
+        trace = self._traces.pop(request_id, None)
+        ready = self._kv_ready.pop(request_id, 0.0)
+        m = last.metrics if last is not None else None
+        scheduled = m.first_scheduled_time if m is not None else None
+        if m is not None and scheduled is not None:
+            self.queue_time.observe(max(0.0, scheduled - max(m.arrival_time, ready)))
+        if trace is None:
+            return
+        now = time.monotonic()
+        if last is None or m is None:
+            end_span(trace.queue, "ended before decoding")
+            return
+        end_span(trace.queue, None, wall_ns(scheduled or now))
+        finished = last.finished and last.finish_reason != "abort"
+        self.tracing.span_between("decode", trace.carrier, scheduled or now, m.finish_time or now, {
+            "pdserve.worker": self.worker_id, "gen_ai.usage.output_tokens": m.output_tokens,
+            "gen_ai.response.finish_reasons": [last.finish_reason or ""],
+            "pdserve.preemptions": m.num_preemptions,
+        }, error=None if finished else (last.finish_reason or "not finished"))
+
+    async def abort(self, request_id: str) -> None:
+        trace = self._traces.pop(request_id, None)
+        self._kv_ready.pop(request_id, None)
+        if trace is not None:
+            end_span(trace.queue, "aborted")
+        await super().abort(request_id)
 
     async def inject_transfer_failures(self, n: int) -> None:
         self.sink.inject_failures(n)
@@ -187,6 +275,7 @@ class DecodeWorker(EngineWorker):
             prefix_hits=s.prefix_hits, num_preemptions=s.num_preemptions,
             transfer_blocks=self.transfer_blocks, transfer_bytes=self.transfer_bytes,
             transfer_seconds=self.transfer_seconds, transfer_failures=self.transfer_failures,
+            queue_time=self.queue_time.data(), transfer_time=self.transfer_time.data(),
         ))
 
     async def kv_events(self) -> bytes:

@@ -27,9 +27,11 @@ import msgspec
 
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
+from engine.outputs import RequestMetrics
 from engine.sampling import SamplingParams
 from engine.worker import EngineWorker
 from transfer.compat import compat_hash
+from transfer.histogram import Histogram
 from transfer.messages import (
     GenerateRequest,
     KvEvents,
@@ -41,6 +43,7 @@ from transfer.messages import (
     unpack,
 )
 from transfer.nixl_source import KvSource
+from transfer.tracing import TracedRole
 from transfer.wire import KvHandle, KvLayout, encode
 
 log = logging.getLogger(__name__)
@@ -50,13 +53,18 @@ def sampling_params(req: GenerateRequest) -> SamplingParams:
     return SamplingParams(**msgspec.structs.asdict(req.sampling))
 
 
-class PrefillWorker(EngineWorker):
+class PrefillWorker(EngineWorker, TracedRole):
+    """Spans (for requests carrying a trace context): ``prefill.queue`` (arrival to first schedule)
+    and ``prefill.compute`` (first schedule to first token), children of the caller's span."""
+
     role = "prefill"
 
     def __init__(self, worker_id: str, model: str | None, engine_config: bytes,
                  lease_seconds: float = 30.0, torch_threads: int = 1, poll_interval: float = 0.01,
-                 request_timeout: float = 300.0) -> None:
+                 request_timeout: float = 300.0, tracing: bytes | None = None) -> None:
         super().__init__(worker_id, model, unpack(engine_config, EngineConfig), torch_threads)
+        self.init_tracing(tracing)
+        self.queue_time = Histogram()
         self.layout = KvLayout.from_tensor(self.engine.runner.kv_cache, self.engine.model_config.name)
         self.source = KvSource(self.engine.runner.kv_cache, self.layout,
                                agent_name=f"{worker_id}-{uuid.uuid4().hex[:8]}")
@@ -90,6 +98,7 @@ class PrefillWorker(EngineWorker):
         async for batch in self.aengine.stream(rid, self.request_timeout):
             last = batch[-1]
         assert last is not None and last.finished
+        self._trace(req, last.metrics, last.finish_reason == "abort")
         if last.finish_reason == "abort":
             raise RuntimeError(f"prefill of {rid} was aborted")
         deadline = time.time() + (self.lease_seconds if lease_seconds is None else lease_seconds)
@@ -113,6 +122,20 @@ class PrefillWorker(EngineWorker):
             finish_reason=None,
         ))
 
+    def _trace(self, req: GenerateRequest, m: RequestMetrics, aborted: bool) -> None:
+        if m.first_scheduled_time is not None:
+            self.queue_time.observe(m.first_scheduled_time - m.arrival_time)
+        if not (self.tracing.enabled and req.trace_context):
+            return
+        attrs = {"pdserve.worker": self.worker_id, "pdserve.request_id": req.request_id}
+        scheduled = m.first_scheduled_time or m.finish_time or m.arrival_time
+        self.tracing.span_between("prefill.queue", req.trace_context, m.arrival_time, scheduled, attrs)
+        done = m.first_token_time or m.finish_time or scheduled
+        self.tracing.span_between("prefill.compute", req.trace_context, scheduled, done, {
+            **attrs, "gen_ai.usage.input_tokens": m.prompt_tokens,
+            "gen_ai.usage.cache_read.input_tokens": m.cached_prompt_tokens,
+        }, error="aborted" if aborted else None)
+
     async def release(self, request_id: str) -> int:
         """Free a request's leased blocks now (idempotent); returns how many were freed."""
         return await self.aengine.mutate(lambda e: e.release_kv(request_id))
@@ -127,7 +150,7 @@ class PrefillWorker(EngineWorker):
             num_used_blocks=pool.num_used_blocks, num_cached_blocks=len(pool.cached),
             num_leases=self.source.num_leases(), prefix_queries=s.prefix_queries,
             prefix_hits=s.prefix_hits, num_preemptions=s.num_preemptions,
-            leases_expired=self.leases_expired,
+            leases_expired=self.leases_expired, queue_time=self.queue_time.data(),
         ))
 
     async def kv_events(self) -> bytes:

@@ -64,7 +64,9 @@ from router.streaming import (
     merge_choices,
     sse,
 )
+from router.telemetry import RequestTelemetry
 from transfer.messages import GenerateRequest, RequestFailed
+from transfer.tracing import Tracing
 
 WORKER_STATS_TIMEOUT = 5.0
 DECODE_WORKER_HEADER = "x-pdserve-decode-worker"
@@ -97,10 +99,13 @@ class _Job:
     formatters: list[LogprobFormatter]
 
 
-def create_app(backend: Backend, tokenizer: Tokenizer, config: RouterConfig) -> FastAPI:
-    """Build the app; it holds no global state (metrics live in the app's own registry)."""
+def create_app(backend: Backend, tokenizer: Tokenizer, config: RouterConfig,
+               tracing: Tracing | None = None) -> FastAPI:
+    """Build the app; it holds no global state (metrics live in the app's own registry). With
+    ``tracing`` enabled every generation request gets a ``router`` span whose context the workers join."""
     gate = AdmissionGate(config.max_queued_requests, config.max_queued_tokens)
-    metrics = RouterMetrics(gate)
+    metrics = RouterMetrics(gate, config.model_name)
+    tracer = tracing or Tracing()
     app = FastAPI(title="pdserve", summary="OpenAI-compatible API of a prefill/decode serving cluster.")
     install_handlers(app)
     app.add_middleware(Gatekeeper, api_key=config.api_key, metrics=metrics)
@@ -147,6 +152,9 @@ def create_app(backend: Backend, tokenizer: Tokenizer, config: RouterConfig) -> 
         ticket = gate.admit(sum(len(p) for p in job.prompts) * job.req.choices)
         endpoint = request.url.path
         admitted = time.monotonic()
+        tel = RequestTelemetry(tracer, metrics, request.headers, job.chat, config.model_name, job.requests,
+                               job.envelope.id)
+        job.requests = tel.stamp(job.requests)
         deltas = guarded(merge_choices(backend, job.requests, job.decoders),
                          admitted + config.request_timeout, request.is_disconnected)
         try:
@@ -154,12 +162,14 @@ def create_app(backend: Backend, tokenizer: Tokenizer, config: RouterConfig) -> 
         except BaseException as exc:
             ticket.release()
             await deltas.aclose()
+            tel.finish(job.decoders, _lens(job), job.req.choices, exc)
             raise _as_api_error(exc, config.request_timeout) from None
         ticket.started()
+        tel.first_token()
         metrics.ttft.labels(endpoint).observe(time.monotonic() - admitted)
         worker = {DECODE_WORKER_HEADER: job.decoders[first.index].worker_id}
         if job.req.streaming:
-            return SSEResponse(stream(job, first, deltas, ticket), media_type="text/event-stream",
+            return SSEResponse(stream(job, first, deltas, ticket, tel), media_type="text/event-stream",
                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **worker})
         with ticket:
             texts: list[list[str]] = [[] for _ in job.requests]
@@ -171,8 +181,12 @@ def create_app(backend: Backend, tokenizer: Tokenizer, config: RouterConfig) -> 
                     if delta.logprobs:
                         lps[delta.index].append(job.formatters[delta.index].format(delta.logprobs))
                     delta = await anext(deltas, None)
+                    if delta is not None:
+                        tel.delta()
             except BaseException as exc:
+                tel.finish(job.decoders, _lens(job), job.req.choices, exc)
                 raise _as_api_error(exc, config.request_timeout) from None
+        tel.finish(job.decoders, _lens(job), job.req.choices)
         want_lps = job.req.num_logprobs() is not None
         choices = [choice(i, "".join(texts[i]), job.chat, merge_logprobs(lps[i], job.chat) if want_lps
                           else None, d.finish_reason, chunk=False) for i, d in enumerate(job.decoders)]
@@ -181,7 +195,7 @@ def create_app(backend: Backend, tokenizer: Tokenizer, config: RouterConfig) -> 
         return Response(msgspec.json.encode(body), media_type="application/json", headers=worker)
 
     async def stream(job: _Job, first: ChoiceDelta, deltas: AsyncGenerator[ChoiceDelta, None],
-                     ticket: Ticket) -> AsyncIterator[bytes]:
+                     ticket: Ticket, tel: RequestTelemetry) -> AsyncIterator[bytes]:
         env, include_usage = job.envelope, job.req.include_usage
         want_lps = job.req.num_logprobs() is not None
         try:
@@ -195,14 +209,20 @@ def create_app(backend: Backend, tokenizer: Tokenizer, config: RouterConfig) -> 
                     ch = choice(delta.index, delta.text, job.chat, lp, delta.finish_reason, chunk=True)
                     yield sse(env.wrap([ch], chunk=True, with_usage=include_usage))
                 delta = await anext(deltas, None)
+                if delta is not None:
+                    tel.delta()
             metrics.output_tokens.inc(sum(d.num_tokens for d in job.decoders))
+            tel.finish(job.decoders, _lens(job), job.req.choices)
             if include_usage:
                 yield sse(env.wrap([], chunk=True, usage=usage(job.decoders, _lens(job), job.req.choices)))
-        except ClientGone:
+        except ClientGone as exc:
+            tel.finish(job.decoders, _lens(job), job.req.choices, exc)
             return
         except Exception as exc:
+            tel.finish(job.decoders, _lens(job), job.req.choices, exc)
             yield sse(_as_api_error(exc, config.request_timeout).body())
         finally:
+            tel.finish(job.decoders, _lens(job), job.req.choices, GeneratorExit("stream closed"))
             ticket.release()
             await deltas.aclose()
         yield DONE
@@ -253,7 +273,8 @@ def create_app(backend: Backend, tokenizer: Tokenizer, config: RouterConfig) -> 
         text = generate_latest(metrics.registry)
         if backend.is_ready():
             with contextlib.suppress(TimeoutError, RequestFailed):
-                text += worker_metrics(await asyncio.wait_for(backend.stats(), WORKER_STATS_TIMEOUT))
+                stats = await asyncio.wait_for(backend.stats(), WORKER_STATS_TIMEOUT)
+                text += worker_metrics(stats, backend.routing_decisions())
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/workers")

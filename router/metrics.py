@@ -1,18 +1,45 @@
-"""The router's Prometheus metrics, in a registry owned by one app (no process-global state)."""
+"""The router's Prometheus metrics, in a registry owned by one app (no process-global state).
+
+Names follow vLLM's under a ``pdserve:`` prefix with vLLM's meanings. Observed at
+the router, labelled ``model_name``: ``time_to_first_token_seconds`` (admission
+to first text), ``inter_token_latency_seconds`` (between successive streamed
+deltas of a request; one per decode step batch), ``e2e_request_latency_seconds``,
+``prompt_tokens_total`` and ``generation_tokens_total``. From every worker's
+``WorkerStats`` at scrape time, labelled ``worker`` and ``role``:
+``num_requests_running``, ``num_requests_waiting``, ``kv_cache_usage_perc``
+(0..1), ``prefix_cache_queries_total`` / ``prefix_cache_hits_total`` (blocks
+looked up / found), ``num_preemptions_total``, ``request_queue_time_seconds``
+(engine arrival to first schedule), ``kv_transfer_seconds`` (per pull, decode),
+``kv_transfer_bytes_total``, ``kv_transfer_blocks_total``,
+``kv_transfer_failures_total``, ``kv_lease_expired_total`` (prefill), plus the
+older ``worker_*`` gauges. ``routing_decisions_total{role,policy,reason}``
+counts the client's routing choices.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from router.admission import AdmissionGate
-from transfer.messages import WorkerStats
+from transfer.messages import HistogramData, WorkerStats
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+# vLLM's buckets for inter-token and end-to-end latency (seconds).
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+               20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+               240.0, 480.0, 960.0, 1920.0, 7680.0)
+Decisions = Mapping[tuple[str, str, str], int]
 
 
 class RouterMetrics:
-    def __init__(self, gate: AdmissionGate) -> None:
+    def __init__(self, gate: AdmissionGate, model_name: str = "") -> None:
         self.registry = CollectorRegistry()
+        self.model_name = model_name
         r = self.registry
         self.requests = Counter("pdserve:router_requests", "HTTP requests answered, by endpoint and status.",
                                 ["endpoint", "status"], registry=r)
@@ -21,6 +48,21 @@ class RouterMetrics:
                               ["endpoint"], buckets=TTFT_BUCKETS, registry=r)
         self.output_tokens = Counter("pdserve:router_output_tokens", "Generated tokens returned to clients.",
                                      registry=r)
+        self.time_to_first_token = Histogram(
+            "pdserve:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+            ["model_name"], buckets=TTFT_BUCKETS, registry=r).labels(model_name)
+        self.inter_token_latency = Histogram(
+            "pdserve:inter_token_latency_seconds",
+            "Histogram of seconds between successive streamed deltas of a request.",
+            ["model_name"], buckets=ITL_BUCKETS, registry=r).labels(model_name)
+        self.e2e_latency = Histogram(
+            "pdserve:e2e_request_latency_seconds", "Histogram of end-to-end request latency in seconds.",
+            ["model_name"], buckets=E2E_BUCKETS, registry=r).labels(model_name)
+        self.prompt_tokens = Counter("pdserve:prompt_tokens", "Number of prefill tokens processed.",
+                                     ["model_name"], registry=r).labels(model_name)
+        self.generation_tokens = Counter("pdserve:generation_tokens",
+                                         "Number of generation tokens processed.", ["model_name"],
+                                         registry=r).labels(model_name)
         queued = Gauge("pdserve:router_queued_requests",
                        "Requests admitted and waiting for their first token.", registry=r)
         queued.set_function(lambda: gate.queued_requests)
@@ -39,13 +81,77 @@ WORKER_GAUGES = {
     "num_free_kv_blocks": "Free KV blocks on the worker.",
     "num_leases": "KV leases the worker holds for decode to pull.",
 }
+Getter = Callable[[WorkerStats], float]
+VLLM_GAUGES: dict[str, tuple[str, Getter]] = {
+    "num_requests_running": ("Number of requests in model execution batches.", lambda s: s.num_running),
+    "num_requests_waiting": ("Number of requests waiting to be processed.", lambda s: s.num_waiting),
+    "kv_cache_usage_perc": ("KV-cache usage. 1 means 100 percent usage.",
+                            lambda s: s.num_used_blocks / s.num_kv_blocks if s.num_kv_blocks else 0.0),
+}
+COUNTERS: dict[str, tuple[str, Getter]] = {
+    "prefix_cache_queries": ("Prefix cache queries, in blocks looked up.", lambda s: s.prefix_queries),
+    "prefix_cache_hits": ("Prefix cache hits, in blocks found.", lambda s: s.prefix_hits),
+    "num_preemptions": ("Cumulative number of preemptions.", lambda s: s.num_preemptions),
+    "kv_transfer_bytes": ("KV bytes pulled from prefill workers.", lambda s: s.transfer_bytes),
+    "kv_transfer_blocks": ("KV blocks pulled from prefill workers.", lambda s: s.transfer_blocks),
+    "kv_transfer_failures": ("KV pulls that failed.", lambda s: s.transfer_failures),
+    "kv_lease_expired": ("KV leases that expired before decode pulled them.", lambda s: s.leases_expired),
+}
+HISTOGRAMS: dict[str, tuple[str, Callable[[WorkerStats], HistogramData | None]]] = {
+    "request_queue_time_seconds": ("Seconds requests spent waiting in the worker's scheduler queue.",
+                                   lambda s: s.queue_time),
+    "kv_transfer_seconds": ("Seconds per KV pull from a prefill worker.", lambda s: s.transfer_time),
+}
 
 
-def worker_metrics(stats: list[WorkerStats]) -> bytes:
-    """Prometheus text for the workers' current stats (``pdserve:worker_*{worker,role}``)."""
+class ClusterCollector(Collector):
+    """Families built from one scrape's worker stats and routing decision counts."""
+
+    def __init__(self, stats: list[WorkerStats], decisions: Decisions) -> None:
+        self.stats = stats
+        self.decisions = decisions
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["worker", "role"]
+        for name, doc in WORKER_GAUGES.items():
+            g = GaugeMetricFamily(f"pdserve:worker_{name}", doc, labels=labels)
+            for s in self.stats:
+                g.add_metric([s.worker_id, s.role], getattr(s, name))
+            yield g
+        for name, (doc, get) in VLLM_GAUGES.items():
+            g = GaugeMetricFamily(f"pdserve:{name}", doc, labels=labels)
+            for s in self.stats:
+                g.add_metric([s.worker_id, s.role], get(s))
+            yield g
+        for name, (doc, get) in COUNTERS.items():
+            c = CounterMetricFamily(f"pdserve:{name}", doc, labels=labels)
+            for s in self.stats:
+                c.add_metric([s.worker_id, s.role], get(s))
+            yield c
+        for name, (doc, hist) in HISTOGRAMS.items():
+            h = HistogramMetricFamily(f"pdserve:{name}", doc, labels=labels)
+            for s in self.stats:
+                data = hist(s)
+                if data is not None:
+                    h.add_metric([s.worker_id, s.role], _buckets(data), data.sum)
+            yield h
+        d = CounterMetricFamily("pdserve:routing_decisions", "Routing decisions by role, policy and reason.",
+                                labels=["role", "policy", "reason"])
+        for (role, policy, reason), n in sorted(self.decisions.items()):
+            d.add_metric([role, policy, reason], n)
+        yield d
+
+
+def _buckets(data: HistogramData) -> list[tuple[str, float]]:
+    out, total = [], 0
+    for bound, n in zip([*data.bounds, float("inf")], data.counts, strict=True):
+        total += n
+        out.append(("+Inf" if bound == float("inf") else repr(float(bound)), float(total)))
+    return out
+
+
+def worker_metrics(stats: list[WorkerStats], decisions: Decisions | None = None) -> bytes:
+    """Prometheus text for the workers' current stats and the routing decisions so far."""
     registry = CollectorRegistry()
-    for name, doc in WORKER_GAUGES.items():
-        gauge = Gauge(f"pdserve:worker_{name}", doc, ["worker", "role"], registry=registry)
-        for s in stats:
-            gauge.labels(s.worker_id, s.role).set(getattr(s, name))
+    registry.register(ClusterCollector(stats, decisions or {}))
     return generate_latest(registry)

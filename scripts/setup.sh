@@ -24,3 +24,12 @@ fi
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet -e ".${extras}"
 .venv/bin/python scripts/fetch_model.py
+
+# The observability tests scrape a real Prometheus server (Debian package `prometheus`).
+if [[ -n "$extras" ]] && ! command -v prometheus >/dev/null 2>&1; then
+    if [[ "$(id -u)" == 0 ]] && command -v apt-get >/dev/null 2>&1; then
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus
+    else
+        echo "setup.sh: install the 'prometheus' package (apt-get install prometheus) for the metrics test" >&2
+    fi
+fi

@@ -78,6 +78,15 @@ class TokenBatch(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     worker_id: str = ""
 
 
+class HistogramData(msgspec.Struct, frozen=True, kw_only=True):
+    """Bucket counts of a histogram: ``counts[i]`` observations in ``(bounds[i-1], bounds[i]]``; the
+    last count is above every bound (``len(counts) == len(bounds) + 1``)."""
+
+    bounds: list[float]
+    counts: list[int]
+    sum: float
+
+
 class WorkerStats(msgspec.Struct, frozen=True, kw_only=True):
     worker_id: str
     role: str
@@ -98,6 +107,8 @@ class WorkerStats(msgspec.Struct, frozen=True, kw_only=True):
     transfer_failures: int = 0
     leases_expired: int = 0
     pid: int = 0
+    queue_time: HistogramData | None = None
+    transfer_time: HistogramData | None = None
 
 
 class KvEvents(msgspec.Struct, frozen=True):

@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+import msgspec
 import pytest
 import ray
 
@@ -19,6 +20,7 @@ from cluster.client import ClientConfig, KvFailurePolicy, PDClient
 from cluster.workers import WorkerGroup, start_workers
 from engine.config import EngineConfig
 from engine.loader import default_model_path, load_model_source
+from tests.integration.otlp_receiver import OtlpReceiver
 from transfer.messages import (
     GenerateRequest,
     PrefillResult,
@@ -29,6 +31,7 @@ from transfer.messages import (
     pack,
     unpack,
 )
+from transfer.tracing import TraceConfig
 
 MODEL = str(default_model_path())
 CONFIG = EngineConfig(dtype="float32", max_num_batched_tokens=512, kv_cache_memory=256 * 2**20)
@@ -173,6 +176,35 @@ def test_injected_transfer_failure(
     stats = {s.worker_id: s for s in run(client.stats())}
     assert stats["decode-0"].transfer_failures == failures_before + 1
     settle(client)
+
+
+def test_retried_transfer_leaves_two_transfer_spans(group: WorkerGroup, prompts: list[list[int]]) -> None:
+    """A pull that fails once and is retried on the other prefill worker shows up as two ``kv.transfer``
+    spans (attempts 1 and 2, outcomes ``injected`` and ``ok``) under one ``decode.queue``, exported over
+    OTLP/HTTP from the worker processes."""
+    receiver = OtlpReceiver()
+    config = pack(TraceConfig(endpoint=receiver.url))
+    try:
+        ray.get([w.set_tracing.remote(config) for w in group.all()], timeout=30)
+        client = PDClient(group.prefill, group.decode, ClientConfig(kv_failure_policy=KvFailurePolicy.RETRY))
+        ray.get(group.decode[0].inject_transfer_failures.remote(1), timeout=30)
+        trace_id, parent = uuid.uuid4().hex, uuid.uuid4().hex[:16]
+        r = msgspec.structs.replace(req(prompts[0], max_tokens=4),
+                                    trace_context={"traceparent": f"00-{trace_id}-{parent}-01"})
+        assert len(run(collect(client, r))) == 4
+        receiver.wait(lambda: {s.name for s in receiver.trace(trace_id)} >= {"decode", "prefill.compute"})
+        spans = receiver.trace(trace_id)
+        kv = sorted((s for s in spans if s.name == "kv.transfer"), key=lambda s: s.attrs["kv.attempt"])
+        assert [(s.attrs["kv.attempt"], s.attrs["kv.outcome"]) for s in kv] == [(1, "injected"), (2, "ok")]
+        assert kv[0].status == 2 and kv[1].status != 2  # STATUS_CODE_ERROR, then not an error
+        assert kv[0].attrs["kv.source_agent"] != kv[1].attrs["kv.source_agent"]
+        (queue,) = [s for s in spans if s.name == "decode.queue"]
+        assert {s.parent_id for s in kv} == {queue.span_id} and queue.parent_id == parent
+        assert len([s for s in spans if s.name == "prefill.compute"]) == 2
+        settle(client)
+    finally:
+        ray.get([w.set_tracing.remote(None) for w in group.all()], timeout=30)
+        receiver.close()
 
 
 def test_abort_mid_decode_frees_both_sides(group: WorkerGroup, prompts: list[list[int]]) -> None:

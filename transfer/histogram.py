@@ -1,0 +1,27 @@
+"""A cumulative latency histogram a worker keeps and ships in ``WorkerStats`` (Prometheus shape)."""
+
+from __future__ import annotations
+
+import bisect
+
+from transfer.messages import HistogramData
+
+# vLLM's request-queue-time buckets (seconds).
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                   10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+
+
+class Histogram:
+    """``counts[i]`` counts observations ``<= bounds[i]`` and above ``bounds[i-1]``; the last slot is +Inf."""
+
+    def __init__(self, bounds: tuple[float, ...] = LATENCY_BUCKETS) -> None:
+        self.bounds = list(bounds)
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def data(self) -> HistogramData:
+        return HistogramData(bounds=list(self.bounds), counts=list(self.counts), sum=self.sum)
