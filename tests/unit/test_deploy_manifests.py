@@ -59,7 +59,7 @@ def serve_args(entrypoint: str) -> Any:
 
 def test_every_file_parses_and_has_a_readme() -> None:
     files = sorted(DEPLOY.rglob("*.yaml"))
-    assert {p.parent.name for p in files} == {"deploy", "kuberay", "cluster-launcher"}
+    assert {p.parent.name for p in files} == {"deploy", "kuberay", "cluster-launcher", "observability"}
     for path in files:
         documents(path)
     for folder in {p.parent for p in files}:
