@@ -214,6 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "/metrics) until Ctrl-C or SIGTERM.",
     )
     add_serve_args(serve)
+    from bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 
@@ -276,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
             from cluster.serve import run_serve
 
             return run_serve(args)
+        if hasattr(args, "handler"):
+            return int(args.handler(args))
     except (UsageError, ValueError, FileNotFoundError) as exc:
         return _fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
     return _fail(f"unknown command {args.command!r}")

@@ -98,6 +98,8 @@ class WorkerStats(msgspec.Struct, frozen=True, kw_only=True):
     transfer_failures: int = 0
     leases_expired: int = 0
     pid: int = 0
+    num_stored_tokens: int = 0
+    block_size: int = 0
 
 
 class KvEvents(msgspec.Struct, frozen=True):

