@@ -68,16 +68,24 @@ class WordSource:
 
     def __init__(self, tokenizer: TextTokenizer) -> None:
         self.tokenizer = tokenizer
-        words = []
-        for tid in range(tokenizer.vocab_size):
-            text = tokenizer.decode([tid], skip_special_tokens=True)
-            if WORD_RE.match(text) and tokenizer.encode(text) == [tid]:
-                words.append(text)
+        ids = list(range(tokenizer.vocab_size))
+        hf = getattr(tokenizer, "hf", None)
+        if hf is not None:  # a Hugging Face tokenizer: batch calls (much faster than one by one)
+            texts = hf.batch_decode([[i] for i in ids], skip_special_tokens=True)
+            cand = [(i, t) for i, t in zip(ids, texts, strict=True) if WORD_RE.match(t)]
+            encoded = hf([t for _, t in cand], add_special_tokens=False)["input_ids"] if cand else []
+            words = [t for (i, t), enc in zip(cand, encoded, strict=True) if enc == [i]]
+        else:
+            words = [t for i in ids if WORD_RE.match(t := tokenizer.decode([i], skip_special_tokens=True))
+                     and tokenizer.encode(t) == [i]]
         if len(words) < 100:
             raise ValueError(f"the tokenizer has only {len(words)} plain word tokens; need at least 100")
         self.words = words
         # words that are one token without their leading space too, to start a text with
-        self.first_words = [w.lstrip() for w in words if len(tokenizer.encode(w.lstrip())) == 1]
+        stripped = [w.lstrip() for w in words]
+        lengths = ([len(e) for e in hf(stripped, add_special_tokens=False)["input_ids"]] if hf is not None and
+                   stripped else [len(tokenizer.encode(w)) for w in stripped])
+        self.first_words = [w for w, n in zip(stripped, lengths, strict=True) if n == 1]
 
     def text(self, rng: random.Random, num_tokens: int) -> str:
         """``num_tokens`` words (``num_tokens`` tokens), starting without a leading space."""

