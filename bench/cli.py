@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import csv
+import functools
 import sys
 import time
 from pathlib import Path
@@ -50,7 +51,7 @@ def add_bench_parser(sub: Any) -> None:
     """Register ``bench`` on the ``pdserve`` subparsers; sets ``handler`` to :func:`run_bench_command`."""
     p = sub.add_parser(
         "bench", help="load an OpenAI-compatible server with a workload and report latency and goodput",
-        description=__doc__.split("\n\n", 2)[2] if __doc__ else None,
+        description=__doc__.split("\n\n", 2)[2].replace("``", "`") if __doc__ else None,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("mode", nargs="?", choices=("run", "sweep"), default="run",
                    help="run: one load at --rate or --concurrency (default); sweep: raise the rate until "
@@ -104,10 +105,17 @@ def add_bench_parser(sub: Any) -> None:
     p.set_defaults(handler=run_bench_command)
 
 
+@functools.cache
 def load_tokenizer(path: str | None) -> Any:
+    """The tokenizer of the model at ``path`` (default: the built-in model), loaded once per process."""
     from engine.loader import load_model_source, resolve_model
 
     return load_model_source(resolve_model(path)).load_tokenizer()
+
+
+@functools.cache
+def word_source(path: str | None) -> WordSource:
+    return WordSource(load_tokenizer(path))
 
 
 async def _model_card(url: str, api_key: str | None) -> dict[str, Any]:
@@ -240,7 +248,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
         return 1
     model = args.model or str(card.get("id"))
     workload = build_workload(args.workload, params, card)
-    words = WordSource(load_tokenizer(args.tokenizer))
+    words = word_source(args.tokenizer)
     if args.mode == "sweep":
         assert slo is not None
         result = sweep(args, workload, words, model, slo)

@@ -29,7 +29,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def _bench(url: str, out: Path, workload: str, *extra: str) -> dict[str, Any]:
-    code = main(["bench", "--url", url, "--workload", workload, "--param", TINY[workload], "--duration", "3",
+    code = main(["bench", "--url", url, "--workload", workload, "--param", TINY[workload], "--duration", "2",
                  "--output", str(out), "--slo", "ttft=30s,itl=5s", "--metrics-interval", "0.5",
                  "--no-progress", "--drain-timeout", "60", *extra])
     assert code == 0
@@ -98,7 +98,7 @@ def test_same_command_against_another_server(pdserve_factory: Callable[..., Pdse
     _check_files(tmp_path / "run", summary, expect_metrics=True)
     assert summary["config"]["rate"] == 2.0
     code = main(["bench", "sweep", "--url", other.url, "--workload", "random", "--param", TINY["random"],
-                 "--duration", "2", "--output", str(tmp_path / "sweep"), "--slo", "ttft=30s",
+                 "--duration", "1.5", "--output", str(tmp_path / "sweep"), "--slo", "ttft=30s",
                  "--start-rate", "1", "--max-steps", "2", "--refine", "0", "--no-progress"])
     assert code == 0
     sweep = json.loads((tmp_path / "sweep" / "sweep.json").read_text())
