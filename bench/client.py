@@ -36,6 +36,7 @@ KV_USAGE_NAMES = ("pdserve:kv_cache_usage_perc", "vllm:kv_cache_usage_perc", "vl
 QUEUE_NAMES = ("pdserve:num_requests_waiting", "pdserve:router_queued_requests", "vllm:num_requests_waiting")
 RUNNING_NAMES = ("pdserve:num_requests_running", "pdserve:router_in_flight_requests",
                  "vllm:num_requests_running")
+FAILURE_PAUSE = 0.05
 
 
 @dataclass
@@ -225,6 +226,18 @@ async def send(client: httpx.AsyncClient, cfg: BenchConfig, session: Session, tu
     return answer
 
 
+async def _stop(task: asyncio.Task[None]) -> None:
+    """Cancel ``task`` if it still runs and wait for it; a cancellation of the caller itself propagates."""
+    if not task.done():
+        task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if current is not None and current.cancelling():
+            raise
+
+
 class Runner:
     def __init__(self, cfg: BenchConfig, sessions: Iterator[Session], count_tokens: Callable[[str], int],
                  progress_stream: TextIO = sys.stderr) -> None:
@@ -272,7 +285,10 @@ class Runner:
     async def _closed_loop(self, client: httpx.AsyncClient) -> None:
         async def loop() -> None:
             while time.perf_counter() < self.deadline:
+                failed = sum(1 for r in self.records if not r.ok)
                 await self._session(client, next(self.sessions))
+                if sum(1 for r in self.records if not r.ok) > failed:
+                    await asyncio.sleep(FAILURE_PAUSE)  # no busy loop against a server that refuses at once
 
         await asyncio.gather(*(loop() for _ in range(self.cfg.concurrency or 1)))
 
@@ -324,14 +340,11 @@ class Runner:
             sampler = asyncio.create_task(self._sample(client))
             driver = asyncio.create_task(self._open_loop(client) if self.cfg.rate is not None
                                          else self._closed_loop(client))
-            await asyncio.wait({driver}, timeout=self.cfg.duration + self.cfg.drain_timeout)
-            if not driver.done():
-                driver.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await driver
-            sampler.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await sampler
+            try:
+                await asyncio.wait({driver}, timeout=self.cfg.duration + self.cfg.drain_timeout)
+            finally:
+                await _stop(driver)
+                await _stop(sampler)
         ends = [r.start + r.e2e for r in self.records if r.e2e is not None]
         duration = min(max([self.deadline, *ends]), time.perf_counter()) - self.t0
         done = sum(1 for r in self.records if r.ok)

@@ -72,9 +72,20 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _ready(url: str) -> bool:
+    """``/health`` answers 200 (pdserve: all workers up), or there is no /health and /v1/models answers."""
+    try:
+        health = httpx.get(f"{url}/health", timeout=2).status_code
+        if health == 404:
+            return httpx.get(f"{url}/v1/models", timeout=2).status_code == 200
+        return health == 200
+    except httpx.HTTPError:
+        return False
+
+
 @contextlib.contextmanager
 def server(cmd: list[str], url: str, log: Path, ready_timeout: float = 600.0) -> Iterator[str]:
-    """Run ``cmd`` (a server) until the block ends; yields ``url`` once ``/v1/models`` answers 200."""
+    """Run ``cmd`` (a server, in its own process group) until the block ends; yields ``url`` once ready."""
     log.parent.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     with log.open("wb") as f:
@@ -85,9 +96,8 @@ def server(cmd: list[str], url: str, log: Path, ready_timeout: float = 600.0) ->
         while True:
             if proc.poll() is not None:
                 raise RuntimeError(f"server exited with {proc.returncode}; see {log}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
-                    break
+            if _ready(url):
+                break
             if time.monotonic() > deadline:
                 raise RuntimeError(f"server not ready within {ready_timeout:.0f} s; see {log}")
             time.sleep(1.0)
@@ -344,6 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.duration > 0:
         p.error("--duration must be > 0")
     args.out.mkdir(parents=True, exist_ok=True)
+    # SIGTERM unwinds like Ctrl-C, so every server this command started is stopped on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     command = "python -m bench.compare " + shlex.join(
         [x for x in (argv if argv is not None else sys.argv[1:]) if x not in ("--quiet",)])
     started = machine()
