@@ -223,6 +223,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "budget), with the engine's own sizing formula.",
     )
     add_plan_args(plan, _size, DTYPES)
+
+    from bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 
@@ -291,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
             from cluster.plan import run_plan
 
             return run_plan(args)
+        if hasattr(args, "handler"):
+            return int(args.handler(args))
     except (UsageError, ValueError, FileNotFoundError) as exc:
         return _fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
     except TimeoutError as exc:  # a worker's resources could not be reserved

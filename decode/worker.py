@@ -271,6 +271,7 @@ class DecodeWorker(EngineWorker, TracedRole):
             num_running=s.num_running, num_waiting=s.num_waiting,
             num_kv_blocks=s.num_kv_blocks, num_free_kv_blocks=s.num_free_kv_blocks,
             num_used_blocks=pool.num_used_blocks, num_cached_blocks=len(pool.cached),
+            num_stored_tokens=self.engine.kv.num_stored_tokens(), block_size=self.engine.kv.block_size,
             num_reserved=len(self.engine.reserved), prefix_queries=s.prefix_queries,
             prefix_hits=s.prefix_hits, num_preemptions=s.num_preemptions,
             transfer_blocks=self.transfer_blocks, transfer_bytes=self.transfer_bytes,

@@ -46,6 +46,7 @@ class KVCacheManager:
         self._blocks: dict[str, list[int]] = {}
         self._hashes: dict[str, list[int]] = {}
         self._num_cached: dict[str, int] = {}
+        self._num_tokens: dict[str, int] = {}
         self.prefix_queries = 0
         self.prefix_hits = 0
 
@@ -120,6 +121,7 @@ class KVCacheManager:
         need = self.blocks_needed(num_tokens) - len(held)
         if need > 0:
             held.extend(self.pool.allocate(need))
+        self._num_tokens[owner] = max(num_tokens, self._num_tokens.get(owner, 0))
         return True
 
     def cache_blocks(self, owner: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
@@ -145,6 +147,7 @@ class KVCacheManager:
         blocks = self._blocks.pop(owner, None)
         self._hashes.pop(owner, None)
         self._num_cached.pop(owner, None)
+        self._num_tokens.pop(owner, None)
         if not blocks:
             return 0
         self.pool.free(reversed(blocks))
@@ -152,6 +155,24 @@ class KVCacheManager:
 
     def drain_events(self) -> list[KvEvent]:
         return self.pool.drain_events()
+
+    def num_stored_tokens(self) -> int:
+        """Tokens the held blocks store, each shared block counted once.
+
+        An owner that asked room for ``n`` tokens fills ``min(block_size, n - i * block_size)``
+        slots of its ``i``-th block; a block shared by several owners counts its fullest use.
+        Divided by ``pool.num_used_blocks * block_size`` this is the KV memory utilisation
+        (1.0 = no slot of a held block is empty).
+        """
+        fill: dict[int, int] = {}
+        bs = self.block_size
+        for owner, blocks in self._blocks.items():
+            n = self._num_tokens.get(owner, len(blocks) * bs)
+            for i, block in enumerate(blocks):
+                used = max(0, min(bs, n - i * bs))
+                if used > fill.get(block, 0):
+                    fill[block] = used
+        return sum(fill.values())
 
     def num_owners(self) -> int:
         return len(self._blocks)

@@ -109,6 +109,8 @@ class WorkerStats(msgspec.Struct, frozen=True, kw_only=True):
     pid: int = 0
     queue_time: HistogramData | None = None
     transfer_time: HistogramData | None = None
+    num_stored_tokens: int = 0
+    block_size: int = 0
 
 
 class KvEvents(msgspec.Struct, frozen=True):

