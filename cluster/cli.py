@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
 PROG = "pdserve"
 DTYPES = ("float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e5m2", "int8")
 _SIZE_UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
@@ -40,6 +41,7 @@ class EngineKwargs(TypedDict):
     max_num_seqs: int
     max_model_len: int | None
     seed: int
+    kv_cache_dtype: str
 
 
 class UsageError(Exception):
@@ -105,6 +107,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="dtype of weights, activations and KV cache (default: float32)")
     g.add_argument("--device", type=_device, default="cpu",
                    help="torch device: cpu, cuda or cuda:N (default: cpu)")
+    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="KV cache storage: auto (the --dtype), fp8 (e4m3), fp8_e5m2 or int8; quantized "
+                        "blocks keep float32 per-block, per-head scales and hold 2x the tokens of "
+                        "bf16 (4x of float32) per byte (default: auto)")
     g.add_argument("--block-size", type=int, default=16, metavar="N",
                    help="tokens per KV cache block, a power of two (default: 16)")
     g.add_argument("--kv-cache-memory", type=_size, default=512 * 1024**2, metavar="SIZE",
@@ -138,6 +144,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> EngineKwargs:
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         seed=args.seed,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
 
 
@@ -150,7 +157,7 @@ def check_engine_kwargs(kwargs: EngineKwargs) -> None:
         kv_cache_memory=kwargs["kv_cache_memory"], num_kv_blocks=kwargs["num_kv_blocks"],
         enable_prefix_caching=kwargs["enable_prefix_caching"],
         max_num_batched_tokens=kwargs["max_num_batched_tokens"], max_num_seqs=kwargs["max_num_seqs"],
-        max_model_len=kwargs["max_model_len"], seed=kwargs["seed"],
+        max_model_len=kwargs["max_model_len"], seed=kwargs["seed"], kv_cache_dtype=kwargs["kv_cache_dtype"],
     )
 
 

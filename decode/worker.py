@@ -69,8 +69,9 @@ class DecodeWorker(EngineWorker):
                  transfer_timeout: float = 30.0, torch_threads: int = 1,
                  request_timeout: float = 300.0) -> None:
         super().__init__(worker_id, model, unpack(engine_config, EngineConfig), torch_threads)
-        self.layout = KvLayout.from_tensor(self.engine.runner.kv_cache, self.engine.model_config.name)
-        self.sink = KvSink(self.engine.runner.kv_cache, self.layout,
+        runner = self.engine.runner
+        self.layout = KvLayout.from_tensor(runner.kv_cache, self.engine.model_config.name, runner.kv_scales)
+        self.sink = KvSink(runner.kv_cache, self.layout, scales=runner.kv_scales,
                            agent_name=f"{worker_id}-{uuid.uuid4().hex[:8]}")
         self.transfer_timeout = transfer_timeout
         self.request_timeout = request_timeout

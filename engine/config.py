@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels.kv_quant import is_quantized, parse_kv_cache_dtype
+
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 
 _DTYPES = {
@@ -109,9 +111,11 @@ class EngineConfig:
     max_num_seqs: int = 128
     max_model_len: int | None = None
     seed: int = 0
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
+        parse_kv_cache_dtype(self.kv_cache_dtype)
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"--block-size must be a positive power of two, got {self.block_size}")
         if self.kv_cache_memory <= 0:
@@ -132,3 +136,12 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return parse_dtype(self.dtype)
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        """Storage dtype of the KV cache: the model dtype for ``auto``, else fp8/int8."""
+        return parse_kv_cache_dtype(self.kv_cache_dtype) or self.torch_dtype
+
+    @property
+    def kv_quantized(self) -> bool:
+        return is_quantized(self.kv_torch_dtype)

@@ -57,8 +57,9 @@ class PrefillWorker(EngineWorker):
                  lease_seconds: float = 30.0, torch_threads: int = 1, poll_interval: float = 0.01,
                  request_timeout: float = 300.0) -> None:
         super().__init__(worker_id, model, unpack(engine_config, EngineConfig), torch_threads)
-        self.layout = KvLayout.from_tensor(self.engine.runner.kv_cache, self.engine.model_config.name)
-        self.source = KvSource(self.engine.runner.kv_cache, self.layout,
+        runner = self.engine.runner
+        self.layout = KvLayout.from_tensor(runner.kv_cache, self.engine.model_config.name, runner.kv_scales)
+        self.source = KvSource(runner.kv_cache, self.layout, scales=runner.kv_scales,
                                agent_name=f"{worker_id}-{uuid.uuid4().hex[:8]}")
         self.lease_seconds = lease_seconds
         self.poll_interval = poll_interval
