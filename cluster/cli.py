@@ -42,6 +42,8 @@ class EngineKwargs(TypedDict):
     max_model_len: int | None
     seed: int
     kv_cache_dtype: str
+    preemption_mode: str
+    swap_space: int
 
 
 class UsageError(Exception):
@@ -111,6 +113,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="KV cache storage: auto (the --dtype), fp8 (e4m3), fp8_e5m2 or int8; quantized "
                         "blocks keep float32 per-block, per-head scales and hold 2x the tokens of "
                         "bf16 (4x of float32) per byte (default: auto)")
+    g.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute",
+                   help="when KV runs out, the least important running request (highest priority value) "
+                        "is preempted: recompute its KV on resume, or swap its blocks to host memory and "
+                        "back (default: recompute)")
+    g.add_argument("--swap-space", type=_size, default=1024**3, metavar="SIZE",
+                   help="host memory for swapped-out KV with --preemption-mode swap; requests that do "
+                        "not fit are recomputed (default: 1G)")
     g.add_argument("--block-size", type=int, default=16, metavar="N",
                    help="tokens per KV cache block, a power of two (default: 16)")
     g.add_argument("--kv-cache-memory", type=_size, default=512 * 1024**2, metavar="SIZE",
@@ -145,6 +154,8 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> EngineKwargs:
         max_model_len=args.max_model_len,
         seed=args.seed,
         kv_cache_dtype=args.kv_cache_dtype,
+        preemption_mode=args.preemption_mode,
+        swap_space=args.swap_space,
     )
 
 
@@ -158,6 +169,7 @@ def check_engine_kwargs(kwargs: EngineKwargs) -> None:
         enable_prefix_caching=kwargs["enable_prefix_caching"],
         max_num_batched_tokens=kwargs["max_num_batched_tokens"], max_num_seqs=kwargs["max_num_seqs"],
         max_model_len=kwargs["max_model_len"], seed=kwargs["seed"], kv_cache_dtype=kwargs["kv_cache_dtype"],
+        preemption_mode=kwargs["preemption_mode"], swap_space=kwargs["swap_space"],
     )
 
 

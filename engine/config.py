@@ -112,10 +112,16 @@ class EngineConfig:
     max_model_len: int | None = None
     seed: int = 0
     kv_cache_dtype: str = "auto"
+    preemption_mode: str = "recompute"
+    swap_space: int = 1024**3
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
         parse_kv_cache_dtype(self.kv_cache_dtype)
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"--preemption-mode must be recompute or swap, got {self.preemption_mode!r}")
+        if self.swap_space < 0:
+            raise ValueError(f"--swap-space must be >= 0, got {self.swap_space}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"--block-size must be a positive power of two, got {self.block_size}")
         if self.kv_cache_memory <= 0:

@@ -29,6 +29,7 @@ from engine.outputs import RequestOutput
 from engine.request import Request
 from engine.sampling import Sampler, SamplingParams, TokenLogprobs
 from engine.scheduler import Scheduler
+from engine.swap import HostSwapSpace
 from engine.tokenizer import Tokenizer
 
 
@@ -42,6 +43,10 @@ class EngineStats:
     prefix_queries: int
     prefix_hits: int
     num_preemptions: int
+    kv_cache_dtype: str = "auto"
+    num_swap_outs: int = 0
+    num_swap_ins: int = 0
+    swap_used_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -68,8 +73,11 @@ class LLMEngine:
                                  hash_seed=seed_for(self.model_config.name))
         limit = self.config.max_model_len or self.model_config.max_position_embeddings
         self.max_model_len = min(limit, blocks * self.config.block_size)
+        self.swap = (HostSwapSpace(self.runner.kv_cache, self.runner.kv_scales, self.config.swap_space)
+                     if self.config.preemption_mode == "swap" else None)
         self.scheduler = Scheduler(self.kv, self.config.max_num_batched_tokens,
-                                   self.config.max_num_seqs, self.max_model_len)
+                                   self.config.max_num_seqs, self.max_model_len,
+                                   self.config.preemption_mode, self.swap)
         self.sampler = Sampler()
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) or self.model_config.eos_token_ids
         self.requests: dict[str, Request] = {}
@@ -212,4 +220,8 @@ class LLMEngine:
             prefix_queries=self.kv.prefix_queries,
             prefix_hits=self.kv.prefix_hits,
             num_preemptions=self.scheduler.num_preemptions,
+            kv_cache_dtype=str(self.runner.kv_cache.dtype).removeprefix("torch."),
+            num_swap_outs=self.swap.num_swap_outs if self.swap else 0,
+            num_swap_ins=self.swap.num_swap_ins if self.swap else 0,
+            swap_used_bytes=self.swap.used_bytes if self.swap else 0,
         )

@@ -7,10 +7,18 @@ costs one token; an unfinished prefill continues with its next chunk), then over
 waiting requests in queue order (priority, then arrival), which begin with any
 prefix-cache hit. Running requests are never starved by new ones.
 
+Priorities follow vLLM: a *lower* ``priority`` value is more important (default
+0). The waiting queue is ordered by priority, then arrival.
+
 When the pool cannot hold a running request's next tokens, the scheduler
-preempts by recompute: the least important running request (highest
-``priority`` value, latest arrival) frees its blocks and goes back to the front
-of the waiting queue, keeping the tokens it has generated.
+preempts the least important running request (highest ``priority`` value,
+latest arrival): it frees its blocks and goes back to the waiting queue, ahead of
+waiting requests of the same or lower importance, keeping the tokens it has
+generated. With ``preemption_mode="recompute"`` its K/V are recomputed when it
+resumes; with ``"swap"`` (and a ``swapper``, see ``engine/swap.py``) its computed
+blocks are copied to host memory first and copied back into fresh blocks when
+it resumes, so nothing is recomputed (recompute is the fallback when the swap
+space is full).
 
 The scheduler sees the KV manager through ``allocate``/``free``/``find_prefix``
 only; the engine sees ``SchedulerOutput``.
@@ -24,6 +32,9 @@ from dataclasses import dataclass, field
 
 from engine.kv_cache import KVCacheManager
 from engine.request import Request, RequestStatus
+from engine.swap import HostSwapSpace
+
+PREEMPTION_MODES = ("recompute", "swap")
 
 
 @dataclass
@@ -57,7 +68,15 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_num_seqs: int,
         max_model_len: int,
+        preemption_mode: str = "recompute",
+        swapper: HostSwapSpace | None = None,
     ) -> None:
+        if preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"--preemption-mode must be recompute or swap, got {preemption_mode!r}")
+        if preemption_mode == "swap" and swapper is None:
+            raise ValueError("swap preemption needs a swap space")
+        self.preemption_mode = preemption_mode
+        self.swapper = swapper
         self.kv = kv
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -77,11 +96,8 @@ class Scheduler:
 
     def _enqueue(self, request: Request, front: bool = False) -> None:
         request.status = RequestStatus.WAITING
-        if front:
-            self.waiting.appendleft(request)
-            return
         for i, other in enumerate(self.waiting):
-            if request.priority < other.priority:
+            if request.priority < other.priority or (front and request.priority == other.priority):
                 self.waiting.insert(i, request)
                 return
         self.waiting.append(request)
@@ -116,6 +132,11 @@ class Scheduler:
             if out.preempted:
                 break
             request = self.waiting[0]
+            if self.swapper is not None and self.swapper.holds(request.request_id):
+                if not self._resume_swapped(request, budget, out):
+                    break
+                budget -= out.scheduled[-1].num_new_tokens
+                continue
             prefix = self.kv.find_prefix(request.all_token_ids, request.num_tokens - 1)
             num_cached = prefix.num_tokens(self.kv.block_size)
             n = min(request.num_tokens - num_cached, budget)
@@ -132,13 +153,33 @@ class Scheduler:
             budget -= n
         return out
 
+    def _resume_swapped(self, request: Request, budget: int, out: SchedulerOutput) -> bool:
+        """Give a swapped-out request fresh blocks and copy its K/V back; False if they do not fit."""
+        assert self.swapper is not None
+        computed = request.num_computed_tokens
+        n = min(request.num_tokens - computed, budget)
+        if not self.kv.allocate(request.request_id, computed + n):
+            return False
+        self.swapper.swap_in(request.request_id, self.kv.blocks_of(request.request_id))
+        self.waiting.popleft()
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        out.scheduled.append(ScheduledRequest(request, n))
+        return True
+
     def _preemption_victim(self) -> Request:
         return max(self.running, key=lambda r: (r.priority, r.metrics.arrival_time))
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
+        swapped = False
+        if self.preemption_mode == "swap" and self.swapper is not None and request.num_computed_tokens > 0:
+            used = self.kv.blocks_needed(request.num_computed_tokens)
+            blocks = self.kv.blocks_of(request.request_id)[:used]
+            swapped = self.swapper.swap_out(request.request_id, blocks)
         self.kv.free(request.request_id)
-        request.num_computed_tokens = 0
+        if not swapped:
+            request.num_computed_tokens = 0
         request.metrics.num_preemptions += 1
         self.num_preemptions += 1
         out.scheduled = [s for s in out.scheduled if s.request is not request]
@@ -165,5 +206,7 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        if self.swapper is not None:
+            self.swapper.discard(request.request_id)
         if free_kv:
             self.kv.free(request.request_id)
