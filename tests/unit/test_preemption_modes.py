@@ -15,7 +15,7 @@ TIGHT = 24  # blocks of 4 tokens: the 4 requests need ~50, so some are preempted
 
 
 def run(model: Path, **kw: object) -> tuple[list[list[int]], LLM]:
-    llm = LLM(str(model), block_size=4, max_num_batched_tokens=64, check_integrity=True, **kw)  # type: ignore[arg-type]
+    llm = LLM(str(model), block_size=4, max_num_batched_tokens=64, check_integrity=True, **kw)
     return [o.token_ids for o in llm.generate(PROMPTS, PARAMS)], llm
 
 
