@@ -44,6 +44,8 @@ class EngineKwargs(TypedDict):
     kv_cache_dtype: str
     preemption_mode: str
     swap_space: int
+    kv_offload_bytes: int
+    kv_offload_dir: str | None
 
 
 class UsageError(Exception):
@@ -120,6 +122,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--swap-space", type=_size, default=1024**3, metavar="SIZE",
                    help="host memory for swapped-out KV with --preemption-mode swap; requests that do "
                         "not fit are recomputed (default: 1G)")
+    g.add_argument("--kv-offload-bytes", type=_size, default=0, metavar="SIZE",
+                   help="host memory for prefix-cache blocks evicted from the KV cache; a later prefix "
+                        "hit copies them back instead of recomputing (default: 0, off)")
+    g.add_argument("--kv-offload-dir", default=None, metavar="DIR",
+                   help="disk tier below the host tier: one file per block plus an index, kept across "
+                        "restarts for the same model and KV layout (default: none)")
     g.add_argument("--block-size", type=int, default=16, metavar="N",
                    help="tokens per KV cache block, a power of two (default: 16)")
     g.add_argument("--kv-cache-memory", type=_size, default=512 * 1024**2, metavar="SIZE",
@@ -156,6 +164,8 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> EngineKwargs:
         kv_cache_dtype=args.kv_cache_dtype,
         preemption_mode=args.preemption_mode,
         swap_space=args.swap_space,
+        kv_offload_bytes=args.kv_offload_bytes,
+        kv_offload_dir=args.kv_offload_dir,
     )
 
 
@@ -170,6 +180,7 @@ def check_engine_kwargs(kwargs: EngineKwargs) -> None:
         max_num_batched_tokens=kwargs["max_num_batched_tokens"], max_num_seqs=kwargs["max_num_seqs"],
         max_model_len=kwargs["max_model_len"], seed=kwargs["seed"], kv_cache_dtype=kwargs["kv_cache_dtype"],
         preemption_mode=kwargs["preemption_mode"], swap_space=kwargs["swap_space"],
+        kv_offload_bytes=kwargs["kv_offload_bytes"], kv_offload_dir=kwargs["kv_offload_dir"],
     )
 
 

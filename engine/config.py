@@ -114,6 +114,9 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     preemption_mode: str = "recompute"
     swap_space: int = 1024**3
+    kv_offload_bytes: int = 0
+    kv_offload_dir: str | None = None
+    kv_offload_disk_bytes: int = 8 * 1024**3
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
@@ -122,6 +125,8 @@ class EngineConfig:
             raise ValueError(f"--preemption-mode must be recompute or swap, got {self.preemption_mode!r}")
         if self.swap_space < 0:
             raise ValueError(f"--swap-space must be >= 0, got {self.swap_space}")
+        if self.kv_offload_bytes < 0 or self.kv_offload_disk_bytes < 0:
+            raise ValueError("--kv-offload-bytes and --kv-offload-disk-bytes must be >= 0")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"--block-size must be a positive power of two, got {self.block_size}")
         if self.kv_cache_memory <= 0:

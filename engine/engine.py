@@ -25,6 +25,7 @@ from engine.kv_sizing import num_kv_blocks
 from engine.loader import ModelSource, load_model_source, resolve_model
 from engine.model import CausalLM
 from engine.model_runner import ModelRunner
+from engine.offload import KvOffload
 from engine.outputs import RequestOutput
 from engine.request import Request
 from engine.sampling import Sampler, SamplingParams, TokenLogprobs
@@ -47,6 +48,11 @@ class EngineStats:
     num_swap_outs: int = 0
     num_swap_ins: int = 0
     swap_used_bytes: int = 0
+    kv_offload_host_blocks: int = 0
+    kv_offload_disk_blocks: int = 0
+    kv_offload_host_hits: int = 0
+    kv_offload_disk_hits: int = 0
+    kv_offload_stores: int = 0
 
 
 @dataclass(frozen=True)
@@ -73,6 +79,15 @@ class LLMEngine:
                                  hash_seed=seed_for(self.model_config.name))
         limit = self.config.max_model_len or self.model_config.max_position_embeddings
         self.max_model_len = min(limit, blocks * self.config.block_size)
+        self.offload: KvOffload | None = None
+        if self.config.enable_prefix_caching and (self.config.kv_offload_bytes or self.config.kv_offload_dir):
+            self.offload = KvOffload(
+                self.runner.kv_cache, self.runner.kv_scales, self.config.kv_offload_bytes,
+                self.config.kv_offload_dir, self.config.kv_offload_disk_bytes,
+                compat={"model": self.model_config.name, "hash_seed": self.kv.hash_seed,
+                        "block_size": self.config.block_size})
+            self.kv.offload = self.offload
+            self.kv.pool.on_evict = self.offload.store
         self.swap = (HostSwapSpace(self.runner.kv_cache, self.runner.kv_scales, self.config.swap_space)
                      if self.config.preemption_mode == "swap" else None)
         self.scheduler = Scheduler(self.kv, self.config.max_num_batched_tokens,
@@ -224,4 +239,13 @@ class LLMEngine:
             num_swap_outs=self.swap.num_swap_outs if self.swap else 0,
             num_swap_ins=self.swap.num_swap_ins if self.swap else 0,
             swap_used_bytes=self.swap.used_bytes if self.swap else 0,
+            **self._offload_stats(),
         )
+
+    def _offload_stats(self) -> dict[str, int]:
+        if self.offload is None:
+            return {}
+        t = self.offload.stats
+        return {"kv_offload_host_blocks": t.host_blocks, "kv_offload_disk_blocks": t.disk_blocks,
+                "kv_offload_host_hits": t.host_hits, "kv_offload_disk_hits": t.disk_hits,
+                "kv_offload_stores": t.stores}

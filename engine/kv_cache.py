@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from engine.block_pool import BlockPool, KvEvent
 from engine.hashing import ROOT_SEED, block_hashes
+from engine.offload import KvOffload
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class KVCacheManager:
         self._num_cached: dict[str, int] = {}
         self.prefix_queries = 0
         self.prefix_hits = 0
+        self.offload: KvOffload | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -87,9 +89,29 @@ class KVCacheManager:
             if block_id is None:
                 break
             ids.append(block_id)
+        if self.offload is not None and len(ids) < len(hashes):
+            ids += self._restore(hashes[len(ids) :], ids)
         self.prefix_queries += len(token_ids)
         self.prefix_hits += len(ids) * self.block_size
         return PrefixHit(ids, hashes[: len(ids)])
+
+    def _restore(self, hashes: list[int], found: list[int]) -> list[int]:
+        """Bring the leading ``hashes`` held by the offload tiers back into device blocks (as cached)."""
+        assert self.offload is not None
+        restored: list[int] = []
+        self.pool.touch(found)  # the device hits must not be evicted by the restoring allocations
+        try:
+            for h in hashes:
+                if not self.offload.contains(h) or self.pool.num_free_blocks == 0:
+                    break
+                block_id = self.pool.allocate(1)[0]
+                restored.append(block_id)
+                if not self.offload.restore(h, block_id):
+                    break
+                self.pool.cache_block(block_id, h)
+        finally:
+            self.pool.free(reversed(found + restored))
+        return [b for b in restored if self.pool.blocks[b].block_hash is not None]
 
     def can_allocate(self, owner: str, num_tokens: int, prefix: PrefixHit | None = None) -> bool:
         held = self._blocks.get(owner)
