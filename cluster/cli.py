@@ -46,6 +46,8 @@ class EngineKwargs(TypedDict):
     swap_space: int
     kv_offload_bytes: int
     kv_offload_dir: str | None
+    kv_sinks: int
+    kv_window: int | None
 
 
 class UsageError(Exception):
@@ -128,6 +130,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-offload-dir", default=None, metavar="DIR",
                    help="disk tier below the host tier: one file per block plus an index, kept across "
                         "restarts for the same model and KV layout (default: none)")
+    g.add_argument("--kv-window", type=int, default=None, metavar="N",
+                   help="bounded KV for endless sessions: keep only the last N tokens' K/V (whole "
+                        "blocks) plus the --kv-sinks first tokens; generation is then not limited by "
+                        "the pool (default: off; models with a native sliding_window use theirs)")
+    g.add_argument("--kv-sinks", type=int, default=0, metavar="K",
+                   help="attention sinks kept with --kv-window: the first K tokens, rounded up to whole "
+                        "blocks (default: 0)")
     g.add_argument("--block-size", type=int, default=16, metavar="N",
                    help="tokens per KV cache block, a power of two (default: 16)")
     g.add_argument("--kv-cache-memory", type=_size, default=512 * 1024**2, metavar="SIZE",
@@ -166,6 +175,8 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> EngineKwargs:
         swap_space=args.swap_space,
         kv_offload_bytes=args.kv_offload_bytes,
         kv_offload_dir=args.kv_offload_dir,
+        kv_sinks=args.kv_sinks,
+        kv_window=args.kv_window,
     )
 
 
@@ -181,6 +192,7 @@ def check_engine_kwargs(kwargs: EngineKwargs) -> None:
         max_model_len=kwargs["max_model_len"], seed=kwargs["seed"], kv_cache_dtype=kwargs["kv_cache_dtype"],
         preemption_mode=kwargs["preemption_mode"], swap_space=kwargs["swap_space"],
         kv_offload_bytes=kwargs["kv_offload_bytes"], kv_offload_dir=kwargs["kv_offload_dir"],
+        kv_sinks=kwargs["kv_sinks"], kv_window=kwargs["kv_window"],
     )
 
 

@@ -117,6 +117,8 @@ class EngineConfig:
     kv_offload_bytes: int = 0
     kv_offload_dir: str | None = None
     kv_offload_disk_bytes: int = 8 * 1024**3
+    kv_sinks: int = 0
+    kv_window: int | None = None
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
@@ -127,6 +129,10 @@ class EngineConfig:
             raise ValueError(f"--swap-space must be >= 0, got {self.swap_space}")
         if self.kv_offload_bytes < 0 or self.kv_offload_disk_bytes < 0:
             raise ValueError("--kv-offload-bytes and --kv-offload-disk-bytes must be >= 0")
+        if self.kv_window is not None and self.kv_window < 1:
+            raise ValueError(f"--kv-window must be at least 1, got {self.kv_window}")
+        if self.kv_sinks < 0 or (self.kv_sinks and self.kv_window is None):
+            raise ValueError("--kv-sinks must be >= 0 and needs --kv-window")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"--block-size must be a positive power of two, got {self.block_size}")
         if self.kv_cache_memory <= 0:

@@ -15,6 +15,7 @@ Disaggregation hooks (used by ``prefill/`` and ``decode/``; colocated use needs 
 from __future__ import annotations
 
 import itertools
+import sys
 import time
 from dataclasses import dataclass
 
@@ -29,7 +30,7 @@ from engine.offload import KvOffload
 from engine.outputs import RequestOutput
 from engine.request import Request
 from engine.sampling import Sampler, SamplingParams, TokenLogprobs
-from engine.scheduler import Scheduler
+from engine.scheduler import KvWindow, Scheduler
 from engine.swap import HostSwapSpace
 from engine.tokenizer import Tokenizer
 
@@ -77,8 +78,16 @@ class LLMEngine:
         self.runner = ModelRunner(net, self.model_config, self.config, blocks)
         self.kv = KVCacheManager(blocks, self.config.block_size, self.config.enable_prefix_caching,
                                  hash_seed=seed_for(self.model_config.name))
-        limit = self.config.max_model_len or self.model_config.max_position_embeddings
-        self.max_model_len = min(limit, blocks * self.config.block_size)
+        window = self.config.kv_window or self.model_config.sliding_window
+        self.kv_window: KvWindow | None = None
+        if window is not None:
+            sinks = self.config.kv_sinks if self.config.kv_window else 0
+            self.kv_window = KvWindow(-(-sinks // self.config.block_size), window)
+        if self.config.kv_window is not None:  # bounded KV: generation length is not bounded by the pool
+            self.max_model_len = self.config.max_model_len or sys.maxsize
+        else:
+            limit = self.config.max_model_len or self.model_config.max_position_embeddings
+            self.max_model_len = min(limit, blocks * self.config.block_size)
         self.offload: KvOffload | None = None
         if self.config.enable_prefix_caching and (self.config.kv_offload_bytes or self.config.kv_offload_dir):
             self.offload = KvOffload(
@@ -92,7 +101,7 @@ class LLMEngine:
                      if self.config.preemption_mode == "swap" else None)
         self.scheduler = Scheduler(self.kv, self.config.max_num_batched_tokens,
                                    self.config.max_num_seqs, self.max_model_len,
-                                   self.config.preemption_mode, self.swap)
+                                   self.config.preemption_mode, self.swap, self.kv_window)
         self.sampler = Sampler()
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) or self.model_config.eos_token_ids
         self.requests: dict[str, Request] = {}

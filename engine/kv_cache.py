@@ -50,6 +50,7 @@ class KVCacheManager:
         self.prefix_queries = 0
         self.prefix_hits = 0
         self.offload: KvOffload | None = None
+        self._windowed: set[str] = set()
 
     @property
     def num_blocks(self) -> int:
@@ -146,7 +147,7 @@ class KVCacheManager:
 
     def cache_blocks(self, owner: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         """Publish ``owner``'s blocks that are full and computed under their chained hashes."""
-        if not self.enable_caching or owner not in self._blocks:
+        if not self.enable_caching or owner not in self._blocks or owner in self._windowed:
             return
         full = min(num_computed_tokens, len(token_ids)) // self.block_size
         done = self._num_cached.get(owner, 0)
@@ -162,9 +163,20 @@ class KVCacheManager:
             self.pool.cache_block(blocks[i], hashes[i])
         self._num_cached[owner] = full
 
+    def drop_block(self, owner: str, index: int) -> None:
+        """Free ``owner``'s ``index``-th block (a sliding window left it); the rest shift down.
+
+        The owner's later blocks no longer sit at ``token // block_size``, so it publishes
+        nothing more to the prefix cache.
+        """
+        block = self._blocks[owner].pop(index)
+        self._windowed.add(owner)
+        self.pool.free([block])
+
     def free(self, owner: str) -> int:
         """Release everything ``owner`` holds (tail blocks first). Idempotent: returns blocks freed."""
         blocks = self._blocks.pop(owner, None)
+        self._windowed.discard(owner)
         self._hashes.pop(owner, None)
         self._num_cached.pop(owner, None)
         if not blocks:

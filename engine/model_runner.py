@@ -42,7 +42,7 @@ class ModelRunner:
             input_ids.extend(tokens[start:end])
             positions.extend(range(start, end))
             query_lens.append(item.num_new_tokens)
-            seq_lens.append(end)
+            seq_lens.append(end - request.kv_dropped_tokens)  # positions stay absolute; the cache does not
             tables.append(kv.blocks_of(request.request_id))
             if item.completes:
                 sample_rows.append(len(input_ids) - 1)

@@ -20,6 +20,14 @@ blocks are copied to host memory first and copied back into fresh blocks when
 it resumes, so nothing is recomputed (recompute is the fallback when the swap
 space is full).
 
+Bounded KV (attention sinks + sliding window, ``KvWindow``): before a running
+request's next chunk, every whole block after the first ``sink_blocks`` whose
+tokens are all more than ``window`` tokens behind the next token is freed
+(``request.kv_dropped_tokens`` counts them). The model still gets absolute
+positions; attention sees the sink blocks, then the kept blocks, so a token
+attends to the sinks and to between ``window`` and ``window + block_size - 1``
+previous tokens. A request's KV stays bounded however long it generates.
+
 The scheduler sees the KV manager through ``allocate``/``free``/``find_prefix``
 only; the engine sees ``SchedulerOutput``.
 """
@@ -35,6 +43,14 @@ from engine.request import Request, RequestStatus
 from engine.swap import HostSwapSpace
 
 PREEMPTION_MODES = ("recompute", "swap")
+
+
+@dataclass(frozen=True)
+class KvWindow:
+    """Keep the first ``sink_blocks`` blocks and the last ``window`` tokens (in whole blocks)."""
+
+    sink_blocks: int
+    window: int
 
 
 @dataclass
@@ -70,7 +86,9 @@ class Scheduler:
         max_model_len: int,
         preemption_mode: str = "recompute",
         swapper: HostSwapSpace | None = None,
+        kv_window: KvWindow | None = None,
     ) -> None:
+        self.kv_window = kv_window
         if preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"--preemption-mode must be recompute or swap, got {preemption_mode!r}")
         if preemption_mode == "swap" and swapper is None:
@@ -119,7 +137,8 @@ class Scheduler:
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             if n <= 0:
                 continue
-            while not self.kv.allocate(request.request_id, request.num_computed_tokens + n):
+            self._slide(request)
+            while not self.kv.allocate(request.request_id, request.kv_tokens + n):
                 victim = self._preemption_victim()
                 self._preempt(victim, out)
                 if victim is request:
@@ -153,12 +172,22 @@ class Scheduler:
             budget -= n
         return out
 
+    def _slide(self, request: Request) -> None:
+        """Free the blocks the window has passed (see the module docstring)."""
+        if self.kv_window is None:
+            return
+        bs = self.kv.block_size
+        sink_tokens = self.kv_window.sink_blocks * bs
+        window = self.kv_window.window
+        while request.num_computed_tokens - (sink_tokens + request.kv_dropped_tokens + bs) >= window:
+            self.kv.drop_block(request.request_id, self.kv_window.sink_blocks)
+            request.kv_dropped_tokens += bs
+
     def _resume_swapped(self, request: Request, budget: int, out: SchedulerOutput) -> bool:
         """Give a swapped-out request fresh blocks and copy its K/V back; False if they do not fit."""
         assert self.swapper is not None
-        computed = request.num_computed_tokens
-        n = min(request.num_tokens - computed, budget)
-        if not self.kv.allocate(request.request_id, computed + n):
+        n = min(request.num_tokens - request.num_computed_tokens, budget)
+        if not self.kv.allocate(request.request_id, request.kv_tokens + n):
             return False
         self.swapper.swap_in(request.request_id, self.kv.blocks_of(request.request_id))
         self.waiting.popleft()
@@ -174,12 +203,13 @@ class Scheduler:
         self.running.remove(request)
         swapped = False
         if self.preemption_mode == "swap" and self.swapper is not None and request.num_computed_tokens > 0:
-            used = self.kv.blocks_needed(request.num_computed_tokens)
+            used = self.kv.blocks_needed(request.kv_tokens)
             blocks = self.kv.blocks_of(request.request_id)[:used]
             swapped = self.swapper.swap_out(request.request_id, blocks)
         self.kv.free(request.request_id)
         if not swapped:
             request.num_computed_tokens = 0
+            request.kv_dropped_tokens = 0
         request.metrics.num_preemptions += 1
         self.num_preemptions += 1
         out.scheduled = [s for s in out.scheduled if s.request is not request]
