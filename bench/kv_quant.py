@@ -1,8 +1,12 @@
 """Quantized KV cache quality: greedy agreement and perplexity against full-precision KV.
 
-Greedy agreement: 16 fixed chat prompts, greedy, ``--output-len`` tokens each (EOS
-ignored), once per ``--kv-cache-dtype``; a prompt agrees when its first
-``--output-len`` tokens equal those of the ``auto`` (model dtype) run exactly.
+Greedy agreement: 16 fixed chat prompts, greedy, up to ``--output-len`` tokens each
+(stopping at EOS), once per ``--kv-cache-dtype``; a prompt agrees when its output
+equals that of the ``auto`` (model dtype) run token for token. One model load: every
+KV dtype gets its own cache (``ModelRunner``) over the same weights. The row
+``auto-torch`` runs full-precision KV through the torch reference kernel (which
+quantized KV uses) instead of the native one: the agreement that kernel noise
+alone allows.
 
 Perplexity: a fixed English text, teacher-forced through the engine's model in
 chunks of ``--ppl-chunk`` tokens, so every chunk attends to the earlier chunks as
@@ -18,6 +22,7 @@ import argparse
 import json
 import math
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -25,7 +30,9 @@ import torch
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
-from kernels import AttentionMetadata
+from engine.kv_sizing import num_kv_blocks
+from engine.model_runner import ModelRunner
+from kernels import AttentionMetadata, TorchAttentionBackend
 
 PROMPTS = [
     "What is the capital of France?",
@@ -60,9 +67,19 @@ TEXT = (
 )
 
 
-def greedy_outputs(model: str | None, kv_dtype: str, output_len: int) -> tuple[list[list[int]], float]:
-    llm = LLM(model, kv_cache_dtype=kv_dtype, max_num_seqs=len(PROMPTS))
-    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+def use_kv_dtype(llm: LLM, kv_dtype: str) -> None:
+    """Give ``llm`` a fresh KV cache of ``kv_dtype`` (same weights, same block count)."""
+    engine = llm.engine
+    kv = "auto" if kv_dtype == "auto-torch" else kv_dtype
+    engine.runner = ModelRunner(engine.runner.model, engine.model_config,
+                                replace(engine.config, kv_cache_dtype=kv), engine.kv.num_blocks)
+    if kv_dtype == "auto-torch":
+        engine.runner.backend = TorchAttentionBackend()
+    engine.kv.pool.reset_prefix_cache()
+
+
+def greedy_outputs(llm: LLM, output_len: int) -> tuple[list[list[int]], float]:
+    params = SamplingParams(max_tokens=output_len, temperature=0.0)
     start = time.perf_counter()
     outs = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS], params)
     return [o.token_ids for o in outs], time.perf_counter() - start
@@ -96,32 +113,36 @@ def perplexity(engine: LLMEngine, token_ids: list[int], chunk: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None)
-    parser.add_argument("--dtypes", default="auto,fp8,fp8_e5m2,int8")
+    parser.add_argument("--dtypes", default="auto,auto-torch,fp8,fp8_e5m2,int8")
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--ppl-chunk", type=int, default=16)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    dtypes = args.dtypes.split(",")
-    if dtypes[0] != "auto":
-        dtypes.insert(0, "auto")
+    dtypes = [d for d in args.dtypes.split(",") if d != "auto"]
+    dtypes.insert(0, "auto")
     rows: list[dict[str, Any]] = []
     reference: list[list[int]] = []
+    llm = LLM(args.model, max_num_seqs=len(PROMPTS), num_kv_blocks=256)
+    engine = llm.engine
+    text = engine.tokenizer.encode(TEXT)
     for kv_dtype in dtypes:
-        outs, elapsed = greedy_outputs(args.model, kv_dtype, args.output_len)
+        use_kv_dtype(llm, kv_dtype)
+        outs, elapsed = greedy_outputs(llm, args.output_len)
         if kv_dtype == "auto":
             reference = outs
         same = sum(a == b for a, b in zip(outs, reference, strict=True))
-        prefix = [next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+        prefix = [next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
                   for a, b in zip(outs, reference, strict=True)]
-        engine = LLMEngine(args.model, EngineConfig(kv_cache_dtype=kv_dtype))
-        ppl = perplexity(engine, engine.tokenizer.encode(TEXT), args.ppl_chunk)
+        ppl = perplexity(engine, text, args.ppl_chunk)
+        budget = num_kv_blocks(engine.model_config, EngineConfig(
+            kv_cache_dtype="auto" if kv_dtype == "auto-torch" else kv_dtype, kv_cache_memory=2**30))
         row = {"kv_cache_dtype": kv_dtype, "identical": same, "prompts": len(PROMPTS),
                "mean_common_prefix": sum(prefix) / len(prefix), "perplexity": ppl,
-               "greedy_elapsed_s": elapsed, "num_kv_blocks": engine.kv.num_blocks}
+               "greedy_elapsed_s": elapsed, "blocks_per_gib": budget}
         rows.append(row)
-        print(f"{kv_dtype:>9}: identical first {args.output_len} tokens {same}/{len(PROMPTS)}, "
+        print(f"{kv_dtype:>10}: identical outputs (up to {args.output_len} tokens) {same}/{len(PROMPTS)}, "
               f"mean common prefix {row['mean_common_prefix']:.1f}, perplexity {ppl:.4f}, "
-              f"KV blocks in 512 MiB {engine.kv.num_blocks}", flush=True)
+              f"KV blocks per GiB {budget}, greedy batch {elapsed:.1f} s", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

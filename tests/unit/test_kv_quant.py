@@ -126,7 +126,7 @@ def test_quantized_engine_allocates_codes_and_scales(tiny_model_dir: Path) -> No
 def test_fp8_greedy_agrees_with_full_precision_on_the_default_model(default_model_path: Path) -> None:
     """The cheap version of ``bench/kv_quant.py``: 4 prompts x 8 tokens, one model load.
 
-    Looser than the bench: every first token agrees, and at least 2 of 4 prompts agree on all 8.
+    Looser than the bench: every first token agrees, and at least 2 of 4 outputs are identical.
     """
     llm = LLM(str(default_model_path), kv_cache_dtype="fp8", num_kv_blocks=48)
     engine = llm.engine
@@ -136,7 +136,7 @@ def test_fp8_greedy_agrees_with_full_precision_on_the_default_model(default_mode
     prompts = [[{"role": "user", "content": c}] for c in
                ("What is the capital of France?", "Name three primary colors.",
                 "What is 12 times 7?", "Why is the sky blue?")]
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=8, temperature=0.0)
     quantized = [o.token_ids for o in llm.chat(prompts, params)]
     engine.kv.pool.reset_prefix_cache()
     engine.runner = full
