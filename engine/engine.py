@@ -46,6 +46,7 @@ class EngineStats:
     prefix_hits: int
     num_preemptions: int
     kv_cache_dtype: str = "auto"
+    kv_cache_bytes: int = 0  # device KV capacity: codes plus the scales of a quantized cache
     num_swap_outs: int = 0
     num_swap_ins: int = 0
     swap_used_bytes: int = 0
@@ -54,6 +55,8 @@ class EngineStats:
     kv_offload_host_hits: int = 0
     kv_offload_disk_hits: int = 0
     kv_offload_stores: int = 0
+    kv_offload_host_bytes: int = 0
+    kv_offload_disk_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -245,6 +248,7 @@ class LLMEngine:
             prefix_hits=self.kv.prefix_hits,
             num_preemptions=self.scheduler.num_preemptions,
             kv_cache_dtype=str(self.runner.kv_cache.dtype).removeprefix("torch."),
+            kv_cache_bytes=self.runner.kv_cache_bytes,
             num_swap_outs=self.swap.num_swap_outs if self.swap else 0,
             num_swap_ins=self.swap.num_swap_ins if self.swap else 0,
             swap_used_bytes=self.swap.used_bytes if self.swap else 0,
@@ -257,4 +261,5 @@ class LLMEngine:
         t = self.offload.stats
         return {"kv_offload_host_blocks": t.host_blocks, "kv_offload_disk_blocks": t.disk_blocks,
                 "kv_offload_host_hits": t.host_hits, "kv_offload_disk_hits": t.disk_hits,
-                "kv_offload_stores": t.stores}
+                "kv_offload_stores": t.stores, "kv_offload_host_bytes": t.host_bytes,
+                "kv_offload_disk_bytes": t.disk_bytes}

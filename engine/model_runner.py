@@ -25,6 +25,14 @@ class ModelRunner:
                           if engine_config.kv_quantized else None)
         self.backend = get_attention_backend(self.device)
 
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of the device KV cache, scales included."""
+        total = self.kv_cache.numel() * self.kv_cache.element_size()
+        if self.kv_scales is not None:
+            total += self.kv_scales.numel() * self.kv_scales.element_size()
+        return total
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> torch.Tensor:
         """Run every scheduled chunk; logits ``[num_completing, vocab]`` in scheduling order."""

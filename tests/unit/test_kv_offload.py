@@ -36,6 +36,8 @@ def test_host_tier_restores_evicted_prefix_blocks(tiny_model_dir: Path) -> None:
     first = evict_shared(llm)
     stats = llm.engine.stats()
     assert stats.kv_offload_stores > 0 and stats.kv_offload_host_blocks > 0
+    # a block: 2 layers x 2 x 4 tokens x 2 heads x 16 dims x 4 bytes
+    assert stats.kv_offload_host_bytes == stats.kv_offload_host_blocks * 2048
     again = llm.generate([SHARED], PARAMS)[0]
     assert again.metrics.cached_prompt_tokens == 32 and again.token_ids == first
     after = llm.engine.stats()
@@ -46,7 +48,10 @@ def test_host_tier_restores_evicted_prefix_blocks(tiny_model_dir: Path) -> None:
 def test_disk_tier_serves_hits_after_a_restart(tiny_model_dir: Path, tmp_path: Path) -> None:
     first_engine = engine(tiny_model_dir, kv_offload_dir=str(tmp_path))
     first = evict_shared(first_engine)
-    assert first_engine.engine.stats().kv_offload_disk_blocks >= 8
+    disk = first_engine.engine.stats()
+    assert disk.kv_offload_disk_blocks >= 8
+    assert disk.kv_offload_disk_bytes == disk.kv_offload_disk_blocks * 2048
+    assert len(list(tmp_path.glob("*.kv"))) == disk.kv_offload_disk_blocks
     assert (tmp_path / "index.json").is_file()
     del first_engine
 

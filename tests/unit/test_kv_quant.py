@@ -115,6 +115,11 @@ def test_quantized_engine_allocates_codes_and_scales(tiny_model_dir: Path) -> No
     runner = llm.engine.runner
     assert runner.kv_cache.dtype == torch.float8_e4m3fn
     assert runner.kv_scales is not None and runner.kv_scales.shape == (2, llm.engine.kv.num_blocks, 2, 2)
+    stats = llm.engine.stats()
+    assert stats.kv_cache_dtype == "float8_e4m3fn"
+    # 2 MiB buys blocks of 2 KiB codes (16 tokens x 2 x 2 layers x 2 heads x 16 dims) + 32 B of scales
+    assert stats.num_kv_blocks == 2 * 2**20 // (2048 + 32)
+    assert stats.kv_cache_bytes == stats.num_kv_blocks * (2048 + 32)
     prompt = list(range(1, 40))
     out = llm.generate([prompt, prompt[:20]], SamplingParams(max_tokens=8, temperature=0.0))
     assert [len(o.token_ids) for o in out] == [8, 8]
