@@ -39,8 +39,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     llm = LLM(args.model, num_kv_blocks=args.num_kv_blocks, kv_sinks=args.kv_sinks, kv_window=args.kv_window)
     engine = llm.engine
-    prompt = engine.tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Tell me a very long story about a lighthouse keeper."}])
+    story = "Tell me a very long story about a lighthouse keeper."
+    try:
+        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": story}])
+    except ValueError:  # a model without a chat template
+        prompt = engine.tokenizer.encode(story) or [1]
     request = engine.add_request(prompt, SamplingParams(max_tokens=args.tokens, temperature=0.0,
                                                         ignore_eos=True, repetition_penalty=1.3))
     rows: list[dict[str, Any]] = []
