@@ -59,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
               f"mean TTFT {row['mean_ttft_s']:.2f} s, p90 TTFT {row['p90_ttft_s']:.2f} s, "
               f"preemptions {row['preemptions']}, swap-outs {row['swap_outs']}", flush=True)
     print(f"identical outputs: {same}/{args.num_prompts}")
+    if any(row["preemptions"] == 0 for row in rows):
+        print("warning: a mode preempted nothing; lower --num-kv-blocks to compare the modes")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows, "identical": same}, f, indent=2)
