@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
 PROG = "pdserve"
 DTYPES = ("float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e5m2", "int8")
 _SIZE_UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
@@ -40,6 +41,13 @@ class EngineKwargs(TypedDict):
     max_num_seqs: int
     max_model_len: int | None
     seed: int
+    kv_cache_dtype: str
+    preemption_mode: str
+    swap_space: int
+    kv_offload_bytes: int
+    kv_offload_dir: str | None
+    kv_sinks: int
+    kv_window: int | None
 
 
 class UsageError(Exception):
@@ -105,6 +113,30 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="dtype of weights, activations and KV cache (default: float32)")
     g.add_argument("--device", type=_device, default="cpu",
                    help="torch device: cpu, cuda or cuda:N (default: cpu)")
+    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="KV cache storage: auto (the --dtype), fp8 (e4m3), fp8_e5m2 or int8; quantized "
+                        "blocks keep float32 per-block, per-head scales and hold 2x the tokens of "
+                        "bf16 (4x of float32) per byte (default: auto)")
+    g.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute",
+                   help="when KV runs out, the least important running request (highest priority value) "
+                        "is preempted: recompute its KV on resume, or swap its blocks to host memory and "
+                        "back (default: recompute)")
+    g.add_argument("--swap-space", type=_size, default=1024**3, metavar="SIZE",
+                   help="host memory for swapped-out KV with --preemption-mode swap; requests that do "
+                        "not fit are recomputed (default: 1G)")
+    g.add_argument("--kv-offload-bytes", type=_size, default=0, metavar="SIZE",
+                   help="host memory for prefix-cache blocks evicted from the KV cache; a later prefix "
+                        "hit copies them back instead of recomputing (default: 0, off)")
+    g.add_argument("--kv-offload-dir", default=None, metavar="DIR",
+                   help="disk tier below the host tier: one file per block plus an index, kept across "
+                        "restarts for the same model and KV layout (default: none)")
+    g.add_argument("--kv-window", type=int, default=None, metavar="N",
+                   help="bounded KV for endless sessions: keep only the last N tokens' K/V (whole "
+                        "blocks) plus the --kv-sinks first tokens; generation is then not limited by "
+                        "the pool (default: off; models with a native sliding_window use theirs)")
+    g.add_argument("--kv-sinks", type=int, default=0, metavar="K",
+                   help="attention sinks kept with --kv-window: the first K tokens, rounded up to whole "
+                        "blocks (default: 0)")
     g.add_argument("--block-size", type=int, default=16, metavar="N",
                    help="tokens per KV cache block, a power of two (default: 16)")
     g.add_argument("--kv-cache-memory", type=_size, default=512 * 1024**2, metavar="SIZE",
@@ -138,6 +170,13 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> EngineKwargs:
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         seed=args.seed,
+        kv_cache_dtype=args.kv_cache_dtype,
+        preemption_mode=args.preemption_mode,
+        swap_space=args.swap_space,
+        kv_offload_bytes=args.kv_offload_bytes,
+        kv_offload_dir=args.kv_offload_dir,
+        kv_sinks=args.kv_sinks,
+        kv_window=args.kv_window,
     )
 
 
@@ -150,7 +189,10 @@ def check_engine_kwargs(kwargs: EngineKwargs) -> None:
         kv_cache_memory=kwargs["kv_cache_memory"], num_kv_blocks=kwargs["num_kv_blocks"],
         enable_prefix_caching=kwargs["enable_prefix_caching"],
         max_num_batched_tokens=kwargs["max_num_batched_tokens"], max_num_seqs=kwargs["max_num_seqs"],
-        max_model_len=kwargs["max_model_len"], seed=kwargs["seed"],
+        max_model_len=kwargs["max_model_len"], seed=kwargs["seed"], kv_cache_dtype=kwargs["kv_cache_dtype"],
+        preemption_mode=kwargs["preemption_mode"], swap_space=kwargs["swap_space"],
+        kv_offload_bytes=kwargs["kv_offload_bytes"], kv_offload_dir=kwargs["kv_offload_dir"],
+        kv_sinks=kwargs["kv_sinks"], kv_window=kwargs["kv_window"],
     )
 
 

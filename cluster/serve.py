@@ -292,7 +292,10 @@ def run_serve(args: argparse.Namespace) -> int:
         kv_cache_memory=kwargs["kv_cache_memory"], num_kv_blocks=kwargs["num_kv_blocks"],
         enable_prefix_caching=kwargs["enable_prefix_caching"],
         max_num_batched_tokens=kwargs["max_num_batched_tokens"], max_num_seqs=kwargs["max_num_seqs"],
-        max_model_len=kwargs["max_model_len"], seed=kwargs["seed"])
+        max_model_len=kwargs["max_model_len"], seed=kwargs["seed"], kv_cache_dtype=kwargs["kv_cache_dtype"],
+        preemption_mode=kwargs["preemption_mode"], swap_space=kwargs["swap_space"],
+        kv_offload_bytes=kwargs["kv_offload_bytes"], kv_offload_dir=kwargs["kv_offload_dir"],
+        kv_sinks=kwargs["kv_sinks"], kv_window=kwargs["kv_window"])
     router_config = RouterConfig(
         model_name=args.served_model_name or Path(path).stem,
         max_model_len=serving_max_model_len(source, engine_config),

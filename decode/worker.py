@@ -90,8 +90,9 @@ class DecodeWorker(EngineWorker, TracedRole):
         self.transfer_time = Histogram()
         self._traces: dict[str, _Trace] = {}
         self._kv_ready: dict[str, float] = {}
-        self.layout = KvLayout.from_tensor(self.engine.runner.kv_cache, self.engine.model_config.name)
-        self.sink = KvSink(self.engine.runner.kv_cache, self.layout,
+        runner = self.engine.runner
+        self.layout = KvLayout.from_tensor(runner.kv_cache, self.engine.model_config.name, runner.kv_scales)
+        self.sink = KvSink(runner.kv_cache, self.layout, scales=runner.kv_scales,
                            agent_name=f"{worker_id}-{uuid.uuid4().hex[:8]}")
         self.transfer_timeout = transfer_timeout
         self.request_timeout = request_timeout

@@ -16,11 +16,14 @@ sequence's blocks tail-first, so a sequence's last blocks go before its prefix.
 Events: every hash that enters or leaves the cache is recorded as a
 ``BlockStored``/``BlockRemoved`` event; ``drain_events()`` hands them out (the
 router's prefix index is fed from them).
+
+``on_evict(block_id, block_hash)``, when set, is called when a cached block is
+handed out again, before its new owner writes it (the offload tier copies it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 
@@ -107,6 +110,7 @@ class BlockPool:
         self.cached: dict[int, Block] = {}
         self.num_evictions = 0
         self._events: list[KvEvent] = []
+        self.on_evict: Callable[[int, int], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -135,6 +139,8 @@ class BlockPool:
         out = []
         for _ in range(n):
             block = self.free_queue.popleft()
+            if block.block_hash is not None and self.on_evict is not None:
+                self.on_evict(block.block_id, block.block_hash)
             self._evict(block)
             block.ref_cnt = 1
             out.append(block.block_id)

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels.kv_quant import is_quantized, parse_kv_cache_dtype
+
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 
 _DTYPES = {
@@ -109,9 +111,28 @@ class EngineConfig:
     max_num_seqs: int = 128
     max_model_len: int | None = None
     seed: int = 0
+    kv_cache_dtype: str = "auto"
+    preemption_mode: str = "recompute"
+    swap_space: int = 1024**3
+    kv_offload_bytes: int = 0
+    kv_offload_dir: str | None = None
+    kv_offload_disk_bytes: int = 8 * 1024**3
+    kv_sinks: int = 0
+    kv_window: int | None = None
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
+        parse_kv_cache_dtype(self.kv_cache_dtype)
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"--preemption-mode must be recompute or swap, got {self.preemption_mode!r}")
+        if self.swap_space < 0:
+            raise ValueError(f"--swap-space must be >= 0, got {self.swap_space}")
+        if self.kv_offload_bytes < 0 or self.kv_offload_disk_bytes < 0:
+            raise ValueError("--kv-offload-bytes and --kv-offload-disk-bytes must be >= 0")
+        if self.kv_window is not None and self.kv_window < 1:
+            raise ValueError(f"--kv-window must be at least 1, got {self.kv_window}")
+        if self.kv_sinks < 0 or (self.kv_sinks and self.kv_window is None):
+            raise ValueError("--kv-sinks must be >= 0 and needs --kv-window")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"--block-size must be a positive power of two, got {self.block_size}")
         if self.kv_cache_memory <= 0:
@@ -132,3 +153,12 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return parse_dtype(self.dtype)
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        """Storage dtype of the KV cache: the model dtype for ``auto``, else fp8/int8."""
+        return parse_kv_cache_dtype(self.kv_cache_dtype) or self.torch_dtype
+
+    @property
+    def kv_quantized(self) -> bool:
+        return is_quantized(self.kv_torch_dtype)

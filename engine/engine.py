@@ -15,6 +15,7 @@ Disaggregation hooks (used by ``prefill/`` and ``decode/``; colocated use needs 
 from __future__ import annotations
 
 import itertools
+import sys
 import time
 from dataclasses import dataclass
 
@@ -25,10 +26,12 @@ from engine.kv_sizing import num_kv_blocks
 from engine.loader import ModelSource, load_model_source, resolve_model
 from engine.model import CausalLM
 from engine.model_runner import ModelRunner
+from engine.offload import KvOffload
 from engine.outputs import RequestOutput
 from engine.request import Request
 from engine.sampling import Sampler, SamplingParams, TokenLogprobs
-from engine.scheduler import Scheduler
+from engine.scheduler import KvWindow, Scheduler
+from engine.swap import HostSwapSpace
 from engine.tokenizer import Tokenizer
 
 
@@ -42,6 +45,18 @@ class EngineStats:
     prefix_queries: int
     prefix_hits: int
     num_preemptions: int
+    kv_cache_dtype: str = "auto"
+    kv_cache_bytes: int = 0  # device KV capacity: codes plus the scales of a quantized cache
+    num_swap_outs: int = 0
+    num_swap_ins: int = 0
+    swap_used_bytes: int = 0
+    kv_offload_host_blocks: int = 0
+    kv_offload_disk_blocks: int = 0
+    kv_offload_host_hits: int = 0
+    kv_offload_disk_hits: int = 0
+    kv_offload_stores: int = 0
+    kv_offload_host_bytes: int = 0
+    kv_offload_disk_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -66,10 +81,30 @@ class LLMEngine:
         self.runner = ModelRunner(net, self.model_config, self.config, blocks)
         self.kv = KVCacheManager(blocks, self.config.block_size, self.config.enable_prefix_caching,
                                  hash_seed=seed_for(self.model_config.name))
-        limit = self.config.max_model_len or self.model_config.max_position_embeddings
-        self.max_model_len = min(limit, blocks * self.config.block_size)
+        window = self.config.kv_window or self.model_config.sliding_window
+        self.kv_window: KvWindow | None = None
+        if window is not None:
+            sinks = self.config.kv_sinks if self.config.kv_window else 0
+            self.kv_window = KvWindow(-(-sinks // self.config.block_size), window)
+        if self.config.kv_window is not None:  # bounded KV: generation length is not bounded by the pool
+            self.max_model_len = self.config.max_model_len or sys.maxsize
+        else:
+            limit = self.config.max_model_len or self.model_config.max_position_embeddings
+            self.max_model_len = min(limit, blocks * self.config.block_size)
+        self.offload: KvOffload | None = None
+        if self.config.enable_prefix_caching and (self.config.kv_offload_bytes or self.config.kv_offload_dir):
+            self.offload = KvOffload(
+                self.runner.kv_cache, self.runner.kv_scales, self.config.kv_offload_bytes,
+                self.config.kv_offload_dir, self.config.kv_offload_disk_bytes,
+                compat={"model": self.model_config.name, "hash_seed": self.kv.hash_seed,
+                        "block_size": self.config.block_size})
+            self.kv.offload = self.offload
+            self.kv.pool.on_evict = self.offload.store
+        self.swap = (HostSwapSpace(self.runner.kv_cache, self.runner.kv_scales, self.config.swap_space)
+                     if self.config.preemption_mode == "swap" else None)
         self.scheduler = Scheduler(self.kv, self.config.max_num_batched_tokens,
-                                   self.config.max_num_seqs, self.max_model_len)
+                                   self.config.max_num_seqs, self.max_model_len,
+                                   self.config.preemption_mode, self.swap, self.kv_window)
         self.sampler = Sampler()
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) or self.model_config.eos_token_ids
         self.requests: dict[str, Request] = {}
@@ -212,4 +247,19 @@ class LLMEngine:
             prefix_queries=self.kv.prefix_queries,
             prefix_hits=self.kv.prefix_hits,
             num_preemptions=self.scheduler.num_preemptions,
+            kv_cache_dtype=str(self.runner.kv_cache.dtype).removeprefix("torch."),
+            kv_cache_bytes=self.runner.kv_cache_bytes,
+            num_swap_outs=self.swap.num_swap_outs if self.swap else 0,
+            num_swap_ins=self.swap.num_swap_ins if self.swap else 0,
+            swap_used_bytes=self.swap.used_bytes if self.swap else 0,
+            **self._offload_stats(),
         )
+
+    def _offload_stats(self) -> dict[str, int]:
+        if self.offload is None:
+            return {}
+        t = self.offload.stats
+        return {"kv_offload_host_blocks": t.host_blocks, "kv_offload_disk_blocks": t.disk_blocks,
+                "kv_offload_host_hits": t.host_hits, "kv_offload_disk_hits": t.disk_hits,
+                "kv_offload_stores": t.stores, "kv_offload_host_bytes": t.host_bytes,
+                "kv_offload_disk_bytes": t.disk_bytes}

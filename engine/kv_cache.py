@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from engine.block_pool import BlockPool, KvEvent
 from engine.hashing import ROOT_SEED, block_hashes
+from engine.offload import KvOffload
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,8 @@ class KVCacheManager:
         self._num_tokens: dict[str, int] = {}
         self.prefix_queries = 0
         self.prefix_hits = 0
+        self.offload: KvOffload | None = None
+        self._windowed: set[str] = set()
 
     @property
     def num_blocks(self) -> int:
@@ -88,9 +91,29 @@ class KVCacheManager:
             if block_id is None:
                 break
             ids.append(block_id)
+        if self.offload is not None and len(ids) < len(hashes):
+            ids += self._restore(hashes[len(ids) :], ids)
         self.prefix_queries += len(token_ids)
         self.prefix_hits += len(ids) * self.block_size
         return PrefixHit(ids, hashes[: len(ids)])
+
+    def _restore(self, hashes: list[int], found: list[int]) -> list[int]:
+        """Bring the leading ``hashes`` held by the offload tiers back into device blocks (as cached)."""
+        assert self.offload is not None
+        restored: list[int] = []
+        self.pool.touch(found)  # the device hits must not be evicted by the restoring allocations
+        try:
+            for h in hashes:
+                if not self.offload.contains(h) or self.pool.num_free_blocks == 0:
+                    break
+                block_id = self.pool.allocate(1)[0]
+                restored.append(block_id)
+                if not self.offload.restore(h, block_id):
+                    break
+                self.pool.cache_block(block_id, h)
+        finally:
+            self.pool.free(reversed(found + restored))
+        return [b for b in restored if self.pool.blocks[b].block_hash is not None]
 
     def can_allocate(self, owner: str, num_tokens: int, prefix: PrefixHit | None = None) -> bool:
         held = self._blocks.get(owner)
@@ -126,7 +149,7 @@ class KVCacheManager:
 
     def cache_blocks(self, owner: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         """Publish ``owner``'s blocks that are full and computed under their chained hashes."""
-        if not self.enable_caching or owner not in self._blocks:
+        if not self.enable_caching or owner not in self._blocks or owner in self._windowed:
             return
         full = min(num_computed_tokens, len(token_ids)) // self.block_size
         done = self._num_cached.get(owner, 0)
@@ -142,9 +165,20 @@ class KVCacheManager:
             self.pool.cache_block(blocks[i], hashes[i])
         self._num_cached[owner] = full
 
+    def drop_block(self, owner: str, index: int) -> None:
+        """Free ``owner``'s ``index``-th block (a sliding window left it); the rest shift down.
+
+        The owner's later blocks no longer sit at ``token // block_size``, so it publishes
+        nothing more to the prefix cache.
+        """
+        block = self._blocks[owner].pop(index)
+        self._windowed.add(owner)
+        self.pool.free([block])
+
     def free(self, owner: str) -> int:
         """Release everything ``owner`` holds (tail blocks first). Idempotent: returns blocks freed."""
         blocks = self._blocks.pop(owner, None)
+        self._windowed.discard(owner)
         self._hashes.pop(owner, None)
         self._num_cached.pop(owner, None)
         self._num_tokens.pop(owner, None)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from engine.config import EngineConfig, ModelConfig
+from kernels.kv_quant import SCALE_DTYPE, is_quantized
 
 # Bytes per KV element for each name ``--kv-cache-dtype`` accepts (``auto`` means the model dtype).
 KV_CACHE_DTYPES: dict[str, torch.dtype] = {
@@ -27,8 +28,19 @@ def element_bytes(dtype: torch.dtype) -> int:
 
 
 def kv_block_bytes(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one block over all layers: block_size x 2 x layers x kv_heads x head_dim x elem."""
-    return block_size * model.kv_bytes_per_token(element_bytes(dtype))
+    """Bytes of one block over all layers: block_size x 2 x layers x kv_heads x head_dim x elem.
+
+    A quantized dtype (fp8/int8) adds its scales: 2 x layers x kv_heads float32 per block
+    (``kernels/kv_quant.py``), so the count stays honest.
+    """
+    return block_size * model.kv_bytes_per_token(element_bytes(dtype)) + kv_scale_bytes(model, dtype)
+
+
+def kv_scale_bytes(model: ModelConfig, dtype: torch.dtype) -> int:
+    """Scale bytes of one block over all layers: 0 unless ``dtype`` is quantized."""
+    if not is_quantized(dtype):
+        return 0
+    return 2 * model.num_layers * model.num_kv_heads * SCALE_DTYPE.itemsize
 
 
 def blocks_for_budget(model: ModelConfig, block_size: int, dtype: torch.dtype, budget: int) -> int:
@@ -50,14 +62,14 @@ def num_kv_blocks(model: ModelConfig, engine: EngineConfig, weight_bytes: int = 
     """
     if engine.num_kv_blocks is not None:
         return engine.num_kv_blocks
-    block = kv_block_bytes(model, engine.block_size, engine.torch_dtype)
+    block = kv_block_bytes(model, engine.block_size, engine.kv_torch_dtype)
     if engine.device.startswith("cuda"):
         device = torch.device(engine.device)
         total = torch.cuda.get_device_properties(device).total_memory
         budget = device_kv_budget(total, engine.gpu_memory_utilization, torch.cuda.memory_allocated(device))
     else:
         budget = engine.kv_cache_memory
-    blocks = blocks_for_budget(model, engine.block_size, engine.torch_dtype, budget)
+    blocks = blocks_for_budget(model, engine.block_size, engine.kv_torch_dtype, budget)
     if blocks < 1:
         raise ValueError(
             f"the KV budget of {budget} bytes holds no block of {block} bytes; "

@@ -35,6 +35,12 @@ def allocate_kv_cache(
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
+def allocate_kv_scales(config: ModelConfig, num_blocks: int, device: torch.device | str) -> torch.Tensor:
+    """Ones of shape ``[num_layers, num_blocks, 2, num_kv_heads]`` float32 (``kernels/kv_quant.py``)."""
+    shape = (config.num_layers, num_blocks, 2, config.num_kv_heads)
+    return torch.ones(shape, dtype=torch.float32, device=device)
+
+
 def _weight(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
@@ -87,13 +93,14 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         kv_layer: torch.Tensor,
         backend: AttentionBackend,
+        kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         tokens = hidden.shape[0]
         h, kv_h = self.num_heads, self.num_kv_heads
         x = rms_norm(hidden, self.input_norm, self.eps)
         qkv = F.linear(x, self.qkv, self.qkv_bias).view(tokens, h + 2 * kv_h, self.head_dim)
         qk = apply_rotary(qkv[:, : h + kv_h], cos, sin)
-        attn = backend.forward(qk[:, :h], qk[:, h:], qkv[:, h + kv_h :], kv_layer, self.scale)
+        attn = backend.forward(qk[:, :h], qk[:, h:], qkv[:, h + kv_h :], kv_layer, self.scale, kv_scales)
         hidden = hidden + F.linear(attn.reshape(tokens, h * self.head_dim), self.o_proj)
         x = rms_norm(hidden, self.post_norm, self.eps)
         gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
@@ -164,14 +171,19 @@ class CausalLM(nn.Module):
         kv_cache: torch.Tensor,
         backend: AttentionBackend,
         meta: AttentionMetadata,
+        kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Hidden states ``[T, hidden]`` (final norm applied); ``backend.prepare(meta)`` already ran."""
+        """Hidden states ``[T, hidden]`` (final norm applied); ``backend.prepare(meta)`` already ran.
+
+        ``kv_scales`` (``[num_layers, num_blocks, 2, kv_heads]``) goes with a quantized ``kv_cache``.
+        """
         if input_ids.shape[0] != meta.num_tokens:
             raise ValueError(f"got {input_ids.shape[0]} tokens but the metadata describes {meta.num_tokens}")
         hidden = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self.rotary.cos_sin(positions, self.dtype)
         for i, layer in enumerate(self.layers):
-            hidden = layer(hidden, cos, sin, kv_cache[i], backend)
+            scales = kv_scales[i] if kv_scales is not None else None
+            hidden = layer(hidden, cos, sin, kv_cache[i], backend, scales)
         return rms_norm(hidden, self.norm, self.config.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ import torch
 
 from engine.config import EngineConfig, ModelConfig
 from engine.kv_cache import KVCacheManager
-from engine.model import CausalLM, allocate_kv_cache
+from engine.model import CausalLM, allocate_kv_cache, allocate_kv_scales
 from engine.scheduler import SchedulerOutput
 from kernels import AttentionMetadata, get_attention_backend
 
@@ -19,8 +19,19 @@ class ModelRunner:
         self.config = engine_config
         self.device = torch.device(engine_config.device)
         self.kv_cache = allocate_kv_cache(model_config, num_blocks, engine_config.block_size,
-                                          engine_config.torch_dtype, self.device)
+                                          engine_config.kv_torch_dtype, self.device)
+        # per-block scales of a quantized (fp8/int8) cache; None when the cache is full precision
+        self.kv_scales = (allocate_kv_scales(model_config, num_blocks, self.device)
+                          if engine_config.kv_quantized else None)
         self.backend = get_attention_backend(self.device)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of the device KV cache, scales included."""
+        total = self.kv_cache.numel() * self.kv_cache.element_size()
+        if self.kv_scales is not None:
+            total += self.kv_scales.numel() * self.kv_scales.element_size()
+        return total
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> torch.Tensor:
@@ -39,7 +50,7 @@ class ModelRunner:
             input_ids.extend(tokens[start:end])
             positions.extend(range(start, end))
             query_lens.append(item.num_new_tokens)
-            seq_lens.append(end)
+            seq_lens.append(end - request.kv_dropped_tokens)  # positions stay absolute; the cache does not
             tables.append(kv.blocks_of(request.request_id))
             if item.completes:
                 sample_rows.append(len(input_ids) - 1)
@@ -51,6 +62,7 @@ class ModelRunner:
             self.kv_cache,
             self.backend,
             meta,
+            self.kv_scales,
         )
         rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
         return self.model.compute_logits(hidden.index_select(0, rows))

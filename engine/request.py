@@ -51,6 +51,8 @@ class Request:
         )
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
+        # tokens whose K/V were dropped by the sliding window (whole blocks after the sinks)
+        self.kv_dropped_tokens = 0
         self.finish_reason: FinishReason | None = None
         self.stop_token_id: int | None = None
         self.logprobs: list[TokenLogprobs] = []
@@ -66,6 +68,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def kv_tokens(self) -> int:
+        """Computed tokens whose K/V are still held (the sliding window drops whole blocks)."""
+        return self.num_computed_tokens - self.kv_dropped_tokens
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -7,10 +7,26 @@ costs one token; an unfinished prefill continues with its next chunk), then over
 waiting requests in queue order (priority, then arrival), which begin with any
 prefix-cache hit. Running requests are never starved by new ones.
 
+Priorities follow vLLM: a *lower* ``priority`` value is more important (default
+0). The waiting queue is ordered by priority, then arrival.
+
 When the pool cannot hold a running request's next tokens, the scheduler
-preempts by recompute: the least important running request (highest
-``priority`` value, latest arrival) frees its blocks and goes back to the front
-of the waiting queue, keeping the tokens it has generated.
+preempts the least important running request (highest ``priority`` value,
+latest arrival): it frees its blocks and goes back to the waiting queue, ahead of
+waiting requests of the same or lower importance, keeping the tokens it has
+generated. With ``preemption_mode="recompute"`` its K/V are recomputed when it
+resumes; with ``"swap"`` (and a ``swapper``, see ``engine/swap.py``) its computed
+blocks are copied to host memory first and copied back into fresh blocks when
+it resumes, so nothing is recomputed (recompute is the fallback when the swap
+space is full).
+
+Bounded KV (attention sinks + sliding window, ``KvWindow``): before a running
+request's next chunk, every whole block after the first ``sink_blocks`` whose
+tokens are all more than ``window`` tokens behind the next token is freed
+(``request.kv_dropped_tokens`` counts them). The model still gets absolute
+positions; attention sees the sink blocks, then the kept blocks, so a token
+attends to the sinks and to between ``window`` and ``window + block_size - 1``
+previous tokens. A request's KV stays bounded however long it generates.
 
 The scheduler sees the KV manager through ``allocate``/``free``/``find_prefix``
 only; the engine sees ``SchedulerOutput``.
@@ -24,6 +40,17 @@ from dataclasses import dataclass, field
 
 from engine.kv_cache import KVCacheManager
 from engine.request import Request, RequestStatus
+from engine.swap import HostSwapSpace
+
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+@dataclass(frozen=True)
+class KvWindow:
+    """Keep the first ``sink_blocks`` blocks and the last ``window`` tokens (in whole blocks)."""
+
+    sink_blocks: int
+    window: int
 
 
 @dataclass
@@ -57,7 +84,17 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_num_seqs: int,
         max_model_len: int,
+        preemption_mode: str = "recompute",
+        swapper: HostSwapSpace | None = None,
+        kv_window: KvWindow | None = None,
     ) -> None:
+        self.kv_window = kv_window
+        if preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"--preemption-mode must be recompute or swap, got {preemption_mode!r}")
+        if preemption_mode == "swap" and swapper is None:
+            raise ValueError("swap preemption needs a swap space")
+        self.preemption_mode = preemption_mode
+        self.swapper = swapper
         self.kv = kv
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -77,11 +114,8 @@ class Scheduler:
 
     def _enqueue(self, request: Request, front: bool = False) -> None:
         request.status = RequestStatus.WAITING
-        if front:
-            self.waiting.appendleft(request)
-            return
         for i, other in enumerate(self.waiting):
-            if request.priority < other.priority:
+            if request.priority < other.priority or (front and request.priority == other.priority):
                 self.waiting.insert(i, request)
                 return
         self.waiting.append(request)
@@ -103,7 +137,8 @@ class Scheduler:
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             if n <= 0:
                 continue
-            while not self.kv.allocate(request.request_id, request.num_computed_tokens + n):
+            self._slide(request)
+            while not self.kv.allocate(request.request_id, request.kv_tokens + n):
                 victim = self._preemption_victim()
                 self._preempt(victim, out)
                 if victim is request:
@@ -116,6 +151,11 @@ class Scheduler:
             if out.preempted:
                 break
             request = self.waiting[0]
+            if self.swapper is not None and self.swapper.holds(request.request_id):
+                if not self._resume_swapped(request, budget, out):
+                    break
+                budget -= out.scheduled[-1].num_new_tokens
+                continue
             prefix = self.kv.find_prefix(request.all_token_ids, request.num_tokens - 1)
             num_cached = prefix.num_tokens(self.kv.block_size)
             n = min(request.num_tokens - num_cached, budget)
@@ -132,13 +172,44 @@ class Scheduler:
             budget -= n
         return out
 
+    def _slide(self, request: Request) -> None:
+        """Free the blocks the window has passed (see the module docstring)."""
+        if self.kv_window is None:
+            return
+        bs = self.kv.block_size
+        sink_tokens = self.kv_window.sink_blocks * bs
+        window = self.kv_window.window
+        while request.num_computed_tokens - (sink_tokens + request.kv_dropped_tokens + bs) >= window:
+            self.kv.drop_block(request.request_id, self.kv_window.sink_blocks)
+            request.kv_dropped_tokens += bs
+
+    def _resume_swapped(self, request: Request, budget: int, out: SchedulerOutput) -> bool:
+        """Give a swapped-out request fresh blocks and copy its K/V back; False if they do not fit."""
+        assert self.swapper is not None
+        n = min(request.num_tokens - request.num_computed_tokens, budget)
+        if not self.kv.allocate(request.request_id, request.kv_tokens + n):
+            return False
+        self.swapper.swap_in(request.request_id, self.kv.blocks_of(request.request_id))
+        self.waiting.popleft()
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        out.scheduled.append(ScheduledRequest(request, n))
+        return True
+
     def _preemption_victim(self) -> Request:
         return max(self.running, key=lambda r: (r.priority, r.metrics.arrival_time))
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
+        swapped = False
+        if self.preemption_mode == "swap" and self.swapper is not None and request.num_computed_tokens > 0:
+            used = self.kv.blocks_needed(request.kv_tokens)
+            blocks = self.kv.blocks_of(request.request_id)[:used]
+            swapped = self.swapper.swap_out(request.request_id, blocks)
         self.kv.free(request.request_id)
-        request.num_computed_tokens = 0
+        if not swapped:
+            request.num_computed_tokens = 0
+            request.kv_dropped_tokens = 0
         request.metrics.num_preemptions += 1
         self.num_preemptions += 1
         out.scheduled = [s for s in out.scheduled if s.request is not request]
@@ -165,5 +236,7 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        if self.swapper is not None:
+            self.swapper.discard(request.request_id)
         if free_kv:
             self.kv.free(request.request_id)

@@ -95,6 +95,9 @@ class AttentionBackend(Protocol):
     (``[num_tokens, num_heads, head_dim]``) over the paged cache, causal as the
     module docstring describes, with softmax scale ``scale``. GQA: query head
     ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
+
+    A quantized ``kv_layer`` (fp8/int8, see ``kernels/kv_quant.py``) comes with
+    ``kv_scales`` (``[num_blocks, 2, kv_heads]`` float32), which the write updates.
     """
 
     def prepare(self, meta: AttentionMetadata) -> None: ...
@@ -106,4 +109,5 @@ class AttentionBackend(Protocol):
         v: torch.Tensor,
         kv_layer: torch.Tensor,
         scale: float,
+        kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor: ...

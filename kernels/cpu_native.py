@@ -129,6 +129,9 @@ def native_available() -> bool:
 class NativeCpuAttentionBackend:
     """``AttentionBackend`` for CPU tensors in float32 or bfloat16; anything else goes to the torch backend.
 
+    Quantized KV (fp8/int8 with scales) is one of the "anything else": the C kernel reads
+    fp32/bf16 in place and the torch reference dequantizes after its gather.
+
     ``num_threads`` defaults to ``torch.get_num_threads()`` at each call.
     """
 
@@ -175,6 +178,7 @@ class NativeCpuAttentionBackend:
         v: torch.Tensor,
         kv_layer: torch.Tensor,
         scale: float,
+        kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         meta = self._meta
         if meta is None:
@@ -183,7 +187,7 @@ class NativeCpuAttentionBackend:
             if self._fallback_meta is not meta:
                 self._fallback.prepare(meta)
                 self._fallback_meta = meta
-            return self._fallback.forward(q, k, v, kv_layer, scale)
+            return self._fallback.forward(q, k, v, kv_layer, scale, kv_scales)
         bs = meta.block_size
         _, _, _, kv_heads, head_dim = kv_layer.shape
         rows = kv_layer.view(-1, kv_heads, head_dim)

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention import AttentionMetadata
+from kernels.kv_quant import codes_to_float, is_quantized, write_quantized
 
 
 @dataclass
@@ -37,6 +38,7 @@ class _Group:
     # built by the first layer, reused by the rest: kv_heads -> gather index; q_per_kv -> SDPA mask
     head_index: dict[int, torch.Tensor] = field(default_factory=dict)
     sdpa_mask: dict[int, torch.Tensor] = field(default_factory=dict)
+    scale_index: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def max_len(self) -> int:
@@ -50,6 +52,17 @@ class _Group:
             k_rows = self.rows[:, None, :] * kv_heads + heads[None, :, None]
             index = torch.stack((k_rows, k_rows + block_size * kv_heads)).reshape(-1)
             self.head_index[kv_heads] = index
+        return index
+
+    def scales_index(self, kv_heads: int, block_size: int) -> torch.Tensor:
+        """Rows of ``scales_layer.view(-1)`` matching :meth:`gather_index`, ``[2, n, kv_heads, max_len]``."""
+        index = self.scale_index.get(kv_heads)
+        if index is None:
+            blocks = torch.div(self.rows, 2 * block_size, rounding_mode="floor")
+            heads = torch.arange(kv_heads, device=self.rows.device)
+            k_idx = (blocks[:, None, :] * 2) * kv_heads + heads[None, :, None]
+            index = torch.stack((k_idx, k_idx + kv_heads))
+            self.scale_index[kv_heads] = index
         return index
 
     def attn_mask(self, q_per_kv: int, dtype: torch.dtype) -> torch.Tensor:
@@ -81,6 +94,7 @@ class TorchAttentionBackend:
         self._meta: AttentionMetadata | None = None
         self._groups: list[_Group] = []
         self._write_rows = torch.empty(0, dtype=torch.int64)
+        self._slots = torch.empty(0, dtype=torch.int64)
         self._workspace: torch.Tensor | None = None
 
     def prepare(self, meta: AttentionMetadata) -> None:
@@ -88,6 +102,7 @@ class TorchAttentionBackend:
         bs = meta.block_size
         slots = meta.slot_mapping.to(torch.int64)
         self._write_rows = torch.div(slots, bs, rounding_mode="floor") * (2 * bs) + slots % bs
+        self._slots = slots
         self._meta = meta
         starts = [0]
         for q_len in meta.query_lens_list:
@@ -136,6 +151,7 @@ class TorchAttentionBackend:
         v: torch.Tensor,
         kv_layer: torch.Tensor,
         scale: float,
+        kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if self._meta is None:
             raise RuntimeError("TorchAttentionBackend.forward called before prepare")
@@ -143,15 +159,23 @@ class TorchAttentionBackend:
         _, _, _, kv_heads, head_dim = kv_layer.shape
         num_heads = q.shape[1]
         q_per_kv = num_heads // kv_heads
-        rows = kv_layer.view(-1, kv_heads, head_dim)
-        rows.index_copy_(0, self._write_rows, k.to(kv_layer.dtype))
-        rows.index_copy_(0, self._write_rows + bs, v.to(kv_layer.dtype))
+        if is_quantized(kv_layer.dtype):
+            if kv_scales is None:
+                raise ValueError(f"a {kv_layer.dtype} KV cache needs its scales")
+            write_quantized(kv_layer, kv_scales, k, v, self._slots, bs)
+        else:
+            rows = kv_layer.view(-1, kv_heads, head_dim)
+            rows.index_copy_(0, self._write_rows, k.to(kv_layer.dtype))
+            rows.index_copy_(0, self._write_rows + bs, v.to(kv_layer.dtype))
         flat = kv_layer.view(-1, head_dim)
+        scales = kv_scales.view(-1) if kv_scales is not None and is_quantized(kv_layer.dtype) else None
         if len(self._groups) == 1 and self._covers_all(self._groups[0], q.shape[0]):
-            return self._attend(self._groups[0], q, flat, kv_heads, q_per_kv, bs, scale)
+            return self._attend(self._groups[0], q, flat, kv_heads, q_per_kv, bs, scale, scales)
         out = torch.empty_like(q)
         for group in self._groups:
-            out[group.tokens] = self._attend(group, q[group.tokens], flat, kv_heads, q_per_kv, bs, scale)
+            out[group.tokens] = self._attend(
+                group, q[group.tokens], flat, kv_heads, q_per_kv, bs, scale, scales
+            )
         return out
 
     @staticmethod
@@ -167,21 +191,31 @@ class TorchAttentionBackend:
         q_per_kv: int,
         block_size: int,
         scale: float,
+        scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Attention for one group: ``q`` is ``[n * q_len, num_heads, head_dim]``."""
+        """Attention for one group: ``q`` is ``[n * q_len, num_heads, head_dim]``.
+
+        With ``scales`` (a quantized cache) the gathered codes are dequantized to ``q.dtype``.
+        """
         n, q_len, max_len = group.num_seqs, group.q_len, group.max_len
         head_dim = flat.shape[1]
         index = group.gather_index(kv_heads, block_size)
-        kv = self._workspace_for(index.numel() * head_dim, flat)
-        torch.index_select(flat, 0, index, out=kv.view(-1, head_dim))
-        kv = kv.view(2, n, kv_heads, max_len, head_dim)
+        if scales is None:
+            kv = self._workspace_for(index.numel() * head_dim, flat)
+            torch.index_select(flat, 0, index, out=kv.view(-1, head_dim))
+            kv = kv.view(2, n, kv_heads, max_len, head_dim)
+        else:
+            codes = torch.index_select(flat, 0, index).view(2, n, kv_heads, max_len, head_dim)
+            block_scales = scales[group.scales_index(kv_heads, block_size)]
+            kv = codes_to_float(codes).mul_(block_scales[..., None]).to(q.dtype)
+        compute = kv.dtype
         qg = (
             q.reshape(n, q_len, kv_heads, q_per_kv, head_dim)
             .transpose(1, 2)
             .reshape(n, kv_heads, q_len * q_per_kv, head_dim)
-            .to(flat.dtype)
+            .to(compute)
         )
-        mask = group.attn_mask(q_per_kv, flat.dtype)
+        mask = group.attn_mask(q_per_kv, compute)
         out = F.scaled_dot_product_attention(qg, kv[0], kv[1], attn_mask=mask, scale=scale)
         return (
             out.view(n, kv_heads, q_len, q_per_kv, head_dim)

@@ -65,8 +65,9 @@ class PrefillWorker(EngineWorker, TracedRole):
         super().__init__(worker_id, model, unpack(engine_config, EngineConfig), torch_threads)
         self.init_tracing(tracing)
         self.queue_time = Histogram()
-        self.layout = KvLayout.from_tensor(self.engine.runner.kv_cache, self.engine.model_config.name)
-        self.source = KvSource(self.engine.runner.kv_cache, self.layout,
+        runner = self.engine.runner
+        self.layout = KvLayout.from_tensor(runner.kv_cache, self.engine.model_config.name, runner.kv_scales)
+        self.source = KvSource(runner.kv_cache, self.layout, scales=runner.kv_scales,
                                agent_name=f"{worker_id}-{uuid.uuid4().hex[:8]}")
         self.lease_seconds = lease_seconds
         self.poll_interval = poll_interval

@@ -2,7 +2,8 @@
 
 Two peers may exchange KV blocks only when every byte of a block means the same
 thing on both sides: same model, dtype, block size, layer count, KV heads, head
-dimension, element size, the same in-memory layout (``LAYOUT_NAME``) and the same
+dimension, element size, KV storage dtype (``dtype``: fp8/int8 or the model dtype)
+and scale region size, the same in-memory layout (``LAYOUT_NAME``) and the same
 wire version. ``num_blocks`` is deliberately left out: each worker sizes its own
 pool. The hash is checked once, when a sink connects to a source.
 """
@@ -15,7 +16,8 @@ from transfer.errors import IncompatibleKvError
 from transfer.wire import WIRE_VERSION, AgentInfo, KvLayout
 
 LAYOUT_NAME = "NHD-paged-v1"
-COMPAT_FIELDS = ("model", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "element_size")
+COMPAT_FIELDS = ("model", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "element_size",
+                 "scale_region_bytes")
 
 
 def compat_hash(layout: KvLayout) -> str:

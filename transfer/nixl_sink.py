@@ -80,19 +80,23 @@ class KvSink:
         backend: str = "UCX",
         *,
         progress_thread: bool = False,
+        scales: torch.Tensor | None = None,
     ) -> None:
-        check_tensor(kv_cache, layout)
+        check_tensor(kv_cache, layout, scales)
         self.layout = layout
         self.agent_name = agent_name
         self.backend = backend
         self._hash = compat_hash(layout)
         self._kv_cache = kv_cache
+        self._scales = scales
         self._agent: nixl_agent | None = new_agent(agent_name, backend, progress_thread)
-        self._reg = self._agent.register_memory(kv_cache, backends=[backend])
+        tensors = kv_cache if scales is None else [kv_cache, scales]
+        self._reg = self._agent.register_memory(tensors, backends=[backend])
         # Completes notification sends between reads; the sink expects no notifications.
         self._pump = ProgressPump(self._agent, agent_name, PROGRESS_INTERVAL_S, keep_notifs=False)
         mem_type, device_id = tensor_placement(kv_cache)
-        table = region_table(kv_cache.data_ptr(), layout, device_id)
+        table = region_table(kv_cache.data_ptr(), layout, device_id,
+                             scales.data_ptr() if scales is not None else 0)
         self._local = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", table, mem_type, backends=[backend])
         self._remotes: dict[str, _Remote] = {}
         self._failures_to_inject = 0
@@ -108,7 +112,7 @@ class KvSink:
         nixl_name = agent.add_remote_agent(info.metadata)
         if isinstance(nixl_name, bytes):
             nixl_name = nixl_name.decode()
-        table = region_table(info.base_addr, info.layout, info.device_id)
+        table = region_table(info.base_addr, info.layout, info.device_id, info.scales_addr)
         dlist = agent.prep_xfer_dlist(nixl_name, table, info.mem_type, backends=[self.backend])
         agent.make_connection(nixl_name, backends=[self.backend])
         self._remotes[info.agent_name] = _Remote(info, nixl_name, dlist)
@@ -186,7 +190,8 @@ class KvSink:
         started = time.perf_counter()
         stats = TransferStats(
             blocks=len(local_block_ids),
-            bytes=len(local_block_ids) * self.layout.num_layers * self.layout.region_bytes,
+            bytes=len(local_block_ids) * self.layout.num_layers
+            * (self.layout.region_bytes + self.layout.scale_region_bytes),
             descriptors=merged_descriptor_count(local_idx, remote_idx),
             seconds=0.0,
             backend=self.backend,
@@ -231,6 +236,11 @@ class KvSink:
         layers = np.arange(self.layout.num_layers, dtype=np.int64)[:, None]
         remote_idx = (layers * remote.info.layout.num_blocks + remote_blocks[None, :]).ravel()
         local_idx = (layers * self.layout.num_blocks + local_blocks[None, :]).ravel()
+        if self.layout.scale_region_bytes:  # the scale regions follow the K/V regions in both tables
+            remote_count = self.layout.num_layers * remote.info.layout.num_blocks
+            local_count = self.layout.num_layers * self.layout.num_blocks
+            remote_idx = np.concatenate((remote_idx, remote_idx + remote_count))
+            local_idx = np.concatenate((local_idx, local_idx + local_count))
         return remote_idx.astype(np.int32), local_idx.astype(np.int32)
 
     def _release_xfer(self, pending: _Pending) -> None:

@@ -51,8 +51,15 @@ RELEASE_PREFIX = "release:"
 PROGRESS_INTERVAL_S = 0.001
 
 
-def check_tensor(kv_cache: torch.Tensor, layout: KvLayout) -> None:
-    """The tensor must be contiguous and match the layout exactly."""
+def check_tensor(kv_cache: torch.Tensor, layout: KvLayout, scales: torch.Tensor | None = None) -> None:
+    """The tensor (and the scales of a quantized cache) must be contiguous and match the layout exactly."""
+    if (scales is None) != (layout.scale_region_bytes == 0):
+        raise ValueError("KV scales must be given exactly when the layout has scale regions")
+    if scales is not None:
+        if tuple(scales.shape) != layout.scales_shape or not scales.is_contiguous():
+            raise ValueError(f"KV scales {tuple(scales.shape)} do not match layout {layout.scales_shape}")
+        if scales.device != kv_cache.device:
+            raise ValueError("KV scales must live on the KV cache's device")
     if tuple(kv_cache.shape) != layout.shape:
         raise ValueError(f"KV cache shape {tuple(kv_cache.shape)} does not match layout {layout.shape}")
     if kv_cache.element_size() != layout.element_size:
@@ -61,12 +68,21 @@ def check_tensor(kv_cache: torch.Tensor, layout: KvLayout) -> None:
         raise ValueError("KV cache tensor must be contiguous")
 
 
-def region_table(base_addr: int, layout: KvLayout, device_id: int) -> np.ndarray:
-    """Nx3 ``(address, length, device)`` rows for every (layer, block) region, layer-major."""
+def region_table(base_addr: int, layout: KvLayout, device_id: int, scales_addr: int = 0) -> np.ndarray:
+    """Nx3 ``(address, length, device)`` rows for every (layer, block) region, layer-major.
+
+    With scale regions, the ``num_layers * num_blocks`` scale regions follow the K/V
+    regions in the same order (row ``count + i`` is the scales of K/V row ``i``).
+    """
     count = layout.num_layers * layout.num_blocks
-    table = np.empty((count, 3), dtype=np.uint64)
-    table[:, 0] = base_addr + np.arange(count, dtype=np.uint64) * np.uint64(layout.region_bytes)
-    table[:, 1] = layout.region_bytes
+    parts = 2 if layout.scale_region_bytes else 1
+    table = np.empty((parts * count, 3), dtype=np.uint64)
+    index = np.arange(count, dtype=np.uint64)
+    table[:count, 0] = base_addr + index * np.uint64(layout.region_bytes)
+    table[:count, 1] = layout.region_bytes
+    if parts == 2:
+        table[count:, 0] = scales_addr + index * np.uint64(layout.scale_region_bytes)
+        table[count:, 1] = layout.scale_region_bytes
     table[:, 2] = device_id
     return table
 
@@ -87,14 +103,17 @@ class KvSource:
         backend: str = "UCX",
         *,
         progress_thread: bool = False,
+        scales: torch.Tensor | None = None,
     ) -> None:
-        check_tensor(kv_cache, layout)
+        check_tensor(kv_cache, layout, scales)
         self.layout = layout
         self.agent_name = agent_name
         self.backend = backend
         self._kv_cache = kv_cache  # keep the registered memory alive
+        self._scales = scales
         self._agent: nixl_agent | None = new_agent(agent_name, backend, progress_thread)
-        self._reg = self._agent.register_memory(kv_cache, backends=[backend])
+        tensors = kv_cache if scales is None else [kv_cache, scales]
+        self._reg = self._agent.register_memory(tensors, backends=[backend])
         self._pump = ProgressPump(self._agent, agent_name, PROGRESS_INTERVAL_S)
         mem_type, device_id = tensor_placement(kv_cache)
         self._info = AgentInfo(
@@ -106,6 +125,7 @@ class KvSource:
             device_id=device_id,
             mem_type=mem_type,
             layout=layout,
+            scales_addr=scales.data_ptr() if scales is not None else 0,
         )
         self._leases: dict[str, float] = {}
 

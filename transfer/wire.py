@@ -7,7 +7,11 @@ meaning; peers with different versions refuse each other at the handshake.
 - ``KvLayout`` describes one worker's KV cache tensor (see ``kernels/attention.py``):
   ``[num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim]``, contiguous, so
   region ``(layer, block)`` starts at ``base_addr + (layer * num_blocks + block) *
-  region_bytes``.
+  region_bytes``. A quantized cache (fp8/int8, ``kernels/kv_quant.py``) also has a
+  scales tensor ``[num_layers, num_blocks, 2, num_kv_heads]`` float32; its region
+  ``(layer, block)`` (``scale_region_bytes`` long, 0 when there are no scales) starts
+  at ``scales_addr + (layer * num_blocks + block) * scale_region_bytes`` and moves
+  with the block's K/V region in the same READ.
 - ``AgentInfo`` is what a source publishes once (NIXL metadata, the tensor's address
   and layout); a sink connects to it before its first read.
 - ``KvHandle`` is what prefill hands decode per request: which source agent holds the
@@ -22,7 +26,7 @@ from typing import Any, TypeVar
 import msgspec
 import torch
 
-WIRE_VERSION: int = 1
+WIRE_VERSION: int = 2
 
 T = TypeVar("T")
 
@@ -36,6 +40,7 @@ class KvLayout(msgspec.Struct, frozen=True):
     num_kv_heads: int
     head_dim: int
     element_size: int
+    scale_region_bytes: int = 0
 
     @property
     def region_bytes(self) -> int:
@@ -44,18 +49,27 @@ class KvLayout(msgspec.Struct, frozen=True):
 
     @property
     def total_bytes(self) -> int:
-        return self.num_layers * self.num_blocks * self.region_bytes
+        return self.num_layers * self.num_blocks * (self.region_bytes + self.scale_region_bytes)
+
+    @property
+    def scales_shape(self) -> tuple[int, int, int, int]:
+        return (self.num_layers, self.num_blocks, 2, self.num_kv_heads)
 
     @property
     def shape(self) -> tuple[int, int, int, int, int, int]:
         return (self.num_layers, self.num_blocks, 2, self.block_size, self.num_kv_heads, self.head_dim)
 
     @staticmethod
-    def from_tensor(kv_cache: torch.Tensor, model: str) -> KvLayout:
-        """The layout of a KV cache tensor shaped as ``kernels/attention.py`` describes."""
+    def from_tensor(kv_cache: torch.Tensor, model: str, scales: torch.Tensor | None = None) -> KvLayout:
+        """The layout of a KV cache tensor shaped as ``kernels/attention.py`` describes (and its scales)."""
         if kv_cache.dim() != 6 or kv_cache.shape[2] != 2:
             raise ValueError(f"not a paged KV cache tensor: shape {tuple(kv_cache.shape)}")
         num_layers, num_blocks, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+        scale_region_bytes = 0
+        if scales is not None:
+            if tuple(scales.shape) != (num_layers, num_blocks, 2, num_kv_heads):
+                raise ValueError(f"KV scales shape {tuple(scales.shape)} does not match the cache")
+            scale_region_bytes = 2 * num_kv_heads * scales.element_size()
         return KvLayout(
             model=model,
             dtype=str(kv_cache.dtype).removeprefix("torch."),
@@ -65,6 +79,7 @@ class KvLayout(msgspec.Struct, frozen=True):
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             element_size=kv_cache.element_size(),
+            scale_region_bytes=scale_region_bytes,
         )
 
 
@@ -77,6 +92,7 @@ class AgentInfo(msgspec.Struct, frozen=True):
     device_id: int
     mem_type: str  # "DRAM" or "VRAM"
     layout: KvLayout
+    scales_addr: int = 0  # base of the scales tensor when layout.scale_region_bytes > 0
 
 
 class KvHandle(msgspec.Struct, frozen=True):

@@ -9,7 +9,8 @@ GENERATE_FLAGS = (
     "--enable-prefix-caching", "--no-enable-prefix-caching", "--max-num-batched-tokens", "--max-num-seqs",
     "--max-model-len", "--seed", "--max-tokens", "--temperature", "--top-p", "--top-k", "--min-p",
     "--presence-penalty", "--frequency-penalty", "--repetition-penalty", "--ignore-eos",
-    "--chat", "--no-chat",
+    "--chat", "--no-chat", "--kv-cache-dtype", "--preemption-mode", "--swap-space", "--kv-offload-bytes",
+    "--kv-offload-dir", "--kv-window", "--kv-sinks",
 )
 
 
@@ -42,6 +43,11 @@ def test_generate_help_lists_every_flag(capsys: pytest.CaptureFixture[str]) -> N
         (["--top-k", "-2"], "--top-k"),
         (["--max-tokens", "0"], "--max-tokens"),
         (["--repetition-penalty", "0"], "--repetition-penalty"),
+        (["--kv-cache-dtype", "fp4"], "--kv-cache-dtype"),
+        (["--preemption-mode", "drop"], "--preemption-mode"),
+        (["--kv-window", "0"], "--kv-window"),
+        (["--kv-sinks", "4"], "--kv-sinks"),
+        (["--kv-offload-bytes", "lots"], "--kv-offload-bytes"),
     ],
 )
 def test_bad_flag_exits_2_naming_the_flag(

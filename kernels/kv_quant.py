@@ -1,0 +1,142 @@
+"""Quantized KV cache: fp8 (e4m3 / e5m2) or int8 blocks with float32 scales beside them.
+
+Storage
+-------
+The KV tensor keeps its layout ``[layers, blocks, 2, block_size, kv_heads, head_dim]``
+but holds ``torch.float8_e4m3fn``, ``torch.float8_e5m2`` or ``torch.int8``. Beside it
+lives one scales tensor ``[layers, blocks, 2, kv_heads]`` float32: one scale per
+block, per K/V, per KV head. A stored value ``q`` means ``q * scale``.
+
+Scale scheme (per block, per head, grown with requantization)
+-------------------------------------------------------------
+A block's scale must cover every token written to it, and decode appends tokens to
+partially filled blocks one at a time. On every write the touched blocks are
+dequantized with their current scales, the new tokens are put in, and each block's
+scale is recomputed as ``amax / qmax`` over the block's *valid* rows: the rows
+before the first row written in this step (earlier tokens of the same sequence)
+and the rows written now. Rows after the last written row are stale (a reused
+block) and are zeroed. So:
+
+* a block written from row 0 starts afresh (a reused block never inherits an old,
+  too large scale);
+* otherwise the scale only grows: the earlier tokens' dequantized maximum is
+  exactly ``old_scale * qmax``, so the new scale is at least the old one, and when
+  it is unchanged the earlier tokens requantize to exactly the same codes;
+* when it grows, the block's earlier tokens are requantized once under the new
+  scale (one more rounding for them, never an overflow).
+
+Every write is deterministic, so the same sequence of writes (same chunking) yields
+the same bytes on any worker: a disaggregated prefill and a colocated one agree.
+
+Attention reads gather the quantized rows and dequantize them with the gathered
+scales (``kernels/torch_ref.py``); the native C kernel reads fp32/bf16 in place only,
+so quantized KV always goes through the torch reference kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+    "int8": torch.int8,
+}
+QUANTIZED_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
+SCALE_DTYPE = torch.float32
+_MIN_SCALE = 1e-12
+
+
+def parse_kv_cache_dtype(name: str) -> torch.dtype | None:
+    """``None`` for ``auto`` (the model dtype), else the storage dtype; ValueError names the flag."""
+    try:
+        return KV_CACHE_DTYPES[name.lower()]
+    except KeyError:
+        raise ValueError(
+            f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}"
+        ) from None
+
+
+def is_quantized(dtype: torch.dtype) -> bool:
+    return dtype in QUANTIZED_DTYPES
+
+
+def qmax(dtype: torch.dtype) -> float:
+    """Largest magnitude a stored code represents."""
+    if dtype == torch.int8:
+        return 127.0
+    return float(torch.finfo(dtype).max)
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x / scale`` as ``dtype`` codes (``scale`` broadcasts), clamped to the representable range."""
+    limit = qmax(dtype)
+    y = (x / scale).clamp_(-limit, limit)
+    if dtype == torch.int8:
+        y = y.round_()
+    return y.to(dtype)
+
+
+_LUTS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def codes_to_float(q: torch.Tensor) -> torch.Tensor:
+    """Stored codes as float32 (fp8 through a 256-entry table: faster than the cast on CPU)."""
+    if q.dtype == torch.int8:
+        return q.to(torch.float32)
+    key = (q.dtype, q.device)
+    lut = _LUTS.get(key)
+    if lut is None:
+        lut = torch.arange(256, dtype=torch.uint8, device=q.device).view(q.dtype).to(torch.float32)
+        _LUTS[key] = lut
+    return torch.take(lut, q.view(torch.uint8).long())
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return (codes_to_float(q) * scale).to(dtype)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A uint8 view (CPU index_copy/index_put are missing for float8)."""
+    return t.view(torch.uint8) if t.dtype != torch.int8 else t
+
+
+def write_quantized(
+    kv_layer: torch.Tensor,
+    scales_layer: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
+    block_size: int,
+) -> None:
+    """Write ``k``/``v`` (``[T, kv_heads, head_dim]``) at ``slots`` as the module docstring describes.
+
+    ``kv_layer`` is ``[blocks, 2, block_size, kv_heads, head_dim]`` quantized, ``scales_layer``
+    ``[blocks, 2, kv_heads]`` float32. Each block's new rows must be contiguous (they are: one
+    sequence's consecutive positions).
+    """
+    if slots.numel() == 0:
+        return
+    dtype = kv_layer.dtype
+    blocks = torch.div(slots, block_size, rounding_mode="floor")
+    offsets = slots % block_size
+    touched, inverse = torch.unique(blocks, return_inverse=True)
+    u = touched.numel()
+    start = torch.full((u,), block_size, dtype=torch.int64, device=slots.device)
+    start = start.scatter_reduce(0, inverse, offsets, "amin")
+    end = torch.full((u,), -1, dtype=torch.int64, device=slots.device)
+    end = end.scatter_reduce(0, inverse, offsets, "amax")
+    old_scales = scales_layer[touched]  # [u, 2, H]
+    buf = dequantize(kv_layer[touched], old_scales[:, :, None, :, None])  # [u, 2, bs, H, D]
+    rows = torch.arange(block_size, device=slots.device)
+    keep = (rows[None, :] < start[:, None]).to(buf.dtype)  # earlier tokens of the same sequence
+    buf.mul_(keep[:, None, :, None, None])
+    buf[inverse, 0, offsets] = k.to(torch.float32)
+    buf[inverse, 1, offsets] = v.to(torch.float32)
+    amax = buf.abs().amax(dim=(2, 4))  # [u, 2, H]
+    scales = (amax / qmax(dtype)).clamp_(min=_MIN_SCALE)
+    codes = quantize(buf, scales[:, :, None, :, None], dtype)
+    _bytes(kv_layer)[touched] = _bytes(codes)
+    scales_layer[touched] = scales

@@ -1,0 +1,39 @@
+"""Fixtures for engine unit tests: a tiny random Llama saved as a Hugging Face folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer as RawTokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import Whitespace
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+TINY_VOCAB = 256
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A seeded random 2-layer Llama (GQA, head_dim 16, vocab 256) with a word-level tokenizer.
+
+    Loads in well under a second, so engine tests can build several engines on it.
+    Prompts are passed as token id lists; the model never emits EOS on its own (none is set).
+    """
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    words = ["[UNK]"] + [f"w{i}" for i in range(1, TINY_VOCAB)]
+    raw = RawTokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    raw.pre_tokenizer = Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="[UNK]").save_pretrained(str(folder))
+    config = LlamaConfig(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                         bos_token_id=None, eos_token_id=None, pad_token_id=None, initializer_range=0.2)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.ndim == 1:
+                param.add_(torch.randn_like(param) * 0.2)
+    model.save_pretrained(str(folder), safe_serialization=True)
+    return folder
