@@ -134,7 +134,9 @@ def format_plan(plan: Plan) -> str:
         ("weights", f"{_gib(plan.weight_bytes)} ({plan.dtype})"),
         ("KV cache dtype", plan.kv_cache_dtype),
         ("KV bytes per token", f"{plan.kv_bytes_per_token:,}"),
-        ("KV block", f"{plan.block_size} tokens = {plan.kv_block_bytes:,} bytes"),
+        ("KV block", f"{plan.block_size} tokens = {plan.kv_block_bytes:,} bytes"
+                     + (f" (incl. {scales:,} bytes of scales)" if (scales := plan.kv_block_bytes
+                        - plan.block_size * plan.kv_bytes_per_token) else "")),
         ("KV budget", f"{_gib(plan.kv_budget_bytes)} ({plan.kv_budget_bytes:,} bytes; {budget_how})"),
         ("KV blocks", f"{plan.num_kv_blocks:,}"),
         ("KV tokens", f"{plan.kv_tokens:,}"),

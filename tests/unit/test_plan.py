@@ -39,7 +39,8 @@ def test_llama3_70b_bytes_per_token(llama70b: Path, capsys: pytest.CaptureFixtur
                                ("int8", 163_840), ("float32", 655_360)):
         plan = plan_json(capsys, str(llama70b), "--kv-cache-dtype", kv_dtype)
         assert plan["kv_bytes_per_token"] == expected, kv_dtype
-        assert plan["kv_block_bytes"] == 16 * expected
+        scales = 2 * 80 * 8 * 4 if kv_dtype in ("fp8", "int8") else 0  # one float32 scale per K/V head
+        assert plan["kv_block_bytes"] == 16 * expected + scales
     assert plan_json(capsys, str(llama70b), "--dtype", "float16")["kv_bytes_per_token"] == 327_680  # auto
 
 
@@ -52,7 +53,7 @@ def test_llama3_70b_on_a_device(llama70b: Path, capsys: pytest.CaptureFixture[st
                      "--kv-cache-dtype", "fp8", "--max-model-len", "4096", "--block-size", "32")
     budget = int(device * 0.9) - weights
     assert plan["weight_bytes"] == weights and plan["kv_budget_bytes"] == budget
-    assert plan["num_kv_blocks"] == budget // (32 * 163_840)
+    assert plan["num_kv_blocks"] == budget // (32 * 163_840 + 2 * 80 * 8 * 4)
     assert plan["kv_tokens"] == plan["num_kv_blocks"] * 32
     assert plan["concurrent_sequences"] == plan["num_kv_blocks"] // (4096 // 32)
     assert plan["sequences_at"]["2048"] == plan["num_kv_blocks"] // 64
