@@ -11,6 +11,8 @@ named but never detached: they die with the driver that created them.
 from __future__ import annotations
 
 import contextlib
+import logging
+import threading
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +25,8 @@ from decode.worker import DecodeWorker
 from engine.config import EngineConfig
 from prefill.worker import PrefillWorker
 from transfer.tracing import TraceConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -53,12 +57,25 @@ class WorkerGroup:
     def all(self) -> list[Any]:
         return self.prefill + self.decode
 
-    def shutdown(self) -> None:
-        """Kill every actor (no restart) and remove the placement groups."""
-        for actor in self.all():
-            with contextlib.suppress(Exception):  # already dead
-                ray.kill(actor, no_restart=True)
-        release(self.placement_groups)
+    def shutdown(self, timeout: float = 15.0) -> bool:
+        """Kill every actor (no restart) and remove the placement groups, within ``timeout`` seconds.
+
+        Ray's calls block while its control processes are unreachable (a Ctrl-C or a signal sent
+        to the whole process group also stops the local raylet), so they run in a daemon thread:
+        False when it did not finish in time, and the caller goes on with its own shutdown."""
+        def work() -> None:
+            for actor in self.all():
+                with contextlib.suppress(Exception):  # already dead
+                    ray.kill(actor, no_restart=True)
+            release(self.placement_groups)
+
+        thread = threading.Thread(target=work, name="pdserve-shutdown", daemon=True)
+        thread.start()
+        thread.join(timeout)
+        if thread.is_alive():
+            log.warning("Ray did not confirm the workers' shutdown within %.0f s; going on", timeout)
+            return False
+        return True
 
 
 def _actor(cls: type, name: str, opts: WorkerOptions, group: Any) -> Any:

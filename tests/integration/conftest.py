@@ -75,7 +75,8 @@ def pdserve_factory(default_model_path: Path,
         cmd = [sys.executable, "-m", "cluster.cli", "serve", "--model", str(default_model_path),
                "--port", str(port), *SERVER_FLAGS, *extra]
         with log_path.open("wb") as log:
-            proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)  # its own process group, as in a terminal
         server = PdserveServer(f"http://127.0.0.1:{port}", proc, log_path)
         servers.append(server)
         deadline = time.monotonic() + 180

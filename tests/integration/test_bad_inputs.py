@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import subprocess
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -184,3 +187,15 @@ def test_still_serving_after_everything(server: PdserveServer) -> None:
     assert resp.json()["choices"][0]["message"]["content"]
     text = httpx.get(f"{server.url}/metrics", headers=AUTH).text
     assert 'status="500"' not in text
+
+
+def test_signal_to_the_whole_process_group_still_stops_within_a_deadline(server: PdserveServer) -> None:
+    """Ctrl-C in a terminal, or `timeout`, signals the whole group: the local raylet dies with the
+    server, and the shutdown must not wait forever on Ray calls that can no longer be answered."""
+    os.killpg(server.process.pid, signal.SIGTERM)
+    try:
+        code = server.process.wait(60)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"pdserve serve still running 60 s after SIGTERM to its group\n{server.log_tail()}")
+    assert code == 0, server.log_tail()
+    assert "pdserve: stopped" in server.log_path.read_text(errors="replace")
