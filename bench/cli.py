@@ -25,26 +25,10 @@ from typing import Any
 
 from bench.stats import SLO, parse_slo, summarize
 from bench.workloads import WORKLOADS, WordSource, Workload, describe, make_workload, parse_params
+from cluster.argtypes import number, positive
 
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
-    return value
+_positive_float = positive(float)
+_positive_int = number(int, lambda v: v >= 1, ">= 1")
 
 
 def add_bench_parser(sub: Any) -> None:

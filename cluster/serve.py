@@ -33,6 +33,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from cluster.argtypes import number, parsed_by, positive
 from cluster.cli import add_engine_args, check_engine_kwargs, engine_kwargs_from_args, parse_size
 from router.policy import POLICIES as POLICIES_ROUTING
 from transfer.tracing import PROTOCOLS, TraceConfig, Tracing
@@ -47,27 +48,9 @@ READY_TIMEOUT = 600.0
 POLICIES = ("retry", "recompute", "fail")
 
 
-def _positive(kind: type[int] | type[float]) -> Any:
-    def convert(text: str) -> int | float:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
-        return value
-
-    return convert
-
-
-def _non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
-    return value
+_positive = positive
+_non_negative = number(int, lambda v: v >= 0, ">= 0")
+_ratio = number(float, lambda v: 0.0 <= v <= 1.0, "within [0, 1]")
 
 
 def _bytes(text: str) -> int:
@@ -75,16 +58,6 @@ def _bytes(text: str) -> int:
         return parse_size(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _ratio(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be within [0, 1]")
-    return value
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -176,27 +149,15 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _resources(flag: str) -> Any:
-    def convert(text: str) -> dict[str, float]:
-        from cluster.placement import parse_resources
+    from cluster.placement import parse_resources
 
-        try:
-            return parse_resources(text, flag)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc).removeprefix(f"{flag}: ")) from None
-
-    return convert
+    return parsed_by(parse_resources, flag)
 
 
 def _labels(flag: str) -> Any:
-    def convert(text: str) -> dict[str, str]:
-        from cluster.placement import parse_labels
+    from cluster.placement import parse_labels
 
-        try:
-            return parse_labels(text, flag)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc).removeprefix(f"{flag}: ")) from None
-
-    return convert
+    return parsed_by(parse_labels, flag)
 
 
 def _tp(flag: str) -> Any:
