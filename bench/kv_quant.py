@@ -6,7 +6,16 @@ equals that of the ``auto`` (model dtype) run token for token. One model load: e
 KV dtype gets its own cache (``ModelRunner``) over the same weights. The row
 ``auto-torch`` runs full-precision KV through the torch reference kernel (which
 quantized KV uses) instead of the native one: the agreement that kernel noise
-alone allows.
+alone allows. The row ``bf16-rounded`` is a control: full-precision KV through the
+torch kernel with every K/V rounded to bfloat16 before it is stored (what a bf16
+KV cache holds), to show how sensitive the model's greedy output is to KV
+rounding much finer than fp8's.
+
+Where an output diverges, the bench also reports the *gap* at the first differing
+position: the full-precision run's logprob of its own token minus its logprob of
+the token the quantized run chose there (both runs share the context up to that
+point). A small gap means the quantized run flipped a near-tie of the
+full-precision model; a large one would mean real damage.
 
 Perplexity: a fixed English text, teacher-forced through the engine's model in
 chunks of ``--ppl-chunk`` tokens, so every chunk attends to the earlier chunks as
@@ -67,22 +76,52 @@ TEXT = (
 )
 
 
+class Bf16RoundedBackend(TorchAttentionBackend):
+    """The torch kernel over a full-precision cache, storing K/V rounded to bfloat16."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
+                scale: float, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+        k, v = (t.to(torch.bfloat16).to(t.dtype) for t in (k, v))
+        return super().forward(q, k, v, kv_layer, scale, kv_scales)
+
+
+CONTROLS = {"auto-torch": TorchAttentionBackend, "bf16-rounded": Bf16RoundedBackend}
+
+
 def use_kv_dtype(llm: LLM, kv_dtype: str) -> None:
     """Give ``llm`` a fresh KV cache of ``kv_dtype`` (same weights, same block count)."""
     engine = llm.engine
-    kv = "auto" if kv_dtype == "auto-torch" else kv_dtype
+    kv = "auto" if kv_dtype in CONTROLS else kv_dtype
     engine.runner = ModelRunner(engine.runner.model, engine.model_config,
                                 replace(engine.config, kv_cache_dtype=kv), engine.kv.num_blocks)
-    if kv_dtype == "auto-torch":
-        engine.runner.backend = TorchAttentionBackend()
+    if kv_dtype in CONTROLS:
+        engine.runner.backend = CONTROLS[kv_dtype]()
     engine.kv.pool.reset_prefix_cache()
 
 
-def greedy_outputs(llm: LLM, output_len: int) -> tuple[list[list[int]], float]:
-    params = SamplingParams(max_tokens=output_len, temperature=0.0)
+TOP_LOGPROBS = 20
+
+
+def greedy_outputs(llm: LLM, output_len: int) -> tuple[list[list[int]], list[list[dict[int, float]]], float]:
+    """Token ids, and per position the top-``TOP_LOGPROBS`` logprobs, of one greedy batch."""
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, logprobs=TOP_LOGPROBS)
     start = time.perf_counter()
     outs = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS], params)
-    return [o.token_ids for o in outs], time.perf_counter() - start
+    tops = [[dict(lp.top) for lp in (o.logprobs or [])] for o in outs]
+    return [o.token_ids for o in outs], tops, time.perf_counter() - start
+
+
+def divergence_gap(out: list[int], ref: list[int], ref_top: list[dict[int, float]]) -> float | None:
+    """Reference logprob gap at the first differing position (None when identical).
+
+    ``inf`` when the quantized run's token is outside the reference's top ``TOP_LOGPROBS``
+    or one output stopped where the other went on.
+    """
+    for i, (x, y) in enumerate(zip(out, ref, strict=False)):
+        if x != y:
+            top = ref_top[i]
+            return top[y] - top[x] if x in top and y in top else math.inf
+    return None if len(out) == len(ref) else math.inf
 
 
 @torch.inference_mode()
@@ -113,7 +152,7 @@ def perplexity(engine: LLMEngine, token_ids: list[int], chunk: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None)
-    parser.add_argument("--dtypes", default="auto,auto-torch,fp8,fp8_e5m2,int8")
+    parser.add_argument("--dtypes", default="auto,auto-torch,bf16-rounded,fp8,fp8_e5m2,int8")
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--ppl-chunk", type=int, default=16)
     parser.add_argument("--json", default=None)
@@ -122,27 +161,32 @@ def main(argv: list[str] | None = None) -> int:
     dtypes.insert(0, "auto")
     rows: list[dict[str, Any]] = []
     reference: list[list[int]] = []
+    reference_top: list[list[dict[int, float]]] = []
     llm = LLM(args.model, max_num_seqs=len(PROMPTS), num_kv_blocks=256)
     engine = llm.engine
     text = engine.tokenizer.encode(TEXT)
     for kv_dtype in dtypes:
         use_kv_dtype(llm, kv_dtype)
-        outs, elapsed = greedy_outputs(llm, args.output_len)
+        outs, tops, elapsed = greedy_outputs(llm, args.output_len)
         if kv_dtype == "auto":
-            reference = outs
+            reference, reference_top = outs, tops
         same = sum(a == b for a, b in zip(outs, reference, strict=True))
         prefix = [next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
                   for a, b in zip(outs, reference, strict=True)]
+        gaps = [g for g in (divergence_gap(a, b, t) for a, b, t in zip(outs, reference, reference_top,
+                                                                          strict=True)) if g is not None]
         ppl = perplexity(engine, text, args.ppl_chunk)
         budget = num_kv_blocks(engine.model_config, EngineConfig(
-            kv_cache_dtype="auto" if kv_dtype == "auto-torch" else kv_dtype, kv_cache_memory=2**30))
+            kv_cache_dtype="auto" if kv_dtype in CONTROLS else kv_dtype, kv_cache_memory=2**30))
         row = {"kv_cache_dtype": kv_dtype, "identical": same, "prompts": len(PROMPTS),
                "mean_common_prefix": sum(prefix) / len(prefix), "perplexity": ppl,
-               "greedy_elapsed_s": elapsed, "blocks_per_gib": budget}
+               "greedy_elapsed_s": elapsed, "blocks_per_gib": budget,
+               "divergence_gaps": sorted(gaps)}
         rows.append(row)
         print(f"{kv_dtype:>10}: identical outputs (up to {args.output_len} tokens) {same}/{len(PROMPTS)}, "
               f"mean common prefix {row['mean_common_prefix']:.1f}, perplexity {ppl:.4f}, "
-              f"KV blocks per GiB {budget}, greedy batch {elapsed:.1f} s", flush=True)
+              f"KV blocks per GiB {budget}, greedy batch {elapsed:.1f} s, "
+              f"gaps at divergence {', '.join(f'{g:.3f}' for g in sorted(gaps)) or '-'}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

@@ -9,6 +9,16 @@ valid row and is masked out) through a precomputed gather index, and runs one
 and the causal mask (query ``i`` of a sequence of length ``L`` sees keys at
 positions ``<= L - q_len + i``).
 
+A quantized cache is written first (so the stored codes are what later steps
+read), and each query then sees the earlier tokens as stored (codes times
+scales) but its *own* key and value unquantized: a decode row gets its own row
+overwritten with the exact K/V, and a prefill chunk gets its exact K/V as
+``q_len`` extra key columns that query ``i`` alone sees (its own cache row is
+masked). Since a token's own K/V is always computed in the step that attends
+with it, the result does not depend on how the prompt was chunked or whether a
+prefix came from the cache, and it is more accurate than reading the own token
+back from the codes (docs/benchmarks.md).
+
 GQA never repeats K/V: the query heads of one KV head are folded into the query
 length, ``[n, kv_heads, q_len * q_per_kv, head_dim]``, and the mask rows are
 repeated to match. Gathers land in a workspace that is reused across layers and
@@ -39,10 +49,40 @@ class _Group:
     head_index: dict[int, torch.Tensor] = field(default_factory=dict)
     sdpa_mask: dict[int, torch.Tensor] = field(default_factory=dict)
     scale_index: dict[int, torch.Tensor] = field(default_factory=dict)
+    own_positions: torch.Tensor | None = None
+    own_mask: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def max_len(self) -> int:
         return int(self.rows.shape[1])
+
+    def positions(self) -> torch.Tensor:
+        """Cache positions ``[n, q_len]`` of the group's own query tokens."""
+        if self.own_positions is None:
+            self.own_positions = self.mask.sum(dim=2) - 1  # query i sees positions <= its own
+        return self.own_positions
+
+    def own_attn_mask(self, q_per_kv: int, dtype: torch.dtype) -> torch.Tensor:
+        """Additive mask ``[n, 1, q_len * q_per_kv, max_len + q_len]`` for :meth:`attn_mask`'s
+        keys followed by the step's own exact keys: query ``i`` sees the cache strictly before
+        its own position, and of the extra columns only column ``i``."""
+        mask = self.own_mask.get(q_per_kv)
+        if mask is None or mask.dtype != dtype:
+            n, q_len, max_len = self.mask.shape
+            pos = torch.arange(max_len, device=self.mask.device)
+            before = self.mask & (pos[None, None, :] != self.positions()[:, :, None])
+            own = torch.eye(q_len, dtype=torch.bool, device=self.mask.device).expand(n, q_len, q_len)
+            visible = torch.cat((before, own), dim=2)
+            additive = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+            additive.masked_fill_(~visible, float("-inf"))
+            width = max_len + q_len
+            mask = (
+                additive[:, None, :, None, :]
+                .expand(n, 1, q_len, q_per_kv, width)
+                .reshape(n, 1, q_len * q_per_kv, width)
+            )
+            self.own_mask[q_per_kv] = mask
+        return mask
 
     def gather_index(self, kv_heads: int, block_size: int) -> torch.Tensor:
         """Rows of ``kv_layer.view(-1, head_dim)`` for K then V, laid out ``[2, n, kv_heads, max_len]``."""
@@ -169,12 +209,14 @@ class TorchAttentionBackend:
             rows.index_copy_(0, self._write_rows + bs, v.to(kv_layer.dtype))
         flat = kv_layer.view(-1, head_dim)
         scales = kv_scales.view(-1) if kv_scales is not None and is_quantized(kv_layer.dtype) else None
+        fresh = (k, v) if scales is not None else None
         if len(self._groups) == 1 and self._covers_all(self._groups[0], q.shape[0]):
-            return self._attend(self._groups[0], q, flat, kv_heads, q_per_kv, bs, scale, scales)
+            return self._attend(self._groups[0], q, flat, kv_heads, q_per_kv, bs, scale, scales, fresh)
         out = torch.empty_like(q)
         for group in self._groups:
             out[group.tokens] = self._attend(
-                group, q[group.tokens], flat, kv_heads, q_per_kv, bs, scale, scales
+                group, q[group.tokens], flat, kv_heads, q_per_kv, bs, scale, scales,
+                None if fresh is None else (fresh[0][group.tokens], fresh[1][group.tokens]),
             )
         return out
 
@@ -192,6 +234,7 @@ class TorchAttentionBackend:
         block_size: int,
         scale: float,
         scales: torch.Tensor | None = None,
+        fresh: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Attention for one group: ``q`` is ``[n * q_len, num_heads, head_dim]``.
 
@@ -208,6 +251,10 @@ class TorchAttentionBackend:
             codes = torch.index_select(flat, 0, index).view(2, n, kv_heads, max_len, head_dim)
             block_scales = scales[group.scales_index(kv_heads, block_size)]
             kv = codes_to_float(codes).mul_(block_scales[..., None]).to(q.dtype)
+            if fresh is not None and q_len == 1:
+                self._put_fresh(group, kv, fresh)
+            elif fresh is not None:
+                return self._attend_own_exact(group, q, kv, fresh, q_per_kv, scale)
         compute = kv.dtype
         qg = (
             q.reshape(n, q_len, kv_heads, q_per_kv, head_dim)
@@ -223,6 +270,40 @@ class TorchAttentionBackend:
             .reshape(n * q_len, kv_heads * q_per_kv, head_dim)
             .to(q.dtype)
         )
+
+    @staticmethod
+    def _attend_own_exact(group: _Group, q: torch.Tensor, kv: torch.Tensor,
+                          fresh: tuple[torch.Tensor, torch.Tensor], q_per_kv: int,
+                          scale: float) -> torch.Tensor:
+        """A prefill group over dequantized ``kv`` plus its own exact K/V (:meth:`_Group.own_attn_mask`)."""
+        n, q_len = group.num_seqs, group.q_len
+        _, _, kv_heads, _, head_dim = kv.shape
+        own = [t.reshape(n, q_len, kv_heads, head_dim).transpose(1, 2).to(kv.dtype) for t in fresh]
+        keys = torch.cat((kv[0], own[0]), dim=2)
+        values = torch.cat((kv[1], own[1]), dim=2)
+        qg = (
+            q.reshape(n, q_len, kv_heads, q_per_kv, head_dim)
+            .transpose(1, 2)
+            .reshape(n, kv_heads, q_len * q_per_kv, head_dim)
+            .to(kv.dtype)
+        )
+        mask = group.own_attn_mask(q_per_kv, kv.dtype)
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
+        return (
+            out.view(n, kv_heads, q_len, q_per_kv, head_dim)
+            .transpose(1, 2)
+            .reshape(n * q_len, kv_heads * q_per_kv, head_dim)
+            .to(q.dtype)
+        )
+
+    @staticmethod
+    def _put_fresh(group: _Group, kv: torch.Tensor, fresh: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Overwrite the rows of this step's own tokens with their unquantized K/V."""
+        n, q_len = group.num_seqs, group.q_len
+        pos = group.positions()  # [n, q_len]
+        seq = torch.arange(n, device=kv.device)[:, None].expand(n, q_len)
+        for i, t in enumerate(fresh):
+            kv[i][seq, :, pos] = t.reshape(n, q_len, *t.shape[1:]).to(kv.dtype)
 
     def _workspace_for(self, numel: int, like: torch.Tensor) -> torch.Tensor:
         ws = self._workspace

@@ -15,7 +15,7 @@ from engine.kv_sizing import kv_block_bytes, num_kv_blocks
 from engine.model_runner import ModelRunner
 from kernels import TorchAttentionBackend
 from kernels.kv_quant import dequantize, qmax, write_quantized
-from tests.unit.attention_cases import make_case
+from tests.unit.attention_cases import dense_attention, make_case
 
 QUANT = [torch.float8_e4m3fn, torch.float8_e5m2, torch.int8]
 SMOLLM2 = ModelConfig(architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
@@ -108,6 +108,42 @@ def test_attention_over_a_quantized_cache_matches_dense(dtype: torch.dtype, atol
     torch.testing.assert_close(out, case.expected, atol=atol, rtol=0)
     with pytest.raises(ValueError, match="scales"):
         backend.forward(case.q, case.new_k, case.new_v, kv, dim**-0.5)
+
+
+def test_each_query_sees_its_own_token_exactly_and_the_rest_as_stored() -> None:
+    """Over an fp8 cache, a query attends to the earlier tokens as stored (dequantized codes)
+    and to its own K/V unquantized, in prefill chunks and decodes alike; the step's tokens are
+    still written as codes."""
+    bs, heads, kv_heads, dim = 4, 4, 2, 16
+    case = make_case([6, 1, 3], [6, 9, 7], heads, kv_heads, dim, bs, seed=5)
+    kv = torch.zeros(case.kv.shape, dtype=torch.float8_e4m3fn)
+    scales = torch.ones(case.kv.shape[0], 2, kv_heads)
+    backend = TorchAttentionBackend()
+    backend.prepare(case.meta)
+    for seq in (1, 2):  # earlier tokens already in the cache, as stored codes
+        done = case.meta.seq_lens_list[seq] - case.meta.query_lens_list[seq]
+        pos = torch.arange(done)
+        write_quantized(kv, scales, case.full_k[seq][:done], case.full_v[seq][:done],
+                        torch.tensor(case.tables[seq])[pos // bs] * bs + pos % bs, bs)
+    out = backend.forward(case.q, case.new_k, case.new_v, kv, dim**-0.5, scales)
+
+    def stored(seq: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = torch.arange(n)
+        blocks = torch.tensor(case.tables[seq])[pos // bs]
+        return tuple(dequantize(kv[blocks, i, pos % bs], scales[blocks, i][:, :, None]) for i in (0, 1))
+
+    starts = [0, 6, 7]
+    for seq in range(3):
+        s_len, q_len = case.meta.seq_lens_list[seq], case.meta.query_lens_list[seq]
+        k_st, v_st = stored(seq, s_len)
+        assert not torch.equal(k_st, case.full_k[seq])  # the cache holds codes, not the exact values
+        for i in range(q_len):
+            p = s_len - q_len + i
+            k = torch.cat((k_st[:p], case.full_k[seq][p : p + 1]))
+            v = torch.cat((v_st[:p], case.full_v[seq][p : p + 1]))
+            row = starts[seq] + i
+            want = dense_attention(case.q[row : row + 1], k, v, dim**-0.5)
+            torch.testing.assert_close(out[row : row + 1], want, atol=1e-5, rtol=1e-5)
 
 
 def test_quantized_engine_allocates_codes_and_scales(tiny_model_dir: Path) -> None:
