@@ -143,10 +143,13 @@ def make_plan(model: ModelConfig, *, dtype: str = "bfloat16", kv_cache_dtype: st
     length = max_model_len or model.max_position_embeddings
     per_seq = math.ceil(length / block_size)
     lengths = sorted({n for n in CONTEXT_LENGTHS if n < length} | {length})
-    names = dict.fromkeys([kv_dtype_name(weights_dtype), kv_dtype_name(kv_dtype), "fp8", "fp8_e5m2", "int8"])
+    quantized = ["fp8", "fp8_e5m2", "int8"]
+    chosen = kv_dtype_name(kv_dtype)
+    extra = [] if chosen in quantized else [chosen]
+    names = dict.fromkeys([kv_dtype_name(weights_dtype), *extra, *quantized])
     by_dtype = [dataclasses.replace(dtype_capacity(model, KV_CACHE_DTYPES[n], block_size, budget, per_seq,
                                                    kv_offload_bytes, kv_offload_disk_bytes),
-                                    selected=n == kv_dtype_name(kv_dtype)) for n in names]
+                                    selected=n == chosen) for n in names]
     return Plan(
         model=model.name, num_layers=model.num_layers, num_kv_heads=model.num_kv_heads,
         head_dim=model.head_dim, parameters=params, weight_bytes=weights, dtype=str(weights_dtype)[6:],
