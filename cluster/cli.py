@@ -268,7 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
         "plan", help="size the KV cache of a model on a device (no model weights are loaded)",
         description="Print KV bytes per token, KV blocks and tokens, and concurrent sequences at a "
                     "context length for MODEL on a device of --device-memory (or a --kv-cache-memory "
-                    "budget), with the engine's own sizing formula.",
+                    "budget), with the engine's own sizing formula; then the same budget at every KV "
+                    "dtype side by side, with the host/disk offload tiers' blocks when their sizes are "
+                    "given.",
     )
     add_plan_args(plan, _size, DTYPES)
 

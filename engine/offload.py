@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from engine.kv_sizing import tier_capacity_blocks
+
 INDEX_FILE = "index.json"
 SUFFIX = ".kv"
 
@@ -79,12 +81,12 @@ class KvOffload:
     @property
     def host_capacity_blocks(self) -> int:
         """Blocks the host tier holds before its LRU moves one down (``--kv-offload-bytes`` // block)."""
-        return self.host_capacity // self.block_bytes
+        return tier_capacity_blocks(self.host_capacity, self.block_bytes)
 
     @property
     def disk_capacity_blocks(self) -> int:
         """Blocks the disk tier holds before its LRU deletes one (0 without ``--kv-offload-dir``)."""
-        return self.disk_capacity // self.block_bytes
+        return tier_capacity_blocks(self.disk_capacity, self.block_bytes)
 
     def contains(self, block_hash: int) -> bool:
         return block_hash in self._lru
