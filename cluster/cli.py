@@ -46,6 +46,7 @@ class EngineKwargs(TypedDict):
     swap_space: int
     kv_offload_bytes: int
     kv_offload_dir: str | None
+    kv_offload_disk_bytes: int
     kv_sinks: int
     kv_window: int | None
 
@@ -130,6 +131,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-offload-dir", default=None, metavar="DIR",
                    help="disk tier below the host tier: one file per block plus an index, kept across "
                         "restarts for the same model and KV layout (default: none)")
+    g.add_argument("--kv-offload-disk-bytes", type=_size, default=8 * 1024**3, metavar="SIZE",
+                   help="most bytes the disk tier (--kv-offload-dir) holds; its least recently used "
+                        "block file is deleted past that (default: 8G)")
     g.add_argument("--kv-window", type=int, default=None, metavar="N",
                    help="bounded KV for endless sessions: keep only the last N tokens' K/V (whole "
                         "blocks) plus the --kv-sinks first tokens; generation is then not limited by "
@@ -175,6 +179,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> EngineKwargs:
         swap_space=args.swap_space,
         kv_offload_bytes=args.kv_offload_bytes,
         kv_offload_dir=args.kv_offload_dir,
+        kv_offload_disk_bytes=args.kv_offload_disk_bytes,
         kv_sinks=args.kv_sinks,
         kv_window=args.kv_window,
     )
@@ -192,6 +197,7 @@ def check_engine_kwargs(kwargs: EngineKwargs) -> None:
         max_model_len=kwargs["max_model_len"], seed=kwargs["seed"], kv_cache_dtype=kwargs["kv_cache_dtype"],
         preemption_mode=kwargs["preemption_mode"], swap_space=kwargs["swap_space"],
         kv_offload_bytes=kwargs["kv_offload_bytes"], kv_offload_dir=kwargs["kv_offload_dir"],
+        kv_offload_disk_bytes=kwargs["kv_offload_disk_bytes"],
         kv_sinks=kwargs["kv_sinks"], kv_window=kwargs["kv_window"],
     )
 
@@ -262,7 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
         "plan", help="size the KV cache of a model on a device (no model weights are loaded)",
         description="Print KV bytes per token, KV blocks and tokens, and concurrent sequences at a "
                     "context length for MODEL on a device of --device-memory (or a --kv-cache-memory "
-                    "budget), with the engine's own sizing formula.",
+                    "budget), with the engine's own sizing formula; then the same budget at every KV "
+                    "dtype side by side, with the host/disk offload tiers' blocks when their sizes are "
+                    "given.",
     )
     add_plan_args(plan, _size, DTYPES)
 

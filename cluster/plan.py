@@ -10,16 +10,27 @@ budget buys whole blocks of ``--block-size`` tokens; a sequence of
 concurrent sequences are blocks // that. Weights count every parameter at
 ``--dtype`` (the engine casts on load, GGUF included) unless
 ``--weight-memory`` says otherwise.
+
+Below the plan for ``--kv-cache-dtype``, a table sizes the same budget for every
+KV storage dtype side by side (the ``--dtype`` one, ``fp8``, ``fp8_e5m2``,
+``int8``): bytes per token with the scales of a quantized block spread over its
+tokens, blocks, tokens and sequences at ``--max-model-len``; with
+``--kv-offload-bytes`` (and ``--kv-offload-disk-bytes``) also the whole blocks
+the host (and disk) offload tier holds, ``bytes // block bytes`` as
+``engine/offload.py`` keeps them.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+import torch
 
 from engine.config import ModelConfig, parse_dtype
 
@@ -55,6 +66,29 @@ def read_model_config(path: str | Path) -> ModelConfig:
 
 
 @dataclass(frozen=True)
+class DtypeCapacity:
+    """What the plan's budget (and offload tiers) hold at one KV storage dtype.
+
+    ``kv_bytes_per_token`` counts the codes only; ``block_bytes_per_token`` is
+    ``kv_block_bytes / block_size`` (scales included). ``host_*`` / ``disk_*`` are
+    ``None`` when that tier's size was not given.
+    """
+
+    kv_cache_dtype: str
+    kv_bytes_per_token: int
+    kv_block_bytes: int
+    block_bytes_per_token: float
+    num_kv_blocks: int
+    kv_tokens: int
+    concurrent_sequences: int
+    host_blocks: int | None
+    host_tokens: int | None
+    disk_blocks: int | None
+    disk_tokens: int | None
+    selected: bool = False  # the plan's --kv-cache-dtype
+
+
+@dataclass(frozen=True)
 class Plan:
     model: str
     num_layers: int
@@ -76,12 +110,16 @@ class Plan:
     blocks_per_sequence: int
     concurrent_sequences: int
     sequences_at: dict[int, int]
+    kv_offload_bytes: int | None = None
+    kv_offload_disk_bytes: int | None = None
+    by_kv_dtype: list[DtypeCapacity] | None = None
 
 
 def make_plan(model: ModelConfig, *, dtype: str = "bfloat16", kv_cache_dtype: str = "auto",
               block_size: int = 16, device_memory: int = DEFAULT_DEVICE_MEMORY,
               gpu_memory_utilization: float = 0.9, kv_cache_memory: int | None = None,
-              max_model_len: int | None = None, weight_memory: int | None = None) -> Plan:
+              max_model_len: int | None = None, weight_memory: int | None = None,
+              kv_offload_bytes: int | None = None, kv_offload_disk_bytes: int | None = None) -> Plan:
     """Size the KV cache with ``engine.kv_sizing`` (the functions the engine itself calls)."""
     from engine.kv_sizing import (
         KV_CACHE_DTYPES,
@@ -89,6 +127,7 @@ def make_plan(model: ModelConfig, *, dtype: str = "bfloat16", kv_cache_dtype: st
         device_kv_budget,
         element_bytes,
         kv_block_bytes,
+        kv_dtype_name,
     )
 
     weights_dtype = parse_dtype(dtype)
@@ -104,6 +143,13 @@ def make_plan(model: ModelConfig, *, dtype: str = "bfloat16", kv_cache_dtype: st
     length = max_model_len or model.max_position_embeddings
     per_seq = math.ceil(length / block_size)
     lengths = sorted({n for n in CONTEXT_LENGTHS if n < length} | {length})
+    quantized = ["fp8", "fp8_e5m2", "int8"]
+    chosen = kv_dtype_name(kv_dtype)
+    extra = [] if chosen in quantized else [chosen]
+    names = dict.fromkeys([kv_dtype_name(weights_dtype), *extra, *quantized])
+    by_dtype = [dataclasses.replace(dtype_capacity(model, KV_CACHE_DTYPES[n], block_size, budget, per_seq,
+                                                   kv_offload_bytes, kv_offload_disk_bytes),
+                                    selected=n == chosen) for n in names]
     return Plan(
         model=model.name, num_layers=model.num_layers, num_kv_heads=model.num_kv_heads,
         head_dim=model.head_dim, parameters=params, weight_bytes=weights, dtype=str(weights_dtype)[6:],
@@ -115,6 +161,33 @@ def make_plan(model: ModelConfig, *, dtype: str = "bfloat16", kv_cache_dtype: st
         kv_budget_bytes=budget, num_kv_blocks=blocks, kv_tokens=blocks * block_size,
         max_model_len=length, blocks_per_sequence=per_seq, concurrent_sequences=blocks // per_seq,
         sequences_at={n: blocks // math.ceil(n / block_size) for n in lengths},
+        kv_offload_bytes=kv_offload_bytes, kv_offload_disk_bytes=kv_offload_disk_bytes, by_kv_dtype=by_dtype,
+    )
+
+
+def dtype_capacity(model: ModelConfig, kv_dtype: torch.dtype, block_size: int, budget: int,
+                   blocks_per_sequence: int, host_bytes: int | None = None,
+                   disk_bytes: int | None = None) -> DtypeCapacity:
+    """One row of the per-dtype table, from ``engine.kv_sizing`` (as the engine and its tiers size)."""
+    from engine.kv_sizing import (
+        blocks_for_budget,
+        element_bytes,
+        kv_block_bytes,
+        kv_dtype_name,
+        tier_capacity_blocks,
+    )
+
+    block = kv_block_bytes(model, block_size, kv_dtype)
+    blocks = blocks_for_budget(model, block_size, kv_dtype, budget)
+    host = None if host_bytes is None else tier_capacity_blocks(host_bytes, block)
+    disk = None if disk_bytes is None else tier_capacity_blocks(disk_bytes, block)
+    return DtypeCapacity(
+        kv_cache_dtype=kv_dtype_name(kv_dtype),
+        kv_bytes_per_token=model.kv_bytes_per_token(element_bytes(kv_dtype)),
+        kv_block_bytes=block, block_bytes_per_token=block / block_size, num_kv_blocks=blocks,
+        kv_tokens=blocks * block_size, concurrent_sequences=blocks // blocks_per_sequence,
+        host_blocks=host, host_tokens=None if host is None else host * block_size,
+        disk_blocks=disk, disk_tokens=None if disk is None else disk * block_size,
     )
 
 
@@ -147,9 +220,47 @@ def format_plan(plan: Plan) -> str:
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
     lines += ["", f"{'context length':>14}  {'sequences':>10}"]
     lines += [f"{n:>14,}  {s:>10,}" for n, s in plan.sequences_at.items()]
+    if plan.by_kv_dtype:
+        lines += ["", *format_dtype_table(plan)]
     if plan.kv_budget_bytes <= 0:
         lines.append("\nthe weights alone exceed the usable device memory: no room for KV")
     return "\n".join(lines)
+
+
+def _per_token(x: float) -> str:
+    return f"{x:,.0f}" if x == int(x) else f"{x:,.2f}"
+
+
+def format_dtype_table(plan: Plan) -> list[str]:
+    """The same budget at every KV dtype, one row each; ``*`` marks ``--kv-cache-dtype``."""
+    assert plan.by_kv_dtype is not None
+    head = ["KV dtype", "bytes/token", "block bytes", "blocks", "tokens", f"seqs@{plan.max_model_len:,}"]
+    if plan.kv_offload_bytes is not None:
+        head += ["host blocks", "host tokens"]
+    if plan.kv_offload_disk_bytes is not None:
+        head += ["disk blocks", "disk tokens"]
+    rows = []
+    for c in plan.by_kv_dtype:
+        row = [f"{'*' if c.selected else ' '} {c.kv_cache_dtype}", _per_token(c.block_bytes_per_token),
+               f"{c.kv_block_bytes:,}", f"{c.num_kv_blocks:,}", f"{c.kv_tokens:,}",
+               f"{c.concurrent_sequences:,}"]
+        if c.host_blocks is not None and c.host_tokens is not None:
+            row += [f"{c.host_blocks:,}", f"{c.host_tokens:,}"]
+        if c.disk_blocks is not None and c.disk_tokens is not None:
+            row += [f"{c.disk_blocks:,}", f"{c.disk_tokens:,}"]
+        rows.append(row)
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths,
+                                                                                             strict=True)))
+
+    sizes = (("host", plan.kv_offload_bytes), ("disk", plan.kv_offload_disk_bytes))
+    tiers = [f"{name} tier {n:,} bytes" for name, n in sizes if n is not None]
+    title = ["KV capacity per dtype, same budget (* = --kv-cache-dtype; bytes/token include the scales)"]
+    if tiers:
+        title.append("offload: " + ", ".join(tiers) + " (whole blocks of each dtype)")
+    return [*title, line(head), *(line(r) for r in rows)]
 
 
 def add_plan_args(parser: argparse.ArgumentParser, size: Callable[[str], int],
@@ -176,6 +287,12 @@ def add_plan_args(parser: argparse.ArgumentParser, size: Callable[[str], int],
                         help="context length of one sequence (default: the model's)")
     parser.add_argument("--block-size", type=int, default=16, metavar="N",
                         help="tokens per KV block, a power of two (default: 16)")
+    parser.add_argument("--kv-offload-bytes", type=size, default=None, metavar="SIZE",
+                        help="also size a host offload tier of SIZE bytes (as serve's --kv-offload-bytes): "
+                             "its blocks and tokens per KV dtype")
+    parser.add_argument("--kv-offload-disk-bytes", type=size, default=None, metavar="SIZE",
+                        help="also size a disk offload tier of SIZE bytes (as serve's "
+                             "--kv-offload-disk-bytes with --kv-offload-dir)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -192,6 +309,7 @@ def run_plan(args: argparse.Namespace) -> int:
     plan = make_plan(model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
                      device_memory=args.device_memory, gpu_memory_utilization=args.gpu_memory_utilization,
                      kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
-                     weight_memory=args.weight_memory)
+                     weight_memory=args.weight_memory, kv_offload_bytes=args.kv_offload_bytes,
+                     kv_offload_disk_bytes=args.kv_offload_disk_bytes)
     print(json.dumps(asdict(plan)) if args.json else format_plan(plan))
     return 0

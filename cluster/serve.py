@@ -256,6 +256,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_model_len=kwargs["max_model_len"], seed=kwargs["seed"], kv_cache_dtype=kwargs["kv_cache_dtype"],
         preemption_mode=kwargs["preemption_mode"], swap_space=kwargs["swap_space"],
         kv_offload_bytes=kwargs["kv_offload_bytes"], kv_offload_dir=kwargs["kv_offload_dir"],
+        kv_offload_disk_bytes=kwargs["kv_offload_disk_bytes"],
         kv_sinks=kwargs["kv_sinks"], kv_window=kwargs["kv_window"])
     router_config = RouterConfig(
         model_name=args.served_model_name or Path(path).stem,

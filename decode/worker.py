@@ -25,6 +25,7 @@ Spans (for requests carrying a trace context, children of the caller's span):
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 import uuid
@@ -36,6 +37,7 @@ import msgspec
 
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
+from engine.kv_sizing import kv_dtype_name
 from engine.outputs import RequestOutput
 from engine.sampling import SamplingParams, TokenLogprobs
 from engine.worker import EngineWorker
@@ -45,6 +47,7 @@ from transfer.messages import (
     GenerateRequest,
     KvEvents,
     KvSnapshot,
+    KvTierStats,
     PrefillResult,
     ReservationInfo,
     TokenBatch,
@@ -278,6 +281,8 @@ class DecodeWorker(EngineWorker, TracedRole):
             transfer_blocks=self.transfer_blocks, transfer_bytes=self.transfer_bytes,
             transfer_seconds=self.transfer_seconds, transfer_failures=self.transfer_failures,
             queue_time=self.queue_time.data(), transfer_time=self.transfer_time.data(),
+            kv_cache_dtype=kv_dtype_name(self.engine.config.kv_torch_dtype),
+            kv_tiers=[KvTierStats(**dataclasses.asdict(t)) for t in s.kv_tiers],
         ))
 
     async def kv_events(self) -> bytes:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from engine.config import EngineConfig
 from engine.hashing import seed_for
 from engine.kv_cache import KVCacheManager
-from engine.kv_sizing import num_kv_blocks
+from engine.kv_sizing import KvTier, kv_block_bytes, num_kv_blocks
 from engine.loader import ModelSource, load_model_source, resolve_model
 from engine.model import CausalLM
 from engine.model_runner import ModelRunner
@@ -57,6 +57,7 @@ class EngineStats:
     kv_offload_stores: int = 0
     kv_offload_host_bytes: int = 0
     kv_offload_disk_bytes: int = 0
+    kv_tiers: tuple[KvTier, ...] = ()  # device, then host / disk when configured
 
 
 @dataclass(frozen=True)
@@ -253,7 +254,21 @@ class LLMEngine:
             num_swap_ins=self.swap.num_swap_ins if self.swap else 0,
             swap_used_bytes=self.swap.used_bytes if self.swap else 0,
             **self._offload_stats(),
+            kv_tiers=self.kv_tiers(),
         )
+
+    def kv_tiers(self) -> tuple[KvTier, ...]:
+        """Capacity and use per KV tier: the device cache, then the host and disk offload tiers when
+        configured (a tier holding no whole block is left out)."""
+        block = kv_block_bytes(self.model_config, self.config.block_size, self.config.kv_torch_dtype)
+        tiers = [KvTier("device", self.kv.num_blocks, self.kv.pool.num_used_blocks, block)]
+        if self.offload is not None:
+            off, t = self.offload, self.offload.stats
+            if off.host_capacity_blocks:
+                tiers.append(KvTier("host", off.host_capacity_blocks, t.host_blocks, block, t.host_hits))
+            if off.disk_capacity_blocks:
+                tiers.append(KvTier("disk", off.disk_capacity_blocks, t.disk_blocks, block, t.disk_hits))
+        return tuple(tiers)
 
     def _offload_stats(self) -> dict[str, int]:
         if self.offload is None:

@@ -6,6 +6,8 @@ element; a block holds ``block_size`` tokens of every layer.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from engine.config import EngineConfig, ModelConfig
@@ -21,6 +23,42 @@ KV_CACHE_DTYPES: dict[str, torch.dtype] = {
     "fp8_e5m2": torch.float8_e5m2,
     "int8": torch.int8,
 }
+
+# The name ``/metrics`` and ``pdserve plan`` give each storage dtype (``--kv-cache-dtype``'s spelling).
+_DTYPE_NAMES: dict[torch.dtype, str] = {
+    torch.float32: "float32",
+    torch.bfloat16: "bfloat16",
+    torch.float16: "float16",
+    torch.float8_e4m3fn: "fp8",
+    torch.float8_e5m2: "fp8_e5m2",
+    torch.int8: "int8",
+}
+
+
+def kv_dtype_name(dtype: torch.dtype) -> str:
+    """``fp8`` for float8_e4m3fn, ``fp8_e5m2``, ``int8``, else the torch name (``float32``...)."""
+    return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+@dataclass(frozen=True)
+class KvTier:
+    """One KV tier of an engine in whole blocks of ``block_bytes`` (K/V codes plus scales).
+
+    ``tier`` is ``device`` (the paged cache; ``used_blocks`` held by requests or
+    leases), ``host`` or ``disk`` (the offload tiers; ``used_blocks`` stored there,
+    ``hits`` blocks restored from there since start).
+    """
+
+    tier: str
+    capacity_blocks: int
+    used_blocks: int
+    block_bytes: int
+    hits: int = 0
+
+
+def tier_capacity_blocks(capacity_bytes: int, block_bytes: int) -> int:
+    """Whole blocks an offload tier of ``capacity_bytes`` holds (its LRU evicts past that)."""
+    return max(capacity_bytes, 0) // block_bytes
 
 
 def element_bytes(dtype: torch.dtype) -> int:

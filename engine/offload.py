@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from engine.kv_sizing import tier_capacity_blocks
+
 INDEX_FILE = "index.json"
 SUFFIX = ".kv"
 
@@ -76,6 +78,16 @@ class KvOffload:
             self._open_disk(dict(compat or {}))
 
     # -- public -----------------------------------------------------------------
+    @property
+    def host_capacity_blocks(self) -> int:
+        """Blocks the host tier holds before its LRU moves one down (``--kv-offload-bytes`` // block)."""
+        return tier_capacity_blocks(self.host_capacity, self.block_bytes)
+
+    @property
+    def disk_capacity_blocks(self) -> int:
+        """Blocks the disk tier holds before its LRU deletes one (0 without ``--kv-offload-dir``)."""
+        return tier_capacity_blocks(self.disk_capacity, self.block_bytes)
+
     def contains(self, block_hash: int) -> bool:
         return block_hash in self._lru
 

@@ -27,6 +27,7 @@ import msgspec
 
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
+from engine.kv_sizing import kv_dtype_name
 from engine.outputs import RequestMetrics
 from engine.sampling import SamplingParams
 from engine.worker import EngineWorker
@@ -36,6 +37,7 @@ from transfer.messages import (
     GenerateRequest,
     KvEvents,
     KvSnapshot,
+    KvTierStats,
     PrefillResult,
     TokenLogprob,
     WorkerStats,
@@ -153,6 +155,8 @@ class PrefillWorker(EngineWorker, TracedRole):
             num_leases=self.source.num_leases(), prefix_queries=s.prefix_queries,
             prefix_hits=s.prefix_hits, num_preemptions=s.num_preemptions,
             leases_expired=self.leases_expired, queue_time=self.queue_time.data(),
+            kv_cache_dtype=kv_dtype_name(self.engine.config.kv_torch_dtype),
+            kv_tiers=[KvTierStats(**dataclasses.asdict(t)) for t in s.kv_tiers],
         ))
 
     async def kv_events(self) -> bytes:

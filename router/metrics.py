@@ -14,6 +14,16 @@ looked up / found), ``num_preemptions_total``, ``request_queue_time_seconds``
 ``kv_transfer_failures_total``, ``kv_lease_expired_total`` (prefill), plus the
 older ``worker_*`` gauges. ``routing_decisions_total{role,policy,reason}``
 counts the client's routing choices.
+
+Per KV tier, labelled ``worker``, ``role``, ``tier`` (``device``, ``host``,
+``disk``) and ``kv_cache_dtype`` (``float32``, ``bfloat16``, ``float16``,
+``fp8``, ``fp8_e5m2``, ``int8``): ``kv_cache_capacity_blocks``,
+``kv_cache_capacity_tokens`` (blocks x block size), ``kv_cache_capacity_bytes``
+(blocks x block bytes, scales included: the bytes the whole blocks take, at most
+the configured budget), ``kv_cache_used_blocks`` (device: held by requests or
+leases; host/disk: stored there) and ``kv_offload_hits_total`` (blocks restored
+from the host or disk tier; they also count in ``prefix_cache_hits_total``). A
+tier that is not configured has no series at all (the device tier always has).
 """
 
 from __future__ import annotations
@@ -25,7 +35,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from router.admission import AdmissionGate
-from transfer.messages import HistogramData, WorkerStats
+from transfer.messages import HistogramData, KvTierStats, WorkerStats
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 # vLLM's buckets for inter-token and end-to-end latency (seconds).
@@ -97,6 +107,19 @@ COUNTERS: dict[str, tuple[str, Getter]] = {
     "kv_transfer_failures": ("KV pulls that failed.", lambda s: s.transfer_failures),
     "kv_lease_expired": ("KV leases that expired before decode pulled them.", lambda s: s.leases_expired),
 }
+TierGetter = Callable[[WorkerStats, KvTierStats], float]
+TIER_GAUGES: dict[str, tuple[str, TierGetter]] = {
+    "kv_cache_capacity_blocks": ("KV blocks the tier holds.", lambda s, t: t.capacity_blocks),
+    "kv_cache_capacity_tokens": ("KV tokens the tier holds (blocks x block size).",
+                                 lambda s, t: t.capacity_blocks * s.block_size),
+    "kv_cache_capacity_bytes": ("Bytes the tier's KV blocks take, scales included.",
+                                lambda s, t: t.capacity_blocks * t.block_bytes),
+    "kv_cache_used_blocks": ("KV blocks in use: held by requests (device) or stored (host, disk).",
+                             lambda s, t: t.used_blocks),
+}
+TIER_COUNTERS: dict[str, tuple[str, TierGetter]] = {
+    "kv_offload_hits": ("KV blocks restored from an offload tier on a prefix hit.", lambda s, t: t.hits),
+}
 HISTOGRAMS: dict[str, tuple[str, Callable[[WorkerStats], HistogramData | None]]] = {
     "request_queue_time_seconds": ("Seconds requests spent waiting in the worker's scheduler queue.",
                                    lambda s: s.queue_time),
@@ -128,6 +151,18 @@ class ClusterCollector(Collector):
             for s in self.stats:
                 c.add_metric([s.worker_id, s.role], get(s))
             yield c
+        tier_labels = [*labels, "tier", "kv_cache_dtype"]
+        for name, (doc, tget) in TIER_GAUGES.items():
+            g = GaugeMetricFamily(f"pdserve:{name}", doc, labels=tier_labels)
+            for s, t in self._tiers():
+                g.add_metric([s.worker_id, s.role, t.tier, s.kv_cache_dtype], tget(s, t))
+            yield g
+        for name, (doc, tget) in TIER_COUNTERS.items():
+            c = CounterMetricFamily(f"pdserve:{name}", doc, labels=tier_labels)
+            for s, t in self._tiers():
+                if t.tier != "device":
+                    c.add_metric([s.worker_id, s.role, t.tier, s.kv_cache_dtype], tget(s, t))
+            yield c
         for name, (doc, hist) in HISTOGRAMS.items():
             h = HistogramMetricFamily(f"pdserve:{name}", doc, labels=labels)
             for s in self.stats:
@@ -140,6 +175,9 @@ class ClusterCollector(Collector):
         for (role, policy, reason), n in sorted(self.decisions.items()):
             d.add_metric([role, policy, reason], n)
         yield d
+
+    def _tiers(self) -> Iterator[tuple[WorkerStats, KvTierStats]]:
+        return ((s, t) for s in self.stats for t in s.kv_tiers)
 
 
 def _buckets(data: HistogramData) -> list[tuple[str, float]]:

@@ -87,6 +87,18 @@ class HistogramData(msgspec.Struct, frozen=True, kw_only=True):
     sum: float
 
 
+class KvTierStats(msgspec.Struct, frozen=True, kw_only=True):
+    """One KV tier of a worker (``engine.kv_sizing.KvTier`` on the wire): ``tier`` is ``device``,
+    ``host`` or ``disk``; capacity and use in whole blocks of ``block_bytes`` (codes plus scales);
+    ``hits`` counts blocks restored from an offload tier (0 for ``device``)."""
+
+    tier: str
+    capacity_blocks: int
+    used_blocks: int
+    block_bytes: int
+    hits: int = 0
+
+
 class WorkerStats(msgspec.Struct, frozen=True, kw_only=True):
     worker_id: str
     role: str
@@ -111,6 +123,8 @@ class WorkerStats(msgspec.Struct, frozen=True, kw_only=True):
     transfer_time: HistogramData | None = None
     num_stored_tokens: int = 0
     block_size: int = 0
+    kv_cache_dtype: str = ""  # storage dtype name: float32, bfloat16, float16, fp8, fp8_e5m2, int8
+    kv_tiers: list[KvTierStats] = []  # device first; host / disk only when configured
 
 
 class KvEvents(msgspec.Struct, frozen=True):

@@ -1,4 +1,5 @@
-"""Disaggregated fp8 KV: blocks and their scales cross NIXL, and decode continues exactly as colocated."""
+"""Disaggregated fp8 KV: blocks and their scales cross NIXL, and decode continues exactly as colocated;
+the router's /metrics reports both workers' fp8 device and host tiers."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 import ray
 
@@ -18,7 +20,7 @@ from transfer.messages import GenerateRequest, PrefillResult, SamplingSpec, Toke
 
 MODEL = str(default_model_path())
 CONFIG = EngineConfig(dtype="float32", kv_cache_dtype="fp8", max_num_batched_tokens=512,
-                      kv_cache_memory=32 * 2**20)
+                      kv_cache_memory=32 * 2**20, kv_offload_bytes=4 * 2**20)
 STORY = ("The lighthouse keeper counted the ships that passed each night and wrote their names in a "
          "leather book, noting the wind, the tide and the colour of every sail. ")
 
@@ -82,3 +84,43 @@ def test_disaggregated_fp8_equals_colocated_fp8(group: WorkerGroup) -> None:
 
     source_digest, sink_digest = run(flow())
     assert source_digest == sink_digest
+
+
+def test_metrics_report_fp8_device_and_host_tiers(group: WorkerGroup) -> None:
+    """GET /metrics on the router app over these workers: capacities per tier, labelled fp8."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from cluster.backend import ClusterBackend
+    from router.app import RouterConfig, create_app
+
+    async def scrape() -> str:
+        client = PDClient(group.prefill, group.decode)
+        backend = ClusterBackend(client, "m")
+        await backend.start()
+        app = create_app(backend, load_model_source(MODEL).load_tokenizer(), RouterConfig("m", 2048))
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r") as http:
+                resp = await http.get("/metrics")
+                assert resp.status_code == 200
+                return resp.text
+        finally:
+            await client.close()
+
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(run(scrape())) for s in f.samples}
+
+    def get(name: str, worker: str, **labels: str) -> float:
+        role = worker.split("-")[0]
+        return samples[(f"pdserve:{name}", tuple(sorted({"worker": worker, "role": role, **labels}.items())))]
+
+    block = 16 * 2 * 30 * 3 * 64 + 2 * 30 * 3 * 4  # SmolLM2 fp8 block: codes + float32 scales = 185,040
+    for worker in ("prefill-0", "decode-0"):
+        for tier, blocks in (("device", 181), ("host", 22)):  # 32 MiB // block, 4 MiB // block
+            labels = {"tier": tier, "kv_cache_dtype": "fp8"}
+            assert get("kv_cache_capacity_blocks", worker, **labels) == blocks
+            assert get("kv_cache_capacity_tokens", worker, **labels) == blocks * 16
+            assert get("kv_cache_capacity_bytes", worker, **labels) == blocks * block
+            assert 0 <= get("kv_cache_used_blocks", worker, **labels) <= blocks
+        assert get("kv_offload_hits_total", worker, tier="host", kv_cache_dtype="fp8") >= 0
+    tiers = {dict(k[1])["tier"] for k in samples if k[0] == "pdserve:kv_cache_capacity_blocks"}
+    assert tiers == {"device", "host"}  # no disk tier configured: no disk series

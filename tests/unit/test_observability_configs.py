@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from router.admission import AdmissionGate
 from router.metrics import RouterMetrics, worker_metrics
 from transfer.histogram import Histogram
-from transfer.messages import WorkerStats
+from transfer.messages import KvTierStats, WorkerStats
 from transfer.tracing import TraceConfig
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "observability"
@@ -28,9 +28,12 @@ def exposed_names() -> set[str]:
     hist.observe(0.02)
     base: dict[str, Any] = {"num_running": 1, "num_waiting": 0, "num_kv_blocks": 10, "num_free_kv_blocks": 6,
             "num_used_blocks": 4, "num_cached_blocks": 0}
+    tiers = [KvTierStats(tier="device", capacity_blocks=10, used_blocks=4, block_bytes=64),
+             KvTierStats(tier="host", capacity_blocks=20, used_blocks=3, block_bytes=64, hits=2)]
     stats = [WorkerStats(worker_id="prefill-0", role="prefill", queue_time=hist.data(), **base),
              WorkerStats(worker_id="decode-0", role="decode", queue_time=hist.data(),
-                         transfer_time=hist.data(), **base)]
+                         transfer_time=hist.data(), kv_cache_dtype="fp8", block_size=16, kv_tiers=tiers,
+                         **base)]
     text = generate_latest(RouterMetrics(AdmissionGate(8), "m").registry)
     text += worker_metrics(stats, {("decode", "prefix", "short"): 2})
     names = set()
@@ -54,7 +57,9 @@ def test_dashboard_queries_only_exposed_metrics() -> None:
               "pdserve:kv_cache_usage_perc", "pdserve:prefix_cache_hits_total",
               "pdserve:kv_transfer_bytes_total", "pdserve:kv_transfer_failures_total",
               "pdserve:num_requests_waiting", "pdserve:num_preemptions_total",
-              "pdserve:generation_tokens_total"}
+              "pdserve:generation_tokens_total", "pdserve:kv_cache_capacity_tokens",
+              "pdserve:kv_cache_used_blocks", "pdserve:kv_cache_capacity_blocks",
+              "pdserve:kv_offload_hits_total"}
     assert wanted <= used
 
 
