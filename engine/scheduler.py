@@ -28,16 +28,16 @@ positions; attention sees the sink blocks, then the kept blocks, so a token
 attends to the sinks and to between ``window`` and ``window + block_size - 1``
 previous tokens. A request's KV stays bounded however long it generates.
 
-In-flight prefix dedup: a waiting request whose next uncached full blocks
-(at least ``prefix_wait_min_tokens`` tokens of them, by chained hash; 0 turns
-this off) are being
-computed right now by a running request is skipped (the requests behind it are
-still admitted) until those blocks are committed to the prefix cache at the end
-of the step that computes them; it is then admitted with them as a prefix hit
-instead of computing them a second time. A request waits at most
-``max_prefix_wait_steps`` schedules in a row for this (default: twice the
-chunks a longest prompt takes, plus 2), then is admitted whatever runs. Off
-with a sliding window (its blocks stop being published) and without caching.
+In-flight prefix dedup: a waiting request whose next uncached full blocks (at
+least ``prefix_wait_min_tokens`` tokens of them, by chained hash; 0 turns this
+off) are being computed right now by a running request is skipped (the
+requests behind it are still admitted) until those blocks are committed to the
+prefix cache at the end of the step that computes them; it is then admitted
+with them as a prefix hit instead of computing them a second time. A request
+is skipped this way in at most ``max_prefix_wait_steps`` schedules (default:
+twice the chunks a longest prompt takes, plus 2), then is admitted whatever
+runs. Off with a sliding window (its blocks stop being published) and without
+caching.
 
 The scheduler sees the KV manager through ``allocate``/``free``/``find_prefix``
 only; the engine sees ``SchedulerOutput``.
