@@ -29,10 +29,12 @@ from cluster.client import ClientConfig, PDClient
 from cluster.workers import start_workers
 from engine.config import EngineConfig
 from engine.loader import load_model_source, resolve_model
+from router.policy import POLICIES
 from transfer.messages import GenerateRequest, SamplingSpec
 
 
-def workload(args: argparse.Namespace) -> list[list[int]]:
+def workload(args: argparse.Namespace) -> list[tuple[int, list[int]]]:
+    """(system prompt number, prompt tokens) per request, in the order they are sent."""
     tok = load_model_source(resolve_model(args.model)).load_tokenizer()
     rng = random.Random(0)
     words = [
@@ -66,12 +68,14 @@ def workload(args: argparse.Namespace) -> list[list[int]]:
         text = f"System {s}: " + " ".join(rng.choice(words) for _ in range(args.prefix_len * 2))
         prefix = tok.encode(text)[: args.prefix_len]
         for q in range(args.questions):
-            prompts.append(prefix + tok.encode(f" Question {q}: what does entry {rng.randrange(999)} say?"))
+            question = tok.encode(f" Question {q}: what does entry {rng.randrange(999)} say?")
+            prompts.append((s, prefix + question))
     rng.shuffle(prompts)
     return prompts
 
 
-async def run_policy(args: argparse.Namespace, policy: str, prompts: list[list[int]]) -> dict[str, Any]:
+async def run_policy(args: argparse.Namespace, policy: str,
+                     prompts: list[tuple[int, list[int]]]) -> dict[str, Any]:
     config = EngineConfig(dtype="float32", max_num_batched_tokens=1024, kv_cache_memory=args.kv_cache_memory)
     group = start_workers(args.model, config, num_prefill=2, num_decode=2)
     client = PDClient(group.prefill, group.decode,
@@ -80,8 +84,10 @@ async def run_policy(args: argparse.Namespace, policy: str, prompts: list[list[i
     sem = asyncio.Semaphore(args.concurrency)
     ttfts: list[float] = []
     cached = total = 0
+    t0 = time.perf_counter()
+    log: list[dict[str, Any]] = []
 
-    async def one(tokens: list[int]) -> None:
+    async def one(system: int, tokens: list[int]) -> None:
         nonlocal cached, total
         async with sem:
             req = GenerateRequest(
@@ -97,9 +103,11 @@ async def run_policy(args: argparse.Namespace, policy: str, prompts: list[list[i
                     cached += batch.cached_tokens
                     total += batch.prompt_tokens
                     first = False
+                    log.append({"system": system, "sent_s": round(start - t0, 3),
+                                "ttft_s": round(ttfts[-1], 3), "decode": batch.worker_id,
+                                "prompt_tokens": batch.prompt_tokens, "cached_tokens": batch.cached_tokens})
 
-    t0 = time.perf_counter()
-    await asyncio.gather(*[one(p) for p in prompts])
+    await asyncio.gather(*[one(s, p) for s, p in prompts])
     wall = time.perf_counter() - t0
     decisions = {"/".join(k): v for k, v in client.decisions.items()}
     await client.close()
@@ -114,6 +122,7 @@ async def run_policy(args: argparse.Namespace, policy: str, prompts: list[list[i
         "ttft_p90_s": ttfts[int(0.9 * (len(ttfts) - 1))],
         "wall_s": wall,
         "decisions": decisions,
+        "requests_log": log,
     }
 
 
@@ -129,7 +138,11 @@ def main() -> None:
     parser.add_argument("--kv-cache-memory", type=int, default=256 * 2**20,
                         help="KV bytes per worker; the default holds about four of the eight prefixes, "
                         "so a policy that spreads every prefix over every worker evicts")
-    parser.add_argument("--json", default=None)
+    parser.add_argument("--policies", default="prefix,round-robin",
+                        help="comma-separated routing policies to run, in order")
+    parser.add_argument("--json", default=None,
+                        help="write the results, with one record per request (system prompt, decode worker, "
+                        "cached tokens, TTFT), to this file")
     args = parser.parse_args()
     prompts = workload(args)
     ray.init(
@@ -139,7 +152,11 @@ def main() -> None:
         log_to_driver=False,
         runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
     )
-    results = [asyncio.run(run_policy(args, p, prompts)) for p in ("prefix", "round-robin")]
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown or not policies:
+        parser.error(f"--policies takes names among {', '.join(POLICIES)}, got {args.policies!r}")
+    results = [asyncio.run(run_policy(args, p, prompts)) for p in policies]
     ray.shutdown()
     print("| policy | requests | prefix hit rate | TTFT mean (s) | TTFT p90 (s) | wall (s) |")
     print("|---|---:|---:|---:|---:|---:|")
@@ -148,8 +165,10 @@ def main() -> None:
             f"| {r['policy']} | {r['requests']} | {100 * r['hit_rate']:.1f}% | {r['ttft_mean_s']:.2f} "
             f"| {r['ttft_p90_s']:.2f} | {r['wall_s']:.1f} |"
         )
-    ratio = results[1]["ttft_mean_s"] / results[0]["ttft_mean_s"]
-    print(f"mean TTFT, round-robin / prefix: {ratio:.2f}x")
+    by_name = {r["policy"]: r for r in results}
+    if "prefix" in by_name and "round-robin" in by_name:
+        ratio = by_name["round-robin"]["ttft_mean_s"] / by_name["prefix"]["ttft_mean_s"]
+        print(f"mean TTFT, round-robin / prefix: {ratio:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -79,6 +79,8 @@ class ClientConfig:
     call_timeout: float = 30.0
     stream_timeout: float = 300.0
     refresh_interval: float = 0.1
+    pending_ttl: float = 30.0  # how long a prompt sent to a worker counts as held there, at most
+    settle_ttl: float = 5.0  # ... and once served there, waiting for its KV events
 
 
 class PDClient:
@@ -145,11 +147,13 @@ class PDClient:
         try:
             for attempt in range(self.config.migration_limit + 1):
                 decode = self._pick_decode(current)
+                served = False
                 try:
                     stream = await self._open(current, decode)
                     async for batch in self._iterate(stream):
                         produced.extend(batch.token_ids)
                         finished = batch.finished
+                        served = True
                         yield batch
                     return
                 except WorkerDied as exc:
@@ -159,7 +163,7 @@ class PDClient:
                     current = _continuation(req, produced, attempt + 1)
                     self._touched[current.request_id] = self._touched[rid]
                 finally:
-                    self._release_load(decode, current)
+                    self._release_load(decode, current, served)
         finally:
             touched = self._touched.pop(rid, set())
             if current is not req:
@@ -187,14 +191,16 @@ class PDClient:
         output = (req.sampling.max_tokens or 0) if role == "decode" else 0
         charge = max(n - chosen.prefix_tokens, 0) + output
         worker.inflight_tokens += charge
-        worker.pending[req.request_id] = set(hashes)
+        worker.add_pending(req.request_id, hashes, self.config.pending_ttl)
         self._charges[(id(worker), req.request_id)] = charge
         return worker
 
-    def _release_load(self, worker: WorkerState, req: GenerateRequest) -> None:
+    def _release_load(self, worker: WorkerState, req: GenerateRequest, ok: bool) -> None:
+        """The request is done with ``worker``: uncharge its load; its pending prefix stays until the
+        worker's KV events show it (``ok``: the worker computed or received it) or goes now."""
         charge = self._charges.pop((id(worker), req.request_id), 0)
         worker.inflight_tokens = max(0, worker.inflight_tokens - charge)
-        worker.pending.pop(req.request_id, None)
+        worker.settle(req.request_id, ok, self.config.settle_ttl)
 
     async def _open(self, req: GenerateRequest, decode: WorkerState) -> Any:
         self._touched[req.request_id].add(decode.handle)
@@ -228,10 +234,12 @@ class PDClient:
             worker = self._choose("prefill", [p for p in prefills if p.index not in tried], req)
             tried.add(worker.index)
             self._touched[rid].add(worker.handle)
+            computed = False
             try:
                 result = await asyncio.wait_for(worker.handle.prefill.remote(pack(req)),
                                                 self.config.prefill_timeout)
                 handle = decode_wire(unpack(result, PrefillResult).handle_bytes, KvHandle)
+                computed = True
                 if handle.agent_name not in self._agents:
                     worker.info = await self._call(worker.handle.ready.remote())
                     await self._connect(worker.info, self.config.call_timeout)
@@ -249,7 +257,7 @@ class PDClient:
                 if first.kind != "transfer":
                     raise RequestFailed(first.kind, first.message)
             finally:
-                self._release_load(worker, req)
+                self._release_load(worker, req, computed)
             if policy is not KvFailurePolicy.RETRY:
                 break
         if policy is KvFailurePolicy.FAIL:

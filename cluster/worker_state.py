@@ -6,7 +6,12 @@ snapshot resync). Load is tracked locally as well, so routing reacts to the
 requests this client just sent without waiting for the next refresh, and so
 are the prompt blocks of requests in flight on each worker (``pending``): a
 prefix sent to a worker counts as held there from the moment it is sent,
-before the worker has computed and published it.
+before the worker has computed and published it. A pending entry lives until
+its request fails (``settle(ok=False)``), or, once the request has been served
+(``settle(ok=True)``), until a KV-events batch drained after that moment has
+been folded into the index (the real events replace it); in any case no longer
+than its expiry (``pending_ttl`` seconds after it was sent, ``settle_ttl`` after
+it was served).
 
 Supervision: a worker found dead (a call raised ``RayActorError`` /
 ``ActorUnavailableError``, or its stats report a new pid: Ray restarted it
@@ -21,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +41,15 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
+class Pending:
+    """Prompt block hashes a request sent to a worker will leave in its cache."""
+
+    hashes: set[int]
+    expires: float  # time.monotonic() deadline
+    served_at: float | None = None  # when the request was served there; None while in flight
+
+
+@dataclass
 class WorkerState:
     handle: Any
     role: str
@@ -44,22 +59,52 @@ class WorkerState:
     inflight_tokens: int = 0
     free_blocks: int = 0
     stats: WorkerStats | None = None
-    pending: dict[str, set[int]] = field(default_factory=dict)
+    pending: dict[str, Pending] = field(default_factory=dict)
     pid: int = 0
     info: bytes = b""  # what ``ready`` returned: a prefill worker's NIXL agent info
     restarts: int = 0
 
-    def pending_match(self, hashes: list[int]) -> int:
-        """Leading blocks of ``hashes`` that requests already sent here will leave in its cache."""
-        best = 0
-        for held in self.pending.values():
+    def add_pending(self, request_id: str, hashes: list[int], ttl: float) -> None:
+        self.pending[request_id] = Pending(set(hashes), time.monotonic() + ttl)
+
+    def settle(self, request_id: str, ok: bool, ttl: float) -> None:
+        """The request left this worker: served (``ok``: keep its entry until the worker's events
+        are folded in, at most ``ttl`` seconds) or failed (drop it now)."""
+        entry = self.pending.get(request_id)
+        if entry is None:
+            return
+        if not ok:
+            del self.pending[request_id]
+            return
+        now = time.monotonic()
+        entry.served_at = now
+        entry.expires = min(entry.expires, now + ttl)
+
+    def drop_published(self, drained_after: float) -> None:
+        """Drop entries of requests served before ``drained_after``, when a KV-events batch drained
+        then was folded into the index: their blocks are in it now (or were evicted already)."""
+        done = [r for r, e in self.pending.items()
+                if e.served_at is not None and e.served_at <= drained_after]
+        for rid in done:
+            del self.pending[rid]
+
+    def pending_match(self, hashes: list[int]) -> tuple[int, int]:
+        """Leading blocks of ``hashes`` that requests already sent here will leave in its cache: the
+        most over every entry, and the most over requests still in flight (expired entries go)."""
+        now = time.monotonic()
+        for rid in [r for r, e in self.pending.items() if e.expires <= now]:
+            del self.pending[rid]
+        best = in_flight = 0
+        for entry in self.pending.values():
             n = 0
             for h in hashes:
-                if h not in held:
+                if h not in entry.hashes:
                     break
                 n += 1
             best = max(best, n)
-        return best
+            if entry.served_at is None:
+                in_flight = max(in_flight, n)
+        return best, in_flight
 
 
 class WorkerTable:
@@ -84,11 +129,17 @@ class WorkerTable:
 
     def candidates(self, workers: list[WorkerState], hashes: list[int], block_size: int,
                    num_tokens: int = 0) -> list[Candidate]:
+        """One policy row per worker: the prefix it holds or will hold (index or pending), its load,
+        and, as ``shared_load_tokens``, the part of that load that computes this prompt's own prefix
+        (a request in flight there with the same leading blocks)."""
         out = []
         for i, w in enumerate(workers):
-            held = max(self.index.match(hashes, w.worker_id) if self.index else 0, w.pending_match(hashes))
+            pending, in_flight = w.pending_match(hashes)
+            held = max(self.index.match(hashes, w.worker_id) if self.index else 0, pending)
             need = max(1, -(-(num_tokens + 1) // block_size) - held)
-            out.append(Candidate(i, w.worker_id, held * block_size, w.inflight_tokens, w.free_blocks, need))
+            shared = min(in_flight * block_size, w.inflight_tokens)
+            out.append(Candidate(i, w.worker_id, held * block_size, w.inflight_tokens, w.free_blocks, need,
+                                 shared))
         return out
 
     def mark_dead(self, worker: WorkerState) -> None:
@@ -142,11 +193,13 @@ class WorkerTable:
             w.stats, w.worker_id, w.free_blocks, w.pid = (stats, stats.worker_id, stats.num_free_kv_blocks,
                                                           stats.pid)
             if self.index is not None:
+                drained_after = time.monotonic()
                 events = unpack(await asyncio.wait_for(w.handle.kv_events.remote(), self.call_timeout),
                                 KvEvents)
                 if not self.index.apply(events):
                     snap = await asyncio.wait_for(w.handle.kv_snapshot.remote(), self.call_timeout)
                     self.index.reset(unpack(snap, KvSnapshot))
+                w.drop_published(drained_after)
         except (RayActorError, ActorUnavailableError) as exc:
             log.warning("%s died: %r", w.worker_id or w.role, exc)
             self.mark_dead(w)

@@ -119,6 +119,9 @@ class EngineConfig:
     kv_offload_disk_bytes: int = 8 * 1024**3
     kv_sinks: int = 0
     kv_window: int | None = None
+    # in-flight prefix dedup (engine/scheduler.py): a waiting request waits for at least this many
+    # of its next prompt tokens that a running request is computing; 0 turns it off
+    prefix_wait_min_tokens: int = 128
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
@@ -147,6 +150,8 @@ class EngineConfig:
             raise ValueError("--max-num-batched-tokens must be at least 1")
         if self.max_num_seqs < 1:
             raise ValueError("--max-num-seqs must be at least 1")
+        if self.prefix_wait_min_tokens < 0:
+            raise ValueError(f"prefix_wait_min_tokens must be >= 0, got {self.prefix_wait_min_tokens}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("--max-model-len must be at least 1")
 

@@ -105,7 +105,8 @@ class LLMEngine:
                      if self.config.preemption_mode == "swap" else None)
         self.scheduler = Scheduler(self.kv, self.config.max_num_batched_tokens,
                                    self.config.max_num_seqs, self.max_model_len,
-                                   self.config.preemption_mode, self.swap, self.kv_window)
+                                   self.config.preemption_mode, self.swap, self.kv_window,
+                                   self.config.prefix_wait_min_tokens)
         self.sampler = Sampler()
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) or self.model_config.eos_token_ids
         self.requests: dict[str, Request] = {}

@@ -23,10 +23,15 @@ from engine.offload import KvOffload
 
 @dataclass(frozen=True)
 class PrefixHit:
-    """Leading blocks of a token sequence already in the cache."""
+    """Leading blocks of a token sequence already in the cache.
+
+    ``uncached_hashes`` are the chained hashes of the full blocks after the hit
+    (within the looked-up length): what the owner will compute itself.
+    """
 
     block_ids: list[int]
     block_hashes: list[int]
+    uncached_hashes: tuple[int, ...] = ()
 
     def num_tokens(self, block_size: int) -> int:
         return len(self.block_ids) * block_size
@@ -74,11 +79,14 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def find_prefix(self, token_ids: Sequence[int], max_tokens: int | None = None) -> PrefixHit:
+    def find_prefix(self, token_ids: Sequence[int], max_tokens: int | None = None,
+                    record: bool = True) -> PrefixHit:
         """Longest cached prefix of ``token_ids``, in whole blocks, of at most ``max_tokens`` tokens.
 
         Callers computing logits pass ``len(token_ids) - 1`` so at least one token
-        is always run. Counts a prefix-cache query and its hit tokens.
+        is always run. Counts a prefix-cache query and its hit tokens unless
+        ``record`` is False (the caller then counts it with ``record_prefix``
+        once it acts on the lookup).
         """
         if not self.enable_caching:
             return PrefixHit([], [])
@@ -93,9 +101,14 @@ class KVCacheManager:
             ids.append(block_id)
         if self.offload is not None and len(ids) < len(hashes):
             ids += self._restore(hashes[len(ids) :], ids)
-        self.prefix_queries += len(token_ids)
-        self.prefix_hits += len(ids) * self.block_size
-        return PrefixHit(ids, hashes[: len(ids)])
+        if record:
+            self.record_prefix(len(token_ids), len(ids) * self.block_size)
+        return PrefixHit(ids, hashes[: len(ids)], tuple(hashes[len(ids) :]))
+
+    def record_prefix(self, query_tokens: int, hit_tokens: int) -> None:
+        """Count one prefix-cache query of ``query_tokens`` tokens that hit ``hit_tokens``."""
+        self.prefix_queries += query_tokens
+        self.prefix_hits += hit_tokens
 
     def _restore(self, hashes: list[int], found: list[int]) -> list[int]:
         """Bring the leading ``hashes`` held by the offload tiers back into device blocks (as cached)."""

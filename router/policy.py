@@ -6,7 +6,11 @@ request adds: the tokens the worker must still compute (prefill) or receive
 (decode, weighted by ``transfer_weight``; 1.0 by default because a decode
 worker that holds the prefix can compute the rest itself under conditional
 disaggregation, so a miss there usually costs a whole prefill) plus the
-tokens already queued or running there. Workers
+tokens already queued or running there, less the part of those that computes
+this request's own prefix (``shared_load_tokens``: a request in flight there
+shares its leading blocks; the worker computes them once, and this request
+would wait for them wherever it went, so they are no extra work; the engine's
+scheduler takes them from the cache once committed). Workers
 without room for the blocks a request needs there (beyond the prefix they
 hold) are passed over while any other has room.
 """
@@ -28,6 +32,7 @@ class Candidate:
     load_tokens: int
     free_blocks: int
     need_blocks: int = 0
+    shared_load_tokens: int = 0
 
 
 class RoutingPolicy(Protocol):
@@ -73,7 +78,7 @@ class PrefixAware:
     def cost(self, role: str, c: Candidate, prompt_tokens: int) -> float:
         missing = max(prompt_tokens - c.prefix_tokens, 0)
         weight = 1.0 if role == "prefill" else self.transfer_weight
-        return c.load_tokens + weight * missing
+        return max(c.load_tokens - c.shared_load_tokens, 0) + weight * missing
 
     def pick(self, role: str, candidates: list[Candidate], prompt_tokens: int,
              need_blocks: int) -> tuple[Candidate, str]:

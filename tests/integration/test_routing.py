@@ -82,6 +82,28 @@ def test_prefix_routing_follows_the_cached_prefix(group: WorkerGroup, tokenizer:
     asyncio.run(scenario())
 
 
+def test_requests_of_a_prefix_in_flight_follow_it_and_reuse_it(group: WorkerGroup, tokenizer: Any) -> None:
+    """Two requests of a new 384-token prefix sent at once: the second follows the first (its prefix
+    is pending there) instead of going to the idle decode worker, and the prefill worker computes
+    the prefix once (the second waits for the first's blocks and reads them from the cache)."""
+
+    async def scenario() -> None:
+        client = PDClient(group.prefill, group.decode, ClientConfig(routing="prefix"))
+        await client.start()
+        prefix = tokenizer.encode("[in flight] " + SYSTEM * 24)[:384]
+        questions = ("Which ship came first?", "Who kept the log?")
+        pair = [req(prefix + tokenizer.encode(" " + q)) for q in questions]
+        first, second = await asyncio.gather(*[collect(client, r) for r in pair])
+        assert first[-1].worker_id == second[-1].worker_id
+        assert sorted([first[0].cached_tokens, second[0].cached_tokens]) == [0, 384]
+        assert client.decisions[("decode", "prefix", "prefix_hit")] >= 1
+        await settle_index(client)
+        assert not any(w.pending for w in client.table.all())  # replaced by the real KV events
+        await client.close()
+
+    asyncio.run(scenario())
+
+
 def test_conditional_disaggregation_keeps_short_prompts_on_decode(
     group: WorkerGroup, tokenizer: Any
 ) -> None:

@@ -1,5 +1,8 @@
 """Prefix index folding KV events, and the routing policies' choices."""
 
+import time
+
+from cluster.worker_state import WorkerState, WorkerTable
 from engine.hashing import ROOT_SEED, block_hashes
 from router.policy import Candidate, LeastLoaded, PrefixAware, RoundRobin, make_policy
 from router.prefix_index import PrefixIndex
@@ -52,20 +55,69 @@ def test_round_robin_and_least_loaded() -> None:
     assert make_policy("prefix").name == "prefix"
 
 
-def test_prefix_sent_to_a_worker_counts_as_held_before_it_is_published() -> None:
-    from cluster.worker_state import WorkerState, WorkerTable
-
+def two_decoders() -> tuple[WorkerTable, WorkerState, WorkerState]:
     table = WorkerTable([], [object(), object()], call_timeout=1.0)
     table.index = PrefixIndex(block_size=4, seed=ROOT_SEED)
     a, b = table.decode
     a.worker_id, b.worker_id = "d0", "d1"
+    a.free_blocks = b.free_blocks = 1000
+    return table, a, b
+
+
+def test_prefix_sent_to_a_worker_counts_as_held_before_it_is_published() -> None:
+    table, a, b = two_decoders()
+    assert table.index is not None
     h = table.index.hashes(list(range(16)))
-    a.pending["r1"] = set(h[:3])
+    a.add_pending("r1", h[:3], ttl=30.0)
     rows = table.candidates([a, b], h, block_size=4)
     assert [r.prefix_tokens for r in rows] == [12, 0]
     assert PrefixAware().pick("decode", rows, 16, 5)[0].worker_id == "d0"
     other = table.index.hashes([7] + list(range(1, 16)))
-    assert isinstance(a, WorkerState) and a.pending_match(other) == 0
+    assert a.pending_match(other) == (0, 0)
+
+
+def test_pending_prefix_routing_follows_it_until_published_failed_or_expired() -> None:
+    table, a, b = two_decoders()
+    assert table.index is not None
+    h = table.index.hashes(list(range(1040)))  # 260 blocks of 4
+    # the first request of a prefix went to d0 and is being computed there: its whole prompt is
+    # d0's load, but it is the prefix the second request needs, so d0 still wins
+    a.add_pending("r1", h, ttl=30.0)
+    a.inflight_tokens = 1040
+    rows = table.candidates([a, b], h[:256], block_size=4, num_tokens=1030)
+    assert [(r.prefix_tokens, r.shared_load_tokens) for r in rows] == [(1024, 1024), (0, 0)]
+    assert PrefixAware().pick("prefill", rows, 1030, 258)[0].worker_id == "d0"
+    # another worker's in-flight work is plain load: an unrelated prompt goes to the idle one
+    unrelated = table.index.hashes([5] * 1030)
+    rows = table.candidates([a, b], unrelated, 4, 1030)
+    assert [r.shared_load_tokens for r in rows] == [0, 0]
+    assert PrefixAware().pick("prefill", rows, 1030, 258)[0].worker_id == "d1"
+    # served: kept (no longer discounting load) until a KV-events batch drained later is folded in
+    a.inflight_tokens = 0
+    a.settle("r1", ok=True, ttl=30.0)
+    assert a.pending_match(h) == (260, 0)
+    a.drop_published(drained_after=a.pending["r1"].served_at - 1.0)  # type: ignore[operator]
+    assert "r1" in a.pending
+    a.drop_published(drained_after=time.monotonic())
+    assert a.pending_match(h) == (0, 0)
+    # failed: dropped at once; expired: dropped at the next match
+    a.add_pending("r2", h, ttl=30.0)
+    a.settle("r2", ok=False, ttl=30.0)
+    a.add_pending("r3", h, ttl=0.0)
+    b.add_pending("r4", h, ttl=30.0)
+    b.settle("r4", ok=True, ttl=0.0)
+    rows = table.candidates([a, b], h, block_size=4, num_tokens=1040)
+    assert [r.prefix_tokens for r in rows] == [0, 0] and not a.pending and not b.pending
+
+
+def test_round_robin_ignores_pending_prefixes() -> None:
+    table, a, b = two_decoders()
+    assert table.index is not None
+    h = table.index.hashes(list(range(64)))
+    a.add_pending("r1", h, ttl=30.0)
+    rr = RoundRobin()
+    picks = [rr.pick("decode", table.candidates([a, b], h, 4, 64), 64, 17)[0].worker_id for _ in range(4)]
+    assert picks == ["d0", "d1", "d0", "d1"]
 
 
 def test_room_counts_only_the_blocks_a_worker_lacks() -> None:

@@ -111,3 +111,64 @@ def test_finish_frees_everything() -> None:
     s.finish(r)
     assert s.kv.pool.num_used_blocks == 0
     s.kv.check_integrity()
+
+
+def shared(rid: str, tail: list[int]) -> Request:
+    """A request whose first 20 tokens (5 blocks of 4) are 0..19."""
+    return Request(rid, list(range(20)) + tail, SamplingParams(max_tokens=100, temperature=0),
+                   arrival_time=0.0)
+
+
+def dedup(max_wait: int | None = None) -> Scheduler:
+    return Scheduler(KVCacheManager(64, 4), 64, 4, max_model_len=64, prefix_wait_min_tokens=8,
+                     max_prefix_wait_steps=max_wait)
+
+
+def test_waiting_request_takes_in_flight_prefix_blocks_once_committed() -> None:
+    s = dedup()
+    a, b, c = shared("a", [50, 51, 52, 53]), shared("b", [90, 91, 92]), req("c", 4, first=200)
+    for r in (a, b, c):
+        s.add(r)
+    out = s.schedule()
+    # b's 5 full blocks are being computed by a: b waits, c behind it is not held up
+    assert plan(out) == [("a", 24), ("c", 4)]
+    assert [r.request_id for r in s.waiting] == ["b"]
+    run(s, out)
+    s.kv.check_integrity()
+    out = s.schedule()
+    assert plan(out) == [("a", 1), ("c", 1), ("b", 3)]
+    assert b.metrics.cached_prompt_tokens == 20
+    assert s.kv.blocks_of("b")[:5] == s.kv.blocks_of("a")[:5]
+    run(s, out)
+    s.kv.check_integrity()
+    assert s.num_prefix_waits == 1 and not s._computing and not s._computing_of
+
+
+def test_prefix_wait_is_bounded_and_thresholded_and_ends_with_its_source() -> None:
+    s = dedup(max_wait=0)  # bound reached at once: b computes the prefix itself
+    a, b = shared("a", [50]), shared("b", [90])
+    s.add(a)
+    s.add(b)
+    assert plan(s.schedule()) == [("a", 21), ("b", 21)]
+    assert b.metrics.cached_prompt_tokens == 0
+
+    s = Scheduler(KVCacheManager(64, 4), 64, 4, max_model_len=64, prefix_wait_min_tokens=24)
+    s.add(shared("a", [50]))
+    s.add(shared("b", [90]))  # 20 shared tokens in flight < 24: no wait
+    assert plan(s.schedule()) == [("a", 21), ("b", 21)]
+
+    s = Scheduler(KVCacheManager(64, 4), 8, 4, max_model_len=64, prefix_wait_min_tokens=8)
+    a, b = shared("a", [50]), shared("b", [90])
+    s.add(a)
+    out = s.schedule()
+    assert plan(out) == [("a", 8)]
+    run(s, out)
+    s.add(b)
+    s.max_num_batched_tokens = 64
+    out = s.schedule()
+    # a computes blocks 2-4 now: b's next uncached blocks are in flight, it waits
+    assert plan(out) == [("a", 13)] and s.waiting[0] is b
+    s.finish(a)  # its source aborted before committing: b no longer waits
+    out = s.schedule()
+    assert plan(out) == [("b", 13)] and b.metrics.cached_prompt_tokens == 8
+    s.kv.check_integrity()
