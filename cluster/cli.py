@@ -62,20 +62,32 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def parse_size(text: str) -> int:
-    """Parse a byte count: ``1048576``, ``512M``, ``2G``, ``1.5GiB`` (binary units: K = 1024)."""
+def parse_size(text: str, allow_zero: bool = False) -> int:
+    """Parse a byte count: ``1048576``, ``512M``, ``2G``, ``1.5GiB`` (binary units: K = 1024).
+
+    ``0`` is accepted only with ``allow_zero`` (sizes whose 0 means "off")."""
     match = _SIZE_RE.match(text)
     if match is None:
         raise ValueError(f"invalid size {text!r}; use bytes or a number with K, M, G or T (e.g. 512M, 2G)")
     value = float(match.group(1)) * _SIZE_UNITS[match.group(2).upper()]
+    if allow_zero and value == 0:
+        return 0
     if value < 1:
-        raise ValueError(f"invalid size {text!r}; must be at least 1 byte")
+        raise ValueError(f"invalid size {text!r}; must be at least 1 byte" + (" or 0" if allow_zero else ""))
     return int(value)
 
 
 def _size(text: str) -> int:
     try:
         return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def size_or_zero(text: str) -> int:
+    """An argparse type for a size whose 0 means off."""
+    try:
+        return parse_size(text, allow_zero=True)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -125,7 +137,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--swap-space", type=_size, default=1024**3, metavar="SIZE",
                    help="host memory for swapped-out KV with --preemption-mode swap; requests that do "
                         "not fit are recomputed (default: 1G)")
-    g.add_argument("--kv-offload-bytes", type=_size, default=0, metavar="SIZE",
+    g.add_argument("--kv-offload-bytes", type=size_or_zero, default=0, metavar="SIZE",
                    help="host memory for prefix-cache blocks evicted from the KV cache; a later prefix "
                         "hit copies them back instead of recomputing (default: 0, off)")
     g.add_argument("--kv-offload-dir", default=None, metavar="DIR",

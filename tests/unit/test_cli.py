@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.cli import main, parse_size
+from cluster.cli import UsageError, main, parse_size
 
 GENERATE_FLAGS = (
     "--model", "--dtype", "--device", "--block-size", "--kv-cache-memory", "--num-kv-blocks",
@@ -91,3 +91,14 @@ def test_parse_size(text: str, expected: int) -> None:
 def test_parse_size_rejects(text: str) -> None:
     with pytest.raises(ValueError, match="invalid size"):
         parse_size(text)
+
+
+def test_offload_bytes_zero_means_off_but_other_sizes_reject_zero() -> None:
+    from cluster.cli import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["generate", "--kv-offload-bytes", "0", "hello"])
+    assert args.kv_offload_bytes == 0
+    assert parse_size("0", allow_zero=True) == 0
+    with pytest.raises(UsageError, match="--kv-cache-memory: invalid size '0'; must be at least 1 byte"):
+        parser.parse_args(["generate", "--kv-cache-memory", "0", "hello"])

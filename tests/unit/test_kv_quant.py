@@ -130,7 +130,8 @@ def test_each_query_sees_its_own_token_exactly_and_the_rest_as_stored() -> None:
     def stored(seq: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         pos = torch.arange(n)
         blocks = torch.tensor(case.tables[seq])[pos // bs]
-        return tuple(dequantize(kv[blocks, i, pos % bs], scales[blocks, i][:, :, None]) for i in (0, 1))
+        k, v = (dequantize(kv[blocks, i, pos % bs], scales[blocks, i][:, :, None]) for i in (0, 1))
+        return k, v
 
     starts = [0, 6, 7]
     for seq in range(3):
