@@ -7,8 +7,8 @@ deltas of a request; one per decode step batch), ``e2e_request_latency_seconds``
 ``prompt_tokens_total`` and ``generation_tokens_total``. From every worker's
 ``WorkerStats`` at scrape time, labelled ``worker`` and ``role``:
 ``num_requests_running``, ``num_requests_waiting``, ``kv_cache_usage_perc``
-(0..1), ``prefix_cache_queries_total`` / ``prefix_cache_hits_total`` (blocks
-looked up / found), ``num_preemptions_total``, ``request_queue_time_seconds``
+(0..1), ``prefix_cache_queries_total`` / ``prefix_cache_hits_total`` (tokens
+looked up / found, as vLLM counts them), ``num_preemptions_total``, ``request_queue_time_seconds``
 (engine arrival to first schedule), ``kv_transfer_seconds`` (per pull, decode),
 ``kv_transfer_bytes_total``, ``kv_transfer_blocks_total``,
 ``kv_transfer_failures_total``, ``kv_lease_expired_total`` (prefill), plus the
@@ -22,7 +22,7 @@ Per KV tier, labelled ``worker``, ``role``, ``tier`` (``device``, ``host``,
 (blocks x block bytes, scales included: the bytes the whole blocks take, at most
 the configured budget), ``kv_cache_used_blocks`` (device: held by requests or
 leases; host/disk: stored there) and ``kv_offload_hits_total`` (blocks restored
-from the host or disk tier; they also count in ``prefix_cache_hits_total``). A
+from the host or disk tier; their tokens also count in ``prefix_cache_hits_total``). A
 tier that is not configured has no series at all (the device tier always has).
 """
 
@@ -99,8 +99,8 @@ VLLM_GAUGES: dict[str, tuple[str, Getter]] = {
                             lambda s: s.num_used_blocks / s.num_kv_blocks if s.num_kv_blocks else 0.0),
 }
 COUNTERS: dict[str, tuple[str, Getter]] = {
-    "prefix_cache_queries": ("Prefix cache queries, in blocks looked up.", lambda s: s.prefix_queries),
-    "prefix_cache_hits": ("Prefix cache hits, in blocks found.", lambda s: s.prefix_hits),
+    "prefix_cache_queries": ("Prefix cache queries, in tokens looked up.", lambda s: s.prefix_queries),
+    "prefix_cache_hits": ("Prefix cache hits, in tokens found.", lambda s: s.prefix_hits),
     "num_preemptions": ("Cumulative number of preemptions.", lambda s: s.num_preemptions),
     "kv_transfer_bytes": ("KV bytes pulled from prefill workers.", lambda s: s.transfer_bytes),
     "kv_transfer_blocks": ("KV blocks pulled from prefill workers.", lambda s: s.transfer_blocks),
