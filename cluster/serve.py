@@ -353,6 +353,14 @@ def run_serve(args: argparse.Namespace) -> int:
     import ray
     import uvicorn
 
+    # Everything the router and the worker handles run is imported before Ray starts: under `ray job
+    # submit` the job's copy of the working directory can be removed by a node's runtime-env agent
+    # while the driver runs (several nodes sharing one temp dir), so nothing may be imported later.
+    import cluster.backend  # noqa: F401
+    import cluster.client  # noqa: F401
+    import cluster.workers  # noqa: F401
+    import router.app  # noqa: F401
+
     prepared = prepare_service(args, kwargs)
     started_ray = _start_ray(args)
     service = None
