@@ -10,6 +10,7 @@ start-up log (secrets masked).
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -75,10 +76,24 @@ def load_config(path: str | Path, parser: argparse.ArgumentParser) -> dict[str, 
         return {}
     if not isinstance(raw, dict):
         raise ConfigError(f"--config: {where} must hold a mapping of flag names to values")
+    return convert_settings(raw, parser, where)
+
+
+def key_dest(key: object) -> str:
+    """The argparse ``dest`` a settings key names: ``num-decode``, ``--num-decode``, ``num_decode``."""
+    return str(key).removeprefix("--").replace("-", "_")
+
+
+def convert_settings(raw: Mapping[Any, Any], parser: argparse.ArgumentParser, where: str) -> dict[str, Any]:
+    """Convert a mapping keyed by flag name with ``parser``'s own flag types; ``dest -> value``.
+
+    The one validation path for settings that do not come from a command line (``--config`` files,
+    the Ray Serve application's ``args``): a bad key or value raises ``ConfigError`` naming ``where``,
+    the key and the flag."""
     actions = _actions(parser)
     out: dict[str, Any] = {}
     for key, value in raw.items():
-        dest = str(key).removeprefix("--").replace("-", "_")
+        dest = key_dest(key)
         action = actions.get(dest)
         if action is None:
             raise ConfigError(f"{where}: unknown key {key!r} (no flag --{dest.replace('_', '-')})")

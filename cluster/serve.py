@@ -30,6 +30,7 @@ import math
 import os
 import signal
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,9 +40,15 @@ from router.policy import POLICIES as POLICIES_ROUTING
 from transfer.tracing import PROTOCOLS, TraceConfig, Tracing
 
 if TYPE_CHECKING:
+    from fastapi import FastAPI
+
     from cluster.backend import ClusterBackend
+    from cluster.cli import EngineKwargs
+    from cluster.workers import WorkerGroup
     from engine.config import EngineConfig
     from engine.loader import ModelSource
+    from engine.tokenizer import Tokenizer
+    from router.app import RouterConfig
 
 log = logging.getLogger("pdserve")
 READY_TIMEOUT = 600.0
@@ -220,31 +227,63 @@ async def _serve(server: Any, backend: ClusterBackend, ready_line: str) -> bool:
     return not failed
 
 
-def run_serve(args: argparse.Namespace) -> int:
+def check_serve_args(args: argparse.Namespace, on_cluster: bool = False) -> EngineKwargs:
+    """The checks argparse cannot make alone; raises ValueError naming the flag. ``on_cluster``: Ray
+    is already there (a Ray Serve application), so node selectors need no ``--address``."""
     kwargs = engine_kwargs_from_args(args)
     check_engine_kwargs(kwargs)
     if args.num_decode < 1 or args.num_prefill < 0:
         raise ValueError("--num-decode must be >= 1 and --num-prefill >= 0")
-    if args.address is None:
+    if args.address is None and not on_cluster:
         for flag in ("--prefill-resources", "--decode-resources", "--prefill-labels", "--decode-labels"):
             if getattr(args, flag[2:].replace("-", "_")):
                 raise ValueError(f"{flag} selects nodes of a Ray cluster: give its --address (e.g. auto); "
                                  "the local instance pdserve starts has no custom resources or labels")
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    from cluster.config import describe
+    return kwargs
 
-    log.info("pdserve: configuration%s:\n%s", f" (from {args.config} and flags)" if args.config else "",
-             describe(args))
 
-    import ray
-    import uvicorn
+@dataclass
+class Prepared:
+    """What the router needs before any worker exists (no Ray yet): model, configs, tokenizer, tracing."""
 
-    from cluster.backend import ClusterBackend
-    from cluster.client import ClientConfig, KvFailurePolicy, PDClient
-    from cluster.workers import WorkerOptions, start_workers
+    model_path: str
+    engine_config: EngineConfig
+    router_config: RouterConfig
+    tokenizer: Tokenizer
+    trace_config: TraceConfig
+    tracing: Tracing
+
+
+@dataclass
+class Service:
+    """One router's serving stack on Ray: the worker actors, the backend over them and the HTTP app.
+
+    ``start`` waits for the workers; ``stop`` kills them and removes their placement groups."""
+
+    app: FastAPI
+    backend: ClusterBackend
+    group: WorkerGroup
+    prepared: Prepared
+
+    async def start(self, timeout: float = READY_TIMEOUT) -> None:
+        await self.backend.start(timeout)
+
+    def stop(self) -> bool:
+        """Flush the workers' traces, kill the actors, remove the placement groups (bounded, see
+        ``WorkerGroup.shutdown``); False when Ray did not confirm in time."""
+        import ray
+
+        if self.prepared.tracing.enabled:
+            with contextlib.suppress(Exception):  # a dead worker has nothing left to flush
+                ray.get([a.flush_traces.remote() for a in self.group.all()], timeout=10)
+        return self.group.shutdown()
+
+
+def prepare_service(args: argparse.Namespace, kwargs: EngineKwargs) -> Prepared:
+    """Resolve and read the model (config and tokenizer only) and build the engine and router configs."""
     from engine.config import EngineConfig
     from engine.loader import load_model_source, resolve_model
-    from router.app import RouterConfig, create_app
+    from router.app import RouterConfig
 
     path = resolve_model(kwargs["model"])
     source = load_model_source(path)
@@ -265,47 +304,84 @@ def run_serve(args: argparse.Namespace) -> int:
         max_request_bytes=args.max_request_bytes, max_queued_requests=args.max_queued_requests,
         max_queued_tokens=args.max_queued_tokens, request_timeout=args.request_timeout,
         default_max_tokens=args.default_max_tokens)
-    tokenizer = source.load_tokenizer()
     trace_config = TraceConfig.from_env(args.otlp_traces_endpoint, args.otlp_traces_protocol,
                                         args.otlp_traces_sample_ratio)
-    tracing = Tracing(trace_config, "router")
-    started_ray = _start_ray(args)
-    group = None
+    return Prepared(str(path), engine_config, router_config, source.load_tokenizer(), trace_config,
+                    Tracing(trace_config, "router"))
+
+
+def launch_service(args: argparse.Namespace, prepared: Prepared) -> Service:
+    """Start the worker actors (each in its own placement group) on the connected Ray and build the app
+    over them; the workers are still loading when this returns (``Service.start`` waits for them)."""
+    from cluster.backend import ClusterBackend
+    from cluster.client import ClientConfig, KvFailurePolicy, PDClient
+    from cluster.workers import WorkerOptions, start_workers
+    from router.app import create_app
+
+    gpus = 1 if prepared.engine_config.device.startswith("cuda") else 0
+    common = {"num_cpus": args.worker_cpus, "num_gpus": gpus, "torch_threads": args.torch_threads,
+              "max_restarts": args.max_restarts, "placement_groups": True,
+              "placement_timeout": args.placement_timeout}
+    popts = WorkerOptions(resources=args.prefill_resources, labels=args.prefill_labels,
+                          tp=args.prefill_tp, resources_flag="--prefill-resources", **common)
+    dopts = WorkerOptions(resources=args.decode_resources, labels=args.decode_labels,
+                          tp=args.decode_tp, resources_flag="--decode-resources", **common)
+    group = start_workers(prepared.model_path, prepared.engine_config, args.num_prefill, args.num_decode,
+                          popts, dopts, lease_seconds=args.lease_seconds, tracing=prepared.trace_config)
     try:
-        for sig in (signal.SIGINT, signal.SIGTERM):  # while placing workers: unwind through `finally`
-            signal.signal(sig, _exit_on_signal)
-        gpus = 1 if engine_config.device.startswith("cuda") else 0
-        common = {"num_cpus": args.worker_cpus, "num_gpus": gpus, "torch_threads": args.torch_threads,
-                  "max_restarts": args.max_restarts, "placement_groups": True,
-                  "placement_timeout": args.placement_timeout}
-        popts = WorkerOptions(resources=args.prefill_resources, labels=args.prefill_labels,
-                              tp=args.prefill_tp, resources_flag="--prefill-resources", **common)
-        dopts = WorkerOptions(resources=args.decode_resources, labels=args.decode_labels,
-                              tp=args.decode_tp, resources_flag="--decode-resources", **common)
-        group = start_workers(str(path), engine_config, args.num_prefill, args.num_decode, popts, dopts,
-                              lease_seconds=args.lease_seconds, tracing=trace_config)
         client = PDClient(group.prefill, group.decode, ClientConfig(
             kv_failure_policy=KvFailurePolicy(args.kv_failure_policy), routing=args.routing,
             disagg_min_tokens=args.disagg_min_tokens,
             prefill_saturation_tokens=args.prefill_saturation_tokens,
             migration_limit=args.migration_limit))
-        backend = ClusterBackend(client, router_config.model_name, colocated=args.num_prefill == 0)
-        app = create_app(backend, tokenizer, router_config, tracing)
-        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                               access_log=False, timeout_graceful_shutdown=5))
+        name = prepared.router_config.model_name
+        backend = ClusterBackend(client, name, colocated=args.num_prefill == 0)
+        app = create_app(backend, prepared.tokenizer, prepared.router_config, prepared.tracing)
+    except BaseException:
+        group.shutdown()
+        raise
+    return Service(app, backend, group, prepared)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    kwargs = check_serve_args(args)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    from cluster.config import describe
+
+    log.info("pdserve: configuration%s:\n%s", f" (from {args.config} and flags)" if args.config else "",
+             describe(args))
+
+    import ray
+    import uvicorn
+
+    # Everything the router and the worker handles run is imported before Ray starts: under `ray job
+    # submit` the job's copy of the working directory can be removed by a node's runtime-env agent
+    # while the driver runs (several nodes sharing one temp dir), so nothing may be imported later.
+    import cluster.backend  # noqa: F401
+    import cluster.client  # noqa: F401
+    import cluster.workers  # noqa: F401
+    import router.app  # noqa: F401
+
+    prepared = prepare_service(args, kwargs)
+    started_ray = _start_ray(args)
+    service = None
+    try:
+        for sig in (signal.SIGINT, signal.SIGTERM):  # while placing workers: unwind through `finally`
+            signal.signal(sig, _exit_on_signal)
+        service = launch_service(args, prepared)
+        server = uvicorn.Server(uvicorn.Config(service.app, host=args.host, port=args.port,
+                                               log_level="warning", access_log=False,
+                                               timeout_graceful_shutdown=5))
         for sig in (signal.SIGINT, signal.SIGTERM):  # uvicorn re-raises the signal it caught on exit
             signal.signal(sig, lambda *_: None)
-        ready = (f"pdserve: serving {router_config.model_name} on http://{args.host}:{args.port} "
+        ready = (f"pdserve: serving {prepared.router_config.model_name} on http://{args.host}:{args.port} "
                  f"({args.num_prefill} prefill, {args.num_decode} decode)")
-        ok = asyncio.run(_serve(server, backend, ready))
+        ok = asyncio.run(_serve(server, service.backend, ready))
         return 0 if ok else 1
     finally:
-        if group is not None:
-            if tracing.enabled:
-                with contextlib.suppress(Exception):  # a dead worker has nothing left to flush
-                    ray.get([a.flush_traces.remote() for a in group.all()], timeout=10)
-            group.shutdown()
-        tracing.shutdown()
+        if service is not None:
+            service.stop()
+        prepared.tracing.shutdown()
         if started_ray:
             ray.shutdown()
         log.info("pdserve: stopped")

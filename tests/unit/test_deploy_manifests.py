@@ -3,11 +3,14 @@
 Every ``pdserve serve`` command in them parses with the real argparse parser; the
 custom resources its ``--prefill-resources`` / ``--decode-resources`` ask for are
 offered by a worker group (with a GPU when ``--device cuda``); the router's
-Service targets the head pod on ``--port``.
+Service targets the head pod on ``--port``. The RayService's ``serveConfigV2``
+validates against Ray Serve's own schema, its ``import_path`` is the application
+builder, and its ``args`` pass the builder's validation (the ``--config`` path).
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import shlex
 from importlib.metadata import version
@@ -48,7 +51,21 @@ def clusters() -> list[tuple[str, dict[str, Any]]]:
             out.append((doc["metadata"]["name"], doc["spec"]))
         elif doc["kind"] == "RayJob" and "rayClusterSpec" in doc["spec"]:
             out.append((doc["metadata"]["name"], doc["spec"]["rayClusterSpec"]))
+        elif doc["kind"] == "RayService":
+            out.append((doc["metadata"]["name"], doc["spec"]["rayClusterConfig"]))
     return out
+
+
+def assert_workers_fit(args: Any, spec: dict[str, Any]) -> None:
+    """Each role's resources are offered by a worker group (with GPUs for cuda), enough replicas of it."""
+    offered = [(start_resources(g["rayStartParams"]), int(g["rayStartParams"]["num-gpus"]))
+               for g in spec["workerGroupSpecs"]]
+    for wanted in (args.prefill_resources, args.decode_resources):
+        hosts = [gpus for res, gpus in offered if all(res.get(k, 0) >= v for k, v in wanted.items())]
+        assert hosts, (wanted, offered)
+        assert args.device != "cuda" or all(g >= 1 for g in hosts)
+    replicas = {g["groupName"]: g["replicas"] for g in spec["workerGroupSpecs"]}
+    assert args.num_prefill <= replicas["prefill"] and args.num_decode <= replicas["decode"]
 
 
 def serve_args(entrypoint: str) -> Any:
@@ -96,22 +113,15 @@ def test_jobs_match_the_code_and_their_cluster() -> None:
             spec = specs[job["spec"]["clusterSelector"]["ray.io/cluster"]]
         else:
             spec = specs[job["metadata"]["name"]]
-        offered = [(start_resources(g["rayStartParams"]), int(g["rayStartParams"]["num-gpus"]))
-                   for g in spec["workerGroupSpecs"]]
-        for wanted in (args.prefill_resources, args.decode_resources):
-            hosts = [gpus for res, gpus in offered if all(res.get(k, 0) >= v for k, v in wanted.items())]
-            assert hosts, (wanted, offered)
-            assert args.device != "cuda" or all(g >= 1 for g in hosts)
+        assert_workers_fit(args, spec)
         assert args.address == "auto" and args.host == "0.0.0.0"
         entry = json.loads(job["spec"]["entrypointResources"])
         assert entry.items() <= start_resources(spec["headGroupSpec"]["rayStartParams"]).items()
-        replicas = {g["groupName"]: g["replicas"] for g in spec["workerGroupSpecs"]}
-        assert args.num_prefill <= replicas["prefill"] and args.num_decode <= replicas["decode"]
 
 
 def test_router_service_targets_head_port() -> None:
     docs = kuberay()
-    service = next(d for d in docs if d["kind"] == "Service")
+    service = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == "pdserve-router")
     cluster = next(d for d in docs if d["kind"] == "RayCluster")
     selector = service["spec"]["selector"]
     assert selector == {"ray.io/cluster": cluster["metadata"]["name"], "ray.io/node-type": "head"}
@@ -120,6 +130,36 @@ def test_router_service_targets_head_port() -> None:
     assert service["spec"]["ports"][0]["targetPort"] == port
     head = cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
     assert port in {p["containerPort"] for p in head["ports"]}
+
+
+def test_ray_service_matches_the_code() -> None:
+    from ray.serve.schema import ServeDeploySchema
+
+    from cluster.serve_app import DEPLOYMENT, build_app, serve_options
+
+    (doc,) = [d for d in kuberay() if d["kind"] == "RayService"]
+    spec = doc["spec"]
+    config = ServeDeploySchema.model_validate(yaml.safe_load(spec["serveConfigV2"]))
+    (app,) = config.applications
+    module, _, attr = app.import_path.partition(":")
+    assert getattr(importlib.import_module(module), attr) is build_app
+    assert app.route_prefix == "/"
+    args = serve_options(app.args)  # raises ConfigError naming the key on anything the code rejects
+    assert build_app(app.args) is not None
+    assert args.device == "cuda" and args.prefill_resources and args.decode_resources
+    cluster = spec["rayClusterConfig"]
+    assert_workers_fit(args, cluster)
+    (deployment,) = app.deployments
+    assert deployment.name == DEPLOYMENT and deployment.num_replicas == 1
+    head = cluster["headGroupSpec"]
+    wanted = deployment.ray_actor_options.resources
+    assert wanted.items() <= start_resources(head["rayStartParams"]).items()  # the router on the head
+    assert config.proxy_location == "HeadOnly" and config.http_options.host == "0.0.0.0"
+    port = config.http_options.port
+    assert port in {p["containerPort"] for p in head["template"]["spec"]["containers"][0]["ports"]}
+    assert [p["targetPort"] for p in spec["serveService"]["spec"]["ports"]] == [port]
+    readme = (DEPLOY / "kuberay" / "README.md").read_text()
+    assert spec["serveService"]["metadata"]["name"] in readme and app.import_path in readme
 
 
 def test_cluster_launcher() -> None:

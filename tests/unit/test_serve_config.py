@@ -86,3 +86,38 @@ def test_placement_flags(capsys: pytest.CaptureFixture[str]) -> None:
     gpu = Placement(num_cpus=2, num_gpus=1, tp=2, resources={"decode_node": 1})
     assert gpu.bundles() == [{"CPU": 2, "decode_node": 1, "GPU": 1.0}, {"GPU": 1.0}]
     assert Placement(num_cpus=0.5).bundles() == [{"CPU": 0.5}]
+
+
+def test_serve_app_args_same_conversion_as_a_config_file(tmp_path: Path) -> None:
+    """The Ray Serve builder's args go through the --config conversion; a ``config`` key reads a file."""
+    from cluster.serve_app import build_app, serve_options
+
+    args = serve_options({"num-decode": 2, "prefill-resources": {"prefill_node": 1},
+                          "kv-cache-memory": "64M"})
+    assert args.num_decode == 2 and args.prefill_resources == {"prefill_node": 1.0}
+    assert args.kv_cache_memory == 64 * 1024**2
+    assert args.prefill_labels == {} and args.routing == "prefix"  # defaults as on the command line
+    path = write(tmp_path, CONFIG.replace("api-key: secret\n", ""))
+    args = serve_options({"config": path, "num-decode": 4})
+    assert (args.num_decode, args.num_prefill, args.routing, args.max_restarts) == (4, 3, "round-robin", 5)
+    app = build_app({"num-decode": 3, "max-queued-requests": 10, "max-num-seqs": 8})
+    assert app is not None and serve_options(None).num_decode == 1
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    ({"num-decode": "two"}, "key 'num-decode' (--num-decode): invalid int value: 'two'"),
+    ({"num-decode": 0}, "--num-decode must be >= 1"),
+    ({"routing": "random"}, "key 'routing' (--routing): 'random' is not one of"),
+    ({"prefill-resources": {"prefill_node": "lots"}}, "key 'prefill-resources' (--prefill-resources)"),
+    ({"nope": 1}, "unknown key 'nope' (no flag --nope)"),
+    ({"port": 8001}, "key 'port' (--port) does not apply under Ray Serve"),
+    ({"address": "auto"}, "key 'address' (--address) does not apply under Ray Serve"),
+    ({"config": 3}, "key 'config' (--config) must be the path of a YAML file"),
+    ({"dtype": "float64"}, "key 'dtype' (--dtype)"),
+])
+def test_serve_app_bad_args_name_the_key(args: dict[str, object], message: str) -> None:
+    from cluster.serve_app import WHERE, build_app
+
+    with pytest.raises(ConfigError) as exc:
+        build_app(args)
+    assert message in str(exc.value) and str(exc.value).startswith(WHERE), exc.value
