@@ -72,12 +72,13 @@ class LeastLoaded:
 class PrefixAware:
     name = "prefix"
 
-    def __init__(self, transfer_weight: float = 1.0) -> None:
+    def __init__(self, transfer_weight: float = 1.0, cache_weight: float = 2.0) -> None:
         self.transfer_weight = transfer_weight
+        self.cache_weight = cache_weight
 
     def cost(self, role: str, c: Candidate, prompt_tokens: int) -> float:
         missing = max(prompt_tokens - c.prefix_tokens, 0)
-        weight = 1.0 if role == "prefill" else self.transfer_weight
+        weight = self.cache_weight * (1.0 if role == "prefill" else self.transfer_weight)
         return max(c.load_tokens - c.shared_load_tokens, 0) + weight * missing
 
     def pick(self, role: str, candidates: list[Candidate], prompt_tokens: int,

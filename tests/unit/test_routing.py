@@ -37,6 +37,15 @@ def test_prefix_policy_prefers_held_prefix_until_load_outweighs_it() -> None:
     assert (chosen.index, reason) == (1, "prefix_hit")
     chosen, reason = policy.pick("prefill", cands((0, 0, 100), (1024, 5000, 100)), 1100, 10)
     assert (chosen.index, reason) == (0, "load")
+    # cache-first: the holder is busy with another new prompt (1,100 tokens queued) while the other
+    # worker idles; computing the prefix there would cost as much now and a second copy later
+    chosen, reason = policy.pick("prefill", cands((0, 0, 100), (1024, 1100, 100)), 1100, 10)
+    assert (chosen.index, reason) == (1, "prefix_hit")
+    plain = PrefixAware(cache_weight=1.0)
+    assert plain.pick("prefill", cands((0, 0, 100), (1024, 1100, 100)), 1100, 10)[0].index == 0
+    # up to about twice the missing tokens of extra load
+    assert policy.pick("prefill", cands((0, 0, 100), (1024, 2000, 100)), 1100, 10)[0].index == 1
+    assert policy.pick("prefill", cands((0, 0, 100), (1024, 2300, 100)), 1100, 10)[0].index == 0
 
 
 def test_policies_skip_workers_without_room() -> None:
