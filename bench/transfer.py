@@ -2,7 +2,8 @@
 
 A spawned child process holds the source KV caches (``KvSource``); this process
 reads from them with ``KvSink.read_blocking`` (timed from posting the READ to DONE,
-notification included). Each case also times, in the same run and interleaved with
+notification included; the process CPU time of the READ, all threads, is kept too).
+Each case also times, in the same run and interleaved with
 the READs (one of each per repeat), one ``memmove`` call (one thread, a plain memory
 copy) and ``torch`` ``copy_`` (all torch threads) of the same number of bytes, so
 the READ rate is reported as a fraction of a plain copy measured under the same
@@ -35,6 +36,7 @@ from transfer.agent import default_read_threads
 from transfer.wire import AgentInfo, KvHandle, KvLayout, decode, encode
 
 WAIT_S = 60.0
+SETTLE_S = 0.05
 
 
 def smollm2_layout(dtype: torch.dtype, tokens: int) -> tuple[KvLayout, int]:
@@ -70,6 +72,8 @@ class Row(msgspec.Struct):
     copy_min_s: float
     copy_median_s: float
     memmove_median_s: float
+    read_cpu_median_s: float
+    memmove_cpu_median_s: float
 
     def gbps(self, seconds: float) -> float:
         return self.bytes / seconds / 1e9
@@ -98,14 +102,15 @@ class Copier:
         self.dst = torch.empty(nbytes, dtype=torch.uint8)
         self.dst.copy_(self.src)
 
-    def time(self, single_thread: bool) -> float:
-        """``torch`` ``copy_`` (all torch threads), or one ``memmove`` call (one thread)."""
-        start = time.perf_counter()
+    def time(self, single_thread: bool) -> tuple[float, float]:
+        """Wall and process CPU seconds of ``torch`` ``copy_`` (all torch threads), or of one
+        ``memmove`` call (one thread)."""
+        cpu, start = time.process_time(), time.perf_counter()
         if single_thread:
             ctypes.memmove(self.dst.data_ptr(), self.src.data_ptr(), self.src.numel())
         else:
             self.dst.copy_(self.src)
-        return time.perf_counter() - start
+        return time.perf_counter() - start, time.process_time() - cpu
 
 
 def run_case(name: str, info: AgentInfo, blocks: int, repeats: int, thread_counts: list[int]) -> list[Row]:
@@ -127,22 +132,30 @@ def run_case(name: str, info: AgentInfo, blocks: int, repeats: int, thread_count
             remote = rng.sample(range(layout.num_blocks), blocks)
             local = rng.sample(range(layout.num_blocks), blocks)
         reads: list[list[float]] = [[] for _ in sinks]
+        read_cpu: list[list[float]] = [[] for _ in sinks]
         copies: list[float] = []
-        memmoves: list[float] = []
+        memmoves: list[tuple[float, float]] = []
         copier = None
         for i in range(repeats + 1):  # round 0 warms up and is dropped
             for j, sink in enumerate(sinks):
                 handle = KvHandle(f"{name}-{mode}-{j}-{i}", info.agent_name, remote, blocks * 16,
                                   info.compat_hash, time.time() + WAIT_S)
+                cpu = time.process_time()
                 stats = sink.read_blocking(handle, remote, local, timeout=WAIT_S)
+                read_cpu[j].append(time.process_time() - cpu)
                 reads[j].append(stats.seconds)
             copier = copier or Copier(stats.bytes)
             memmoves.append(copier.time(single_thread=True))
-            copies.append(copier.time(single_thread=False))
-        for threads, times in zip(thread_counts, reads, strict=True):
+            copies.append(copier.time(single_thread=False)[0])
+            # torch's OpenMP workers spin for a few ms after copy_ (libgomp's default spin
+            # count); left running they take a core from the next READ (measured: the first
+            # READ of each round lost up to a third of its speed). Untimed.
+            time.sleep(SETTLE_S)
+        for threads, times, cpus in zip(thread_counts, reads, read_cpu, strict=True):
             rows.append(Row(name, mode, threads, stats.bytes, stats.descriptors, min(times[1:]),
                             statistics.median(times[1:]), min(copies[1:]), statistics.median(copies[1:]),
-                            statistics.median(memmoves[1:])))
+                            statistics.median(m[0] for m in memmoves[1:]), statistics.median(cpus[1:]),
+                            statistics.median(m[1] for m in memmoves[1:])))
     for sink in sinks:
         sink.close()
     return rows
@@ -151,15 +164,17 @@ def run_case(name: str, info: AgentInfo, blocks: int, repeats: int, thread_count
 def markdown(rows: list[Row]) -> str:
     lines = [
         "| case | read | MiB | descriptors | read threads | READ min / median ms | READ GB/s (median) "
-        "| memmove GB/s (median) | READ / memmove | copy_ GB/s (median) | READ / copy_ |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| memmove GB/s (median) | READ / memmove | copy_ GB/s (median) | READ / copy_ "
+        "| READ CPU s / memmove CPU s |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r.case} | {r.mode} | {r.bytes / 2**20:.1f} | {r.descriptors} | {r.read_threads} "
             f"| {r.read_min_s * 1e3:.1f} / {r.read_median_s * 1e3:.1f} | {r.gbps(r.read_median_s):.2f} "
             f"| {r.gbps(r.memmove_median_s):.2f} | {r.memmove_median_s / r.read_median_s:.0%} "
-            f"| {r.gbps(r.copy_median_s):.2f} | {r.copy_median_s / r.read_median_s:.0%} |"
+            f"| {r.gbps(r.copy_median_s):.2f} | {r.copy_median_s / r.read_median_s:.0%} "
+            f"| {r.read_cpu_median_s / r.memmove_cpu_median_s:.2f} |"
         )
     return "\n".join(lines)
 
