@@ -2,13 +2,18 @@
 
 A spawned child process holds the source KV caches (``KvSource``); this process
 reads from them with ``KvSink.read_blocking`` (timed from posting the READ to DONE,
-notification included). Each case also times ``torch`` ``copy_`` of a same-size
-tensor in this process, so the READ rate is reported as a fraction of a plain copy
-measured in the same run. Every pool holds twice the blocks a request needs; a
-"contiguous" read maps blocks 0..n-1 onto 0..n-1 (NIXL merges them into one
-descriptor per layer), a "scattered" read uses random distinct blocks on both sides.
+notification included; the process CPU time of the READ, all threads, is kept too).
+Each case also times, in the same run and interleaved with
+the READs (one of each per repeat), one ``memmove`` call (one thread, a plain memory
+copy) and ``torch`` ``copy_`` (all torch threads) of the same number of bytes, so
+the READ rate is reported as a fraction of a plain copy measured under the same
+machine load. Every pool holds twice the blocks a request needs; a "contiguous" read
+maps blocks 0..n-1 onto 0..n-1 (NIXL merges them into one descriptor per layer), a
+"scattered" read uses random distinct blocks on both sides. ``--read-threads``
+lists the sink configurations to compare (``KvSink(read_threads=...)``; ``default``
+is what a decode worker uses here).
 
-    python -m bench.transfer [--repeats 5] [--json OUT]
+    python -m bench.transfer [--repeats 7] [--read-threads 0,default] [--json OUT]
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import argparse
 import ctypes
 import json
 import multiprocessing as mp
+import os
 import platform
 import random
 import statistics
@@ -26,9 +32,11 @@ from multiprocessing.connection import Connection
 import msgspec
 import torch
 
+from transfer.agent import default_read_threads
 from transfer.wire import AgentInfo, KvHandle, KvLayout, decode, encode
 
 WAIT_S = 60.0
+SETTLE_S = 0.05
 
 
 def smollm2_layout(dtype: torch.dtype, tokens: int) -> tuple[KvLayout, int]:
@@ -56,6 +64,7 @@ def cases() -> list[tuple[str, KvLayout, int]]:
 class Row(msgspec.Struct):
     case: str
     mode: str
+    read_threads: int
     bytes: int
     descriptors: int
     read_min_s: float
@@ -63,6 +72,8 @@ class Row(msgspec.Struct):
     copy_min_s: float
     copy_median_s: float
     memmove_median_s: float
+    read_cpu_median_s: float
+    memmove_cpu_median_s: float
 
     def gbps(self, seconds: float) -> float:
         return self.bytes / seconds / 1e9
@@ -83,27 +94,35 @@ def source_main(conn: Connection) -> None:
         source.close()
 
 
-def time_copy(nbytes: int, repeats: int, single_thread: bool = False) -> list[float]:
-    """``torch`` ``copy_`` (all torch threads), or one ``memmove`` call (one thread) when asked."""
-    src, dst = torch.randint(0, 255, (nbytes,), dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
-    dst.copy_(src)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+class Copier:
+    """A same-size source and destination; ``time(single_thread)`` times one copy."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+        self.dst = torch.empty(nbytes, dtype=torch.uint8)
+        self.dst.copy_(self.src)
+
+    def time(self, single_thread: bool) -> tuple[float, float]:
+        """Wall and process CPU seconds of ``torch`` ``copy_`` (all torch threads), or of one
+        ``memmove`` call (one thread)."""
+        cpu, start = time.process_time(), time.perf_counter()
         if single_thread:
-            ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
+            ctypes.memmove(self.dst.data_ptr(), self.src.data_ptr(), self.src.numel())
         else:
-            dst.copy_(src)
-        times.append(time.perf_counter() - start)
-    return times
+            self.dst.copy_(self.src)
+        return time.perf_counter() - start, time.process_time() - cpu
 
 
-def run_case(name: str, info: AgentInfo, blocks: int, repeats: int) -> list[Row]:
+def run_case(name: str, info: AgentInfo, blocks: int, repeats: int, thread_counts: list[int]) -> list[Row]:
     from transfer.nixl_sink import KvSink
 
     layout = info.layout
-    sink = KvSink(torch.zeros(layout.shape, dtype=getattr(torch, layout.dtype)), layout, f"bench-sink-{name}")
-    sink.connect(info)
+    sinks = []
+    for threads in thread_counts:
+        sink = KvSink(torch.zeros(layout.shape, dtype=getattr(torch, layout.dtype)), layout,
+                      f"bench-sink-{name}-{threads}", read_threads=threads)
+        sink.connect(info)
+        sinks.append(sink)
     rng = random.Random(0)
     rows = []
     for mode in ("contiguous", "scattered"):
@@ -112,61 +131,82 @@ def run_case(name: str, info: AgentInfo, blocks: int, repeats: int) -> list[Row]
         else:
             remote = rng.sample(range(layout.num_blocks), blocks)
             local = rng.sample(range(layout.num_blocks), blocks)
-        reads = []
-        for i in range(repeats + 1):
-            handle = KvHandle(
-                f"{name}-{mode}-{i}",
-                info.agent_name,
-                remote,
-                blocks * 16,
-                info.compat_hash,
-                time.time() + WAIT_S,
-            )
-            stats = sink.read_blocking(handle, remote, local, timeout=WAIT_S)
-            reads.append(stats.seconds)
-        copies = time_copy(stats.bytes, repeats)
-        rows.append(
-            Row(
-                name,
-                mode,
-                stats.bytes,
-                stats.descriptors,
-                min(reads[1:]),
-                statistics.median(reads[1:]),
-                min(copies),
-                statistics.median(copies),
-                statistics.median(time_copy(stats.bytes, repeats, single_thread=True)),
-            )
-        )
-    sink.close()
+        reads: list[list[float]] = [[] for _ in sinks]
+        read_cpu: list[list[float]] = [[] for _ in sinks]
+        copies: list[float] = []
+        memmoves: list[tuple[float, float]] = []
+        copier = None
+        for i in range(repeats + 1):  # round 0 warms up and is dropped
+            for j, sink in enumerate(sinks):
+                handle = KvHandle(f"{name}-{mode}-{j}-{i}", info.agent_name, remote, blocks * 16,
+                                  info.compat_hash, time.time() + WAIT_S)
+                cpu = time.process_time()
+                stats = sink.read_blocking(handle, remote, local, timeout=WAIT_S)
+                read_cpu[j].append(time.process_time() - cpu)
+                reads[j].append(stats.seconds)
+            copier = copier or Copier(stats.bytes)
+            memmoves.append(copier.time(single_thread=True))
+            copies.append(copier.time(single_thread=False)[0])
+            # torch's OpenMP workers spin for a few ms after copy_ (libgomp's default spin
+            # count); left running they take a core from the next READ (measured: the first
+            # READ of each round lost up to a third of its speed). Untimed.
+            time.sleep(SETTLE_S)
+        for threads, times, cpus in zip(thread_counts, reads, read_cpu, strict=True):
+            rows.append(Row(name, mode, threads, stats.bytes, stats.descriptors, min(times[1:]),
+                            statistics.median(times[1:]), min(copies[1:]), statistics.median(copies[1:]),
+                            statistics.median(m[0] for m in memmoves[1:]), statistics.median(cpus[1:]),
+                            statistics.median(m[1] for m in memmoves[1:])))
+    for sink in sinks:
+        sink.close()
     return rows
 
 
 def markdown(rows: list[Row]) -> str:
     lines = [
-        "| case | read | MiB | descriptors | READ min / median ms | READ GB/s (median) "
-        "| copy_ GB/s (median) | READ / copy_ | memmove GB/s (median) | READ / memmove |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| case | read | MiB | descriptors | read threads | READ min / median ms | READ GB/s (median) "
+        "| memmove GB/s (median) | READ / memmove | copy_ GB/s (median) | READ / copy_ "
+        "| READ CPU s / memmove CPU s |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
-            f"| {r.case} | {r.mode} | {r.bytes / 2**20:.1f} | {r.descriptors} "
+            f"| {r.case} | {r.mode} | {r.bytes / 2**20:.1f} | {r.descriptors} | {r.read_threads} "
             f"| {r.read_min_s * 1e3:.1f} / {r.read_median_s * 1e3:.1f} | {r.gbps(r.read_median_s):.2f} "
+            f"| {r.gbps(r.memmove_median_s):.2f} | {r.memmove_median_s / r.read_median_s:.0%} "
             f"| {r.gbps(r.copy_median_s):.2f} | {r.copy_median_s / r.read_median_s:.0%} "
-            f"| {r.gbps(r.memmove_median_s):.2f} | {r.memmove_median_s / r.read_median_s:.0%} |"
+            f"| {r.read_cpu_median_s / r.memmove_cpu_median_s:.2f} |"
         )
     return "\n".join(lines)
 
 
+def thread_counts(text: str) -> list[int]:
+    """``--read-threads``: comma-separated counts >= 0 or ``default``."""
+    counts = []
+    for part in text.split(","):
+        part = part.strip()
+        if part == "default":
+            counts.append(default_read_threads("DRAM"))
+        elif part.isdigit():
+            counts.append(int(part))
+        else:
+            raise argparse.ArgumentTypeError(f"--read-threads takes counts >= 0 or 'default', got {part!r}")
+    return counts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="NIXL KV READ throughput against a plain memory copy.")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--read-threads", type=thread_counts, default="0,default",
+                        help="sink read-thread counts to compare, e.g. 0,2 (default: 0,default)")
     parser.add_argument("--json", dest="json_out", default=None, help="write the rows as JSON here")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=source_main, args=(child,), daemon=True)
     proc.start()
+    load_before = os.getloadavg()
     try:
         if not parent.poll(WAIT_S):
             raise TimeoutError("source process did not start")
@@ -174,16 +214,18 @@ def main() -> None:
         rows = [
             row
             for (name, _, n), info in zip(cases(), infos, strict=True)
-            for row in run_case(name, info, n, args.repeats)
+            for row in run_case(name, info, n, args.repeats, args.read_threads)
         ]
         parent.send_bytes(b"stop")
         proc.join(10)
     finally:
         if proc.is_alive():
             proc.kill()
+    load_after = os.getloadavg()
     print(
-        f"NIXL READ (UCX) vs torch copy_, {platform.node()}, {torch.get_num_threads()} torch threads, "
-        f"{args.repeats} repeats"
+        f"NIXL READ (UCX) vs memmove and torch copy_, {platform.node()}, {os.cpu_count()} cores, "
+        f"{torch.get_num_threads()} torch threads, {args.repeats} repeats, "
+        f"load average {load_before[0]:.2f} before / {load_after[0]:.2f} after"
     )
     print(markdown(rows))
     if args.json_out:

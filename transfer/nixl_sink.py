@@ -4,6 +4,9 @@ Contract
 --------
 - The sink registers the decode worker's whole KV cache tensor once and prepares a
   local descriptor list of all its ``num_layers * num_blocks`` regions once.
+- ``read_threads`` (default ``default_read_threads``: 2 on a multi-core host for host
+  memory, ``PDSERVE_KV_READ_THREADS`` overrides) UCX worker threads share each READ
+  of at least that many descriptors; see ``transfer/agent.py``.
 - ``connect(info)`` is the handshake, once per source agent: wire version and
   compatibility hash are checked first (``IncompatibleKvError`` names the field
   that differs), then the remote agent is added and a remote descriptor list of all
@@ -39,7 +42,7 @@ import numpy as np
 import torch
 from nixl._api import nixl_agent, nixl_prepped_dlist_handle, nixl_xfer_handle
 
-from transfer.agent import ProgressPump, new_agent
+from transfer.agent import ProgressPump, default_read_threads, new_agent
 from transfer.compat import check_compatible, compat_hash
 from transfer.errors import IncompatibleKvError, TransferError
 from transfer.nixl_source import DONE_PREFIX, RELEASE_PREFIX, check_tensor, region_table, tensor_placement
@@ -81,6 +84,7 @@ class KvSink:
         *,
         progress_thread: bool = False,
         scales: torch.Tensor | None = None,
+        read_threads: int | None = None,
     ) -> None:
         check_tensor(kv_cache, layout, scales)
         self.layout = layout
@@ -89,12 +93,17 @@ class KvSink:
         self._hash = compat_hash(layout)
         self._kv_cache = kv_cache
         self._scales = scales
-        self._agent: nixl_agent | None = new_agent(agent_name, backend, progress_thread)
+        mem_type, device_id = tensor_placement(kv_cache)
+        if read_threads is None:
+            read_threads = default_read_threads(mem_type)
+        if read_threads < 0:
+            raise ValueError(f"read_threads must be >= 0, got {read_threads}")
+        self.read_threads = read_threads
+        self._agent: nixl_agent | None = new_agent(agent_name, backend, progress_thread, read_threads)
         tensors = kv_cache if scales is None else [kv_cache, scales]
         self._reg = self._agent.register_memory(tensors, backends=[backend])
         # Completes notification sends between reads; the sink expects no notifications.
         self._pump = ProgressPump(self._agent, agent_name, PROGRESS_INTERVAL_S, keep_notifs=False)
-        mem_type, device_id = tensor_placement(kv_cache)
         table = region_table(kv_cache.data_ptr(), layout, device_id,
                              scales.data_ptr() if scales is not None else 0)
         self._local = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", table, mem_type, backends=[backend])

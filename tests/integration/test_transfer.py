@@ -234,6 +234,31 @@ def test_wire_round_trip(source: SourcePeer) -> None:
     assert SRC_LAYOUT.total_bytes == 3 * 10 * SRC_LAYOUT.region_bytes
 
 
+
+@pytest.mark.parametrize("read_threads", [0, 4])
+def test_read_threads_move_exact_bytes(source: SourcePeer, read_threads: int) -> None:
+    """One UCX thread (0), and a pool of 4 that splits the 6-descriptor read but not the 3-descriptor one."""
+    from transfer.nixl_sink import KvSink
+
+    sink = KvSink(torch.full(SINK_LAYOUT.shape, -7.0), SINK_LAYOUT, f"decode-threads-{read_threads}",
+                  read_threads=read_threads)
+    try:
+        sink.connect(source.info)
+        assert sink.read_threads == read_threads
+        for remote, local in (([2, 5], [14, 0]), ([7], [9])):
+            handle = source.lease(f"req-threads-{read_threads}-{local[0]}")
+            before = sink_kv(sink).clone()
+            stats = sink.read_blocking(handle, remote, local, timeout=WAIT_S)
+            assert stats.descriptors == len(remote) * SRC_LAYOUT.num_layers
+            expected = source.call(Command("hashes", block_ids=remote)).hashes
+            assert block_hashes(sink_kv(sink), local) == expected
+            untouched = [b for b in range(SINK_LAYOUT.num_blocks) if b not in local]
+            assert torch.equal(sink_kv(sink)[:, untouched], before[:, untouched])
+            source.wait_released(handle.request_id)
+    finally:
+        sink.close()
+
+
 def test_no_lease_left_behind(source: SourcePeer) -> None:
     """Runs last: every lease above ended by read, release or expiry."""
     assert source.call(Command("poll")).num_leases == 0
