@@ -58,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
             if not rows or rows[-1]["tokens"] != n:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+    engine.kv.check_integrity()
+    print(f"done: {len(request.output_token_ids)} tokens, {engine.kv.num_free_blocks}/{engine.kv.num_blocks} "
+          "blocks free, block pool integrity checked")
     text = engine.tokenizer.decode(request.output_token_ids)
     print("--- first 400 characters ---\n" + text[:400])
     print("--- last 400 characters ---\n" + text[-400:])
