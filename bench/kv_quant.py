@@ -9,7 +9,10 @@ quantized KV uses) instead of the native one: the agreement that kernel noise
 alone allows. The row ``bf16-rounded`` is a control: full-precision KV through the
 torch kernel with every K/V rounded to bfloat16 before it is stored (what a bf16
 KV cache holds), to show how sensitive the model's greedy output is to KV
-rounding much finer than fp8's.
+rounding much finer than fp8's. ``e4m3-rounded`` rounds every K/V element to
+fp8 e4m3 with no scale at all (clamped to its +-448 range), reading
+the own token rounded too: the error e4m3's 3-bit mantissa brings by itself,
+whatever the scaling scheme.
 
 Where an output diverges, the bench also reports the *gap* at the first differing
 position: the full-precision run's logprob of its own token minus its logprob of
@@ -76,16 +79,26 @@ TEXT = (
 )
 
 
-class Bf16RoundedBackend(TorchAttentionBackend):
-    """The torch kernel over a full-precision cache, storing K/V rounded to bfloat16."""
+class RoundedBackend(TorchAttentionBackend):
+    """The torch kernel over a full-precision cache, storing K/V rounded to ``rounding``
+    element by element (no scales; clamped to its range), own token included."""
+
+    rounding = torch.bfloat16
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
                 scale: float, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
-        k, v = (t.to(torch.bfloat16).to(t.dtype) for t in (k, v))
+        limit = torch.finfo(self.rounding).max
+        k, v = (t.clamp(-limit, limit).to(self.rounding).to(t.dtype) for t in (k, v))
         return super().forward(q, k, v, kv_layer, scale, kv_scales)
 
 
-CONTROLS = {"auto-torch": TorchAttentionBackend, "bf16-rounded": Bf16RoundedBackend}
+class E4m3RoundedBackend(RoundedBackend):
+    rounding = torch.float8_e4m3fn
+
+
+CONTROLS: dict[str, type[TorchAttentionBackend]] = {
+    "auto-torch": TorchAttentionBackend, "bf16-rounded": RoundedBackend, "e4m3-rounded": E4m3RoundedBackend,
+}
 
 
 def use_kv_dtype(llm: LLM, kv_dtype: str) -> None:
@@ -152,7 +165,7 @@ def perplexity(engine: LLMEngine, token_ids: list[int], chunk: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None)
-    parser.add_argument("--dtypes", default="auto,auto-torch,bf16-rounded,fp8,fp8_e5m2,int8")
+    parser.add_argument("--dtypes", default="auto,auto-torch,bf16-rounded,e4m3-rounded,fp8,fp8_e5m2,int8")
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--ppl-chunk", type=int, default=16)
     parser.add_argument("--json", default=None)
