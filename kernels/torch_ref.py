@@ -36,6 +36,19 @@ from kernels.attention import AttentionMetadata
 from kernels.kv_quant import codes_to_float, is_quantized, write_quantized
 
 
+def _additive_mask(visible: torch.Tensor, q_per_kv: int, dtype: torch.dtype) -> torch.Tensor:
+    """Boolean ``[n, q_len, width]`` -> additive ``[n, 1, q_len * q_per_kv, width]``, each query
+    row repeated for the query heads folded into it (SDPA converts boolean masks every call)."""
+    n, q_len, width = visible.shape
+    additive = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+    additive.masked_fill_(~visible, float("-inf"))
+    return (
+        additive[:, None, :, None, :]
+        .expand(n, 1, q_len, q_per_kv, width)
+        .reshape(n, 1, q_len * q_per_kv, width)
+    )
+
+
 @dataclass
 class _Group:
     """Sequences attended together. ``tokens`` selects their rows of ``q``."""
@@ -72,15 +85,7 @@ class _Group:
             pos = torch.arange(max_len, device=self.mask.device)
             before = self.mask & (pos[None, None, :] != self.positions()[:, :, None])
             own = torch.eye(q_len, dtype=torch.bool, device=self.mask.device).expand(n, q_len, q_len)
-            visible = torch.cat((before, own), dim=2)
-            additive = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
-            additive.masked_fill_(~visible, float("-inf"))
-            width = max_len + q_len
-            mask = (
-                additive[:, None, :, None, :]
-                .expand(n, 1, q_len, q_per_kv, width)
-                .reshape(n, 1, q_len * q_per_kv, width)
-            )
+            mask = _additive_mask(torch.cat((before, own), dim=2), q_per_kv, dtype)
             self.own_mask[q_per_kv] = mask
         return mask
 
@@ -109,16 +114,31 @@ class _Group:
         """Additive mask ``[n, 1, q_len * q_per_kv, max_len]`` (SDPA converts boolean masks every call)."""
         mask = self.sdpa_mask.get(q_per_kv)
         if mask is None or mask.dtype != dtype:
-            n, q_len, max_len = self.mask.shape
-            additive = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
-            additive.masked_fill_(~self.mask, float("-inf"))
-            mask = (
-                additive[:, None, :, None, :]
-                .expand(n, 1, q_len, q_per_kv, max_len)
-                .reshape(n, 1, q_len * q_per_kv, max_len)
-            )
+            mask = _additive_mask(self.mask, q_per_kv, dtype)
             self.sdpa_mask[q_per_kv] = mask
         return mask
+
+
+def _grouped_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                  n: int, q_len: int, scale: float) -> torch.Tensor:
+    """SDPA of ``q`` (``[n * q_len, num_heads, head_dim]``) over ``keys``/``values``
+    (``[n, kv_heads, L, head_dim]``) with the query heads of each KV head folded into the
+    query length; computed in the keys' dtype, returned in ``q``'s."""
+    _, kv_heads, _, head_dim = keys.shape
+    q_per_kv = q.shape[1] // kv_heads
+    qg = (
+        q.reshape(n, q_len, kv_heads, q_per_kv, head_dim)
+        .transpose(1, 2)
+        .reshape(n, kv_heads, q_len * q_per_kv, head_dim)
+        .to(keys.dtype)
+    )
+    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
+    return (
+        out.view(n, kv_heads, q_len, q_per_kv, head_dim)
+        .transpose(1, 2)
+        .reshape(n * q_len, kv_heads * q_per_kv, head_dim)
+        .to(q.dtype)
+    )
 
 
 def _as_slice(indices: list[int]) -> slice | None:
@@ -255,21 +275,7 @@ class TorchAttentionBackend:
                 self._put_fresh(group, kv, fresh)
             elif fresh is not None:
                 return self._attend_own_exact(group, q, kv, fresh, q_per_kv, scale)
-        compute = kv.dtype
-        qg = (
-            q.reshape(n, q_len, kv_heads, q_per_kv, head_dim)
-            .transpose(1, 2)
-            .reshape(n, kv_heads, q_len * q_per_kv, head_dim)
-            .to(compute)
-        )
-        mask = group.attn_mask(q_per_kv, compute)
-        out = F.scaled_dot_product_attention(qg, kv[0], kv[1], attn_mask=mask, scale=scale)
-        return (
-            out.view(n, kv_heads, q_len, q_per_kv, head_dim)
-            .transpose(1, 2)
-            .reshape(n * q_len, kv_heads * q_per_kv, head_dim)
-            .to(q.dtype)
-        )
+        return _grouped_sdpa(q, kv[0], kv[1], group.attn_mask(q_per_kv, kv.dtype), n, q_len, scale)
 
     @staticmethod
     def _attend_own_exact(group: _Group, q: torch.Tensor, kv: torch.Tensor,
@@ -281,20 +287,7 @@ class TorchAttentionBackend:
         own = [t.reshape(n, q_len, kv_heads, head_dim).transpose(1, 2).to(kv.dtype) for t in fresh]
         keys = torch.cat((kv[0], own[0]), dim=2)
         values = torch.cat((kv[1], own[1]), dim=2)
-        qg = (
-            q.reshape(n, q_len, kv_heads, q_per_kv, head_dim)
-            .transpose(1, 2)
-            .reshape(n, kv_heads, q_len * q_per_kv, head_dim)
-            .to(kv.dtype)
-        )
-        mask = group.own_attn_mask(q_per_kv, kv.dtype)
-        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
-        return (
-            out.view(n, kv_heads, q_len, q_per_kv, head_dim)
-            .transpose(1, 2)
-            .reshape(n * q_len, kv_heads * q_per_kv, head_dim)
-            .to(q.dtype)
-        )
+        return _grouped_sdpa(q, keys, values, group.own_attn_mask(q_per_kv, kv.dtype), n, q_len, scale)
 
     @staticmethod
     def _put_fresh(group: _Group, kv: torch.Tensor, fresh: tuple[torch.Tensor, torch.Tensor]) -> None:
