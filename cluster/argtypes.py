@@ -21,6 +21,17 @@ def number(kind: type[int] | type[float], ok: Callable[[Any], bool], rule: str) 
     return convert
 
 
+def converted(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """A type calling ``parse(text)``; its ValueError becomes argparse's error."""
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return convert
+
+
 def positive(kind: type[int] | type[float]) -> Callable[[str], Any]:
     return number(kind, lambda v: v > 0, "> 0")
 

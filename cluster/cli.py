@@ -9,11 +9,14 @@ engine accepts the same ones.
 from __future__ import annotations
 
 import argparse
+import functools
 import re
 import sys
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NoReturn, TypedDict
+
+from cluster.argtypes import converted
 
 if TYPE_CHECKING:
     from engine.outputs import RequestOutput
@@ -77,19 +80,8 @@ def parse_size(text: str, allow_zero: bool = False) -> int:
     return int(value)
 
 
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def size_or_zero(text: str) -> int:
-    """An argparse type for a size whose 0 means off."""
-    try:
-        return parse_size(text, allow_zero=True)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+size = converted(parse_size)
+size_or_zero = converted(functools.partial(parse_size, allow_zero=True))  # a size whose 0 means off
 
 
 def _number(kind: type[int] | type[float], low: float | None = None, high: float | None = None,
@@ -134,7 +126,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="when KV runs out, the least important running request (highest priority value) "
                         "is preempted: recompute its KV on resume, or swap its blocks to host memory and "
                         "back (default: recompute)")
-    g.add_argument("--swap-space", type=_size, default=1024**3, metavar="SIZE",
+    g.add_argument("--swap-space", type=size, default=1024**3, metavar="SIZE",
                    help="host memory for swapped-out KV with --preemption-mode swap; requests that do "
                         "not fit are recomputed (default: 1G)")
     g.add_argument("--kv-offload-bytes", type=size_or_zero, default=0, metavar="SIZE",
@@ -143,7 +135,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-offload-dir", default=None, metavar="DIR",
                    help="disk tier below the host tier: one file per block plus an index, kept across "
                         "restarts for the same model and KV layout (default: none)")
-    g.add_argument("--kv-offload-disk-bytes", type=_size, default=8 * 1024**3, metavar="SIZE",
+    g.add_argument("--kv-offload-disk-bytes", type=size, default=8 * 1024**3, metavar="SIZE",
                    help="most bytes the disk tier (--kv-offload-dir) holds; its least recently used "
                         "block file is deleted past that (default: 8G)")
     g.add_argument("--kv-window", type=int, default=None, metavar="N",
@@ -155,7 +147,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "blocks (default: 0)")
     g.add_argument("--block-size", type=int, default=16, metavar="N",
                    help="tokens per KV cache block, a power of two (default: 16)")
-    g.add_argument("--kv-cache-memory", type=_size, default=512 * 1024**2, metavar="SIZE",
+    g.add_argument("--kv-cache-memory", type=size, default=512 * 1024**2, metavar="SIZE",
                    help="bytes for the paged KV cache, with optional K/M/G/T suffix, 1024-based "
                         "(default: 512M); ignored when --num-kv-blocks is given")
     g.add_argument("--num-kv-blocks", type=int, default=None, metavar="N",
@@ -284,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "dtype side by side, with the host/disk offload tiers' blocks when their sizes are "
                     "given.",
     )
-    add_plan_args(plan, _size, DTYPES)
+    add_plan_args(plan, size, DTYPES)
 
     from bench.cli import add_bench_parser
 

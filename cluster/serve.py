@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cluster.argtypes import number, parsed_by, positive
-from cluster.cli import add_engine_args, check_engine_kwargs, engine_kwargs_from_args, parse_size
+from cluster.cli import add_engine_args, check_engine_kwargs, engine_kwargs_from_args, size
 from router.policy import POLICIES as POLICIES_ROUTING
 from transfer.tracing import PROTOCOLS, TraceConfig, Tracing
 
@@ -60,13 +60,6 @@ _non_negative = number(int, lambda v: v >= 0, ">= 0")
 _ratio = number(float, lambda v: 0.0 <= v <= 1.0, "within [0, 1]")
 
 
-def _bytes(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """The flags of ``pdserve serve`` (the engine flags included)."""
     g = parser.add_argument_group("server")
@@ -80,7 +73,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         "(default: $PDSERVE_API_KEY, else no key)")
     g.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model name clients send (default: the model file or folder name)")
-    g.add_argument("--max-request-bytes", type=_bytes, default=1024**2, metavar="SIZE",
+    g.add_argument("--max-request-bytes", type=size, default=1024**2, metavar="SIZE",
                    help="largest request body, e.g. 1M (default: 1M); larger ones get 413")
     g.add_argument("--max-queued-requests", type=_positive(int), default=256, metavar="N",
                    help="requests waiting for their first token before new ones get 503 (default: 256)")
