@@ -28,7 +28,7 @@ positions; attention sees the sink blocks, then the kept blocks, so a token
 attends to the sinks and to between ``window`` and ``window + block_size - 1``
 previous tokens. A request's KV stays bounded however long it generates.
 
-In-flight prefix dedup: a waiting request whose next uncached full blocks (at
+In-flight prefix dedup (``engine/prefix_wait.py``): a waiting request whose next uncached full blocks (at
 least ``prefix_wait_min_tokens`` tokens of them, by chained hash; 0 turns this
 off) are being computed right now by a running request is skipped (the
 requests behind it are still admitted) until those blocks are committed to the
@@ -49,7 +49,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.kv_cache import KVCacheManager, PrefixHit
+from engine.kv_cache import KVCacheManager
+from engine.prefix_wait import InflightPrefixes
 from engine.request import Request, RequestStatus
 from engine.swap import HostSwapSpace
 
@@ -115,15 +116,11 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
-        self.prefix_wait_min_tokens = prefix_wait_min_tokens
-        self.max_prefix_wait_steps = (2 * -(-max_model_len // max(1, max_num_batched_tokens)) + 2
-                                      if max_prefix_wait_steps is None else max_prefix_wait_steps)
+        if max_prefix_wait_steps is None:
+            max_prefix_wait_steps = 2 * -(-max_model_len // max(1, max_num_batched_tokens)) + 2
+        self.inflight = (InflightPrefixes(kv.block_size, prefix_wait_min_tokens, max_prefix_wait_steps)
+                         if kv_window is None and prefix_wait_min_tokens > 0 else None)
         self.num_prefix_waits = 0  # schedules in which some request waited for an in-flight prefix
-        # block hash -> id of the running request computing that block (not yet committed)
-        self._computing: dict[int, str] = {}
-        # request id -> [(block index, hash)] it computes and has not committed yet
-        self._computing_of: dict[str, list[tuple[int, int]]] = {}
-        self._waits: dict[str, int] = {}
 
     def add(self, request: Request) -> None:
         max_blocks_tokens = self.kv.num_blocks * self.kv.block_size
@@ -181,7 +178,7 @@ class Scheduler:
                 budget -= out.scheduled[-1].num_new_tokens
                 continue
             prefix = self.kv.find_prefix(request.all_token_ids, request.num_tokens - 1, record=False)
-            if self._wait_for_inflight(request, prefix):
+            if self.inflight is not None and self.inflight.should_wait(request.request_id, prefix):
                 waited = True
                 i += 1
                 continue
@@ -191,8 +188,8 @@ class Scheduler:
                 break
             self.kv.record_prefix(request.num_tokens, num_cached)
             del self.waiting[i]
-            self._waits.pop(request.request_id, None)
-            self._track(request, prefix)
+            if self.inflight is not None:
+                self.inflight.track(request.request_id, prefix)
             request.num_computed_tokens = num_cached
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = time.monotonic()
@@ -203,52 +200,6 @@ class Scheduler:
             budget -= n
         self.num_prefix_waits += waited
         return out
-
-    def _wait_for_inflight(self, request: Request, prefix: PrefixHit) -> bool:
-        """True when ``request`` should wait a step: its next uncached blocks are being computed by
-        another running request (see the module docstring). Counts the wait against its bound."""
-        if self.kv_window is not None or not prefix.uncached_hashes or self.prefix_wait_min_tokens <= 0:
-            return False
-        n = 0
-        for h in prefix.uncached_hashes:
-            owner = self._computing.get(h)
-            if owner is None or owner == request.request_id:
-                break
-            n += 1
-        if n == 0 or n * self.kv.block_size < self.prefix_wait_min_tokens:
-            return False
-        waits = self._waits.get(request.request_id, 0)
-        if waits >= self.max_prefix_wait_steps:
-            return False
-        self._waits[request.request_id] = waits + 1
-        return True
-
-    def _track(self, request: Request, prefix: PrefixHit) -> None:
-        """Record the full blocks an admitted request will compute (first one computing a hash wins)."""
-        if self.kv_window is not None or not prefix.uncached_hashes or self.prefix_wait_min_tokens <= 0:
-            return
-        rid = request.request_id
-        first = len(prefix.block_ids)
-        mine = []
-        for k, h in enumerate(prefix.uncached_hashes):
-            if self._computing.setdefault(h, rid) == rid:
-                mine.append((first + k, h))
-        if mine:
-            self._computing_of[rid] = mine
-
-    def _untrack(self, request_id: str, committed_blocks: int | None = None) -> None:
-        """Forget blocks ``request_id`` has committed (all of them when ``committed_blocks`` is None)."""
-        entries = self._computing_of.get(request_id)
-        if entries is None:
-            return
-        keep = [] if committed_blocks is None else [(i, h) for i, h in entries if i >= committed_blocks]
-        for i, h in entries:
-            if (committed_blocks is None or i < committed_blocks) and self._computing.get(h) == request_id:
-                del self._computing[h]
-        if keep:
-            self._computing_of[request_id] = keep
-        else:
-            del self._computing_of[request_id]
 
     def _slide(self, request: Request) -> None:
         """Free the blocks the window has passed (see the module docstring)."""
@@ -279,7 +230,8 @@ class Scheduler:
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
-        self._untrack(request.request_id)
+        if self.inflight is not None:
+            self.inflight.untrack(request.request_id)
         swapped = False
         if self.preemption_mode == "swap" and self.swapper is not None and request.num_computed_tokens > 0:
             used = self.kv.blocks_needed(request.kv_tokens)
@@ -301,7 +253,8 @@ class Scheduler:
             request = item.request
             request.num_computed_tokens += item.num_new_tokens
             self.kv.cache_blocks(request.request_id, request.all_token_ids, request.num_computed_tokens)
-            self._untrack(request.request_id, request.num_computed_tokens // self.kv.block_size)
+            if self.inflight is not None:
+                self.inflight.untrack(request.request_id, request.num_computed_tokens // self.kv.block_size)
 
     def add_running(self, request: Request) -> None:
         """Admit a request whose prompt K/V is already in its blocks (it arrived prefilled)."""
@@ -316,8 +269,8 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self._untrack(request.request_id)
-        self._waits.pop(request.request_id, None)
+        if self.inflight is not None:
+            self.inflight.untrack(request.request_id)
         if self.swapper is not None:
             self.swapper.discard(request.request_id)
         if free_kv:

@@ -141,7 +141,7 @@ def test_waiting_request_takes_in_flight_prefix_blocks_once_committed() -> None:
     assert s.kv.blocks_of("b")[:5] == s.kv.blocks_of("a")[:5]
     run(s, out)
     s.kv.check_integrity()
-    assert s.num_prefix_waits == 1 and not s._computing and not s._computing_of
+    assert s.num_prefix_waits == 1 and s.inflight is not None and not s.inflight
 
 
 def test_prefix_wait_is_bounded_and_thresholded_and_ends_with_its_source() -> None:
