@@ -257,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default: when the model has a chat template)")
     add_engine_args(gen)
     add_sampling_args(gen)
-    from cluster.serve import add_serve_args
+    from cluster.serve_args import add_serve_args
 
     serve = sub.add_parser(
         "serve", help="serve the OpenAI HTTP API from prefill and decode workers on Ray",

@@ -34,10 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cluster.argtypes import number, parsed_by, positive
-from cluster.cli import add_engine_args, check_engine_kwargs, engine_kwargs_from_args, size
-from router.policy import POLICIES as POLICIES_ROUTING
-from transfer.tracing import PROTOCOLS, TraceConfig, Tracing
+from cluster.cli import check_engine_kwargs, engine_kwargs_from_args
+from transfer.tracing import TraceConfig, Tracing
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -52,124 +50,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pdserve")
 READY_TIMEOUT = 600.0
-POLICIES = ("retry", "recompute", "fail")
-
-
-_positive = positive
-_non_negative = number(int, lambda v: v >= 0, ">= 0")
-_ratio = number(float, lambda v: 0.0 <= v <= 1.0, "within [0, 1]")
-
-
-def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    """The flags of ``pdserve serve`` (the engine flags included)."""
-    g = parser.add_argument_group("server")
-    g.add_argument("--config", default=None, metavar="FILE",
-                   help="YAML file of settings keyed by flag name (e.g. 'num-decode: 2'); flags given on "
-                        "the command line override it")
-    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    g.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
-    g.add_argument("--api-key", default=None, metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' on every endpoint but /health "
-                        "(default: $PDSERVE_API_KEY, else no key)")
-    g.add_argument("--served-model-name", default=None, metavar="NAME",
-                   help="the model name clients send (default: the model file or folder name)")
-    g.add_argument("--max-request-bytes", type=size, default=1024**2, metavar="SIZE",
-                   help="largest request body, e.g. 1M (default: 1M); larger ones get 413")
-    g.add_argument("--max-queued-requests", type=_positive(int), default=256, metavar="N",
-                   help="requests waiting for their first token before new ones get 503 (default: 256)")
-    g.add_argument("--max-queued-tokens", type=_positive(int), default=None, metavar="N",
-                   help="prompt tokens waiting for their first token before new requests get 503 "
-                        "(default: no limit)")
-    g.add_argument("--request-timeout", type=_positive(float), default=600.0, metavar="SECONDS",
-                   help="abort a request (408) that has not finished after this long (default: 600)")
-    g.add_argument("--default-max-tokens", type=_positive(int), default=None, metavar="N",
-                   help="max_tokens when a request gives none (default: up to the context length)")
-    c = parser.add_argument_group("cluster")
-    c.add_argument("--num-prefill", type=int, default=1, metavar="N",
-                   help="prefill workers; 0 runs prompts on the decode workers (default: 1)")
-    c.add_argument("--num-decode", type=int, default=1, metavar="N", help="decode workers (default: 1)")
-    c.add_argument("--address", default=None, metavar="ADDR",
-                   help="Ray cluster to attach to: 'auto' (the cluster of this node, or the job's under "
-                        "ray job submit) or HOST:PORT (default: start a local Ray instance)")
-    c.add_argument("--kv-failure-policy", choices=POLICIES, default="retry",
-                   help="when a prefill worker or a KV transfer fails: retry on another prefill worker, "
-                        "recompute on decode, or fail the request (default: retry)")
-    c.add_argument("--routing", choices=POLICIES_ROUTING, default="prefix",
-                   help="how workers are chosen: prefix (cached prefix blocks, load, free KV, transfer "
-                        "size), round-robin or least-loaded (default: prefix)")
-    c.add_argument("--disagg-min-tokens", type=_non_negative, default=0, metavar="N",
-                   help="prompts whose uncached part is shorter than N tokens prefill on the decode "
-                        "worker (default: 0, always disaggregate when prefill workers exist)")
-    c.add_argument("--prefill-saturation-tokens", type=_positive(int), default=32768, metavar="N",
-                   help="while every prefill worker has more than N prompt tokens in flight, new "
-                        "prompts prefill on the decode worker (default: 32768)")
-    c.add_argument("--migration-limit", type=_non_negative, default=1, metavar="N",
-                   help="times a stream moves to another decode worker when its worker dies (default: 1)")
-    c.add_argument("--lease-seconds", type=_positive(float), default=30.0, metavar="SECONDS",
-                   help="how long prefill keeps KV blocks for decode to pull (default: 30)")
-    c.add_argument("--worker-cpus", type=_positive(float), default=1.0, metavar="N",
-                   help="Ray CPUs reserved by each worker; with --device cuda each also reserves one "
-                        "GPU (default: 1)")
-    c.add_argument("--torch-threads", type=_positive(int), default=1, metavar="N",
-                   help="torch threads in each worker (default: 1)")
-    c.add_argument("--prefill-resources", type=_resources("--prefill-resources"), default={},
-                   metavar="NAME=N[,...]",
-                   help="Ray custom resources each prefill worker needs, e.g. prefill_node=1: prefill runs "
-                        "only on nodes started with them (default: none)")
-    c.add_argument("--decode-resources", type=_resources("--decode-resources"), default={},
-                   metavar="NAME=N[,...]",
-                   help="Ray custom resources each decode worker needs, e.g. decode_node=1 (default: none)")
-    c.add_argument("--prefill-labels", type=_labels("--prefill-labels"), default={},
-                   metavar="KEY=VALUE[,...]",
-                   help="Ray node labels prefill workers must run on (ray start --labels), e.g. "
-                        "pdserve-role=prefill (default: none)")
-    c.add_argument("--decode-labels", type=_labels("--decode-labels"), default={},
-                   metavar="KEY=VALUE[,...]",
-                   help="Ray node labels decode workers must run on, e.g. pdserve-role=decode "
-                        "(default: none)")
-    c.add_argument("--prefill-tp", type=_tp("--prefill-tp"), default=1, metavar="N",
-                   help="devices per prefill worker (tensor parallelism); only 1 is supported so far")
-    c.add_argument("--decode-tp", type=_tp("--decode-tp"), default=1, metavar="N",
-                   help="devices per decode worker (tensor parallelism); only 1 is supported so far")
-    c.add_argument("--max-restarts", type=_non_negative, default=3, metavar="N",
-                   help="times Ray restarts a worker whose process died; it then rejoins (default: 3)")
-    c.add_argument("--placement-timeout", type=_positive(float), default=300.0, metavar="SECONDS",
-                   help="fail when a worker's resources cannot be reserved within this long (default: 300)")
-    t = parser.add_argument_group("telemetry")
-    t.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
-                   help="send OpenTelemetry traces over OTLP here, e.g. http://127.0.0.1:4318/v1/traces "
-                        "(http/protobuf) or 127.0.0.1:4317 (grpc) "
-                        "(default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, "
-                        "else $OTEL_EXPORTER_OTLP_ENDPOINT, else no tracing)")
-    t.add_argument("--otlp-traces-protocol", choices=PROTOCOLS, default=None,
-                   help="OTLP transport (default: $OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, else http/protobuf)")
-    t.add_argument("--otlp-traces-sample-ratio", type=_ratio, default=None, metavar="RATIO",
-                   help="fraction of requests traced, 0..1 (default: $OTEL_TRACES_SAMPLER_ARG, else 1.0)")
-    add_engine_args(parser)
-
-
-def _resources(flag: str) -> Any:
-    from cluster.placement import parse_resources
-
-    return parsed_by(parse_resources, flag)
-
-
-def _labels(flag: str) -> Any:
-    from cluster.placement import parse_labels
-
-    return parsed_by(parse_labels, flag)
-
-
-def _tp(flag: str) -> Any:
-    def convert(text: str) -> int:
-        value = _positive(int)(text)
-        if value != 1:
-            raise argparse.ArgumentTypeError(f"{value}: tensor parallelism is not implemented yet; use 1")
-        return int(value)
-
-    return convert
-
-
 def serving_max_model_len(source: ModelSource, config: EngineConfig) -> int:
     """The context length the workers will enforce: the model's (or --max-model-len), capped by KV room."""
     from engine.kv_sizing import num_kv_blocks
