@@ -25,7 +25,7 @@ from typing import Any
 
 from bench.stats import SLO, parse_slo, summarize
 from bench.workloads import WORKLOADS, WordSource, Workload, describe, make_workload, parse_params
-from cluster.argtypes import number, positive
+from cli.argtypes import number, positive
 
 _positive_float = positive(float)
 _positive_int = number(int, lambda v: v >= 1, ">= 1")

@@ -113,7 +113,7 @@ def server(cmd: list[str], url: str, log: Path, ready_timeout: float = 600.0) ->
 
 
 def pdserve_cmd(port: int, *flags: str) -> list[str]:
-    return [sys.executable, "-m", "cluster.cli", "serve", "--port", str(port), *flags]
+    return [sys.executable, "-m", "cli.main", "serve", "--port", str(port), *flags]
 
 
 def bench_cmd(workload: str, params: dict[str, float], load: str, duration: float) -> str:

@@ -22,10 +22,10 @@ from typing import Any
 
 import ray
 
-from cluster.client import PDClient
 from cluster.workers import start_workers
 from engine.config import EngineConfig
-from transfer.messages import GenerateRequest, SamplingSpec, WorkerStats
+from messages.wire import GenerateRequest, SamplingSpec, WorkerStats
+from router.client import PDClient
 
 
 async def ttft(client: PDClient, tokens: list[int]) -> float:

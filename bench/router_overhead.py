@@ -44,13 +44,13 @@ from typing import Any
 import httpx
 import ray
 
-from cluster.backend import ClusterBackend
-from cluster.client import ClientConfig, PDClient
 from cluster.serve import serving_max_model_len
 from cluster.workers import WorkerOptions, start_workers
 from engine.config import EngineConfig
 from engine.loader import load_model_source, resolve_model
-from transfer.messages import GenerateRequest, SamplingSpec
+from messages.wire import GenerateRequest, SamplingSpec
+from router.backend import ClusterBackend
+from router.client import ClientConfig, PDClient
 
 NAMESPACE = "pdserve-bench"
 LATENCY_MAX_TOKENS = (1, 16)

@@ -25,12 +25,12 @@ from typing import Any
 
 import ray
 
-from cluster.client import ClientConfig, PDClient
 from cluster.workers import start_workers
 from engine.config import EngineConfig
 from engine.loader import load_model_source, resolve_model
+from messages.wire import GenerateRequest, SamplingSpec
+from router.client import ClientConfig, PDClient
 from router.policy import POLICIES
-from transfer.messages import GenerateRequest, SamplingSpec
 
 
 def workload(args: argparse.Namespace) -> list[tuple[int, list[int]]]:

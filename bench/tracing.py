@@ -66,7 +66,7 @@ def free_port() -> int:
 
 def start_server(args: argparse.Namespace, extra: list[str]) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "cluster.cli", "serve", "--port", str(port), "--served-model-name", "bench",
+    cmd = [sys.executable, "-m", "cli.main", "serve", "--port", str(port), "--served-model-name", "bench",
            "--num-prefill", "1", "--num-decode", "1", "--worker-cpus", "0.5", "--kv-cache-memory", "512M",
            *extra]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}

@@ -34,19 +34,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cluster.cli import check_engine_kwargs, engine_kwargs_from_args
-from transfer.tracing import TraceConfig, Tracing
+from cli.main import check_engine_kwargs, engine_kwargs_from_args
+from telemetry.tracing import TraceConfig, Tracing
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-    from cluster.backend import ClusterBackend
-    from cluster.cli import EngineKwargs
+    from cli.main import EngineKwargs
     from cluster.workers import WorkerGroup
     from engine.config import EngineConfig
     from engine.loader import ModelSource
     from engine.tokenizer import Tokenizer
     from router.app import RouterConfig
+    from router.backend import ClusterBackend
 
 log = logging.getLogger("pdserve")
 READY_TIMEOUT = 600.0
@@ -186,10 +186,10 @@ def prepare_service(args: argparse.Namespace, kwargs: EngineKwargs) -> Prepared:
 def launch_service(args: argparse.Namespace, prepared: Prepared) -> Service:
     """Start the worker actors (each in its own placement group) on the connected Ray and build the app
     over them; the workers are still loading when this returns (``Service.start`` waits for them)."""
-    from cluster.backend import ClusterBackend
-    from cluster.client import ClientConfig, KvFailurePolicy, PDClient
     from cluster.workers import WorkerOptions, start_workers
     from router.app import create_app
+    from router.backend import ClusterBackend
+    from router.client import ClientConfig, KvFailurePolicy, PDClient
 
     gpus = 1 if prepared.engine_config.device.startswith("cuda") else 0
     common = {"num_cpus": args.worker_cpus, "num_gpus": gpus, "torch_threads": args.torch_threads,
@@ -219,7 +219,7 @@ def launch_service(args: argparse.Namespace, prepared: Prepared) -> Service:
 def run_serve(args: argparse.Namespace) -> int:
     kwargs = check_serve_args(args)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    from cluster.config import describe
+    from cli.config_file import describe
 
     log.info("pdserve: configuration%s:\n%s", f" (from {args.config} and flags)" if args.config else "",
              describe(args))
@@ -227,13 +227,14 @@ def run_serve(args: argparse.Namespace) -> int:
     import ray
     import uvicorn
 
+    import cluster.workers  # noqa: F401
+    import router.app  # noqa: F401
+
     # Everything the router and the worker handles run is imported before Ray starts: under `ray job
     # submit` the job's copy of the working directory can be removed by a node's runtime-env agent
     # while the driver runs (several nodes sharing one temp dir), so nothing may be imported later.
-    import cluster.backend  # noqa: F401
-    import cluster.client  # noqa: F401
-    import cluster.workers  # noqa: F401
-    import router.app  # noqa: F401
+    import router.backend  # noqa: F401
+    import router.client  # noqa: F401
 
     prepared = prepare_service(args, kwargs)
     started_ray = _start_ray(args)

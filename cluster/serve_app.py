@@ -6,7 +6,7 @@ Its ``args`` are the settings of ``pdserve serve`` keyed as in its ``--config``
 file (``num-decode: 2``, ``prefill-resources: {prefill_node: 1}``), plus
 ``config: FILE.yaml`` for a file of them that the other keys override. They go
 through the same conversion and checks as the command line
-(``cluster.config.convert_settings``, ``cluster.serve.check_serve_args``); a bad
+(``cli.config_file.convert_settings``, ``cluster.serve.check_serve_args``); a bad
 key or value raises ``ConfigError`` naming the key and its flag, which Serve
 reports as the application's deploy error. ``host``, ``port`` and ``address``
 are refused: Serve's proxy listens where its ``http_options`` say, and the
@@ -41,7 +41,7 @@ from typing import Any
 from ray import serve
 from ray.serve import Application, Deployment
 
-from cluster.config import ConfigError, convert_settings, describe, key_dest, load_config, subparser
+from cli.config_file import ConfigError, convert_settings, describe, key_dest, load_config, subparser
 from cluster.serve import READY_TIMEOUT, Service, check_serve_args, launch_service, prepare_service
 
 WHERE = "Ray Serve application args"
@@ -60,7 +60,7 @@ log = logging.getLogger("ray.serve")
 def serve_options(options: Mapping[str, Any] | None) -> argparse.Namespace:
     """Validate an application's ``args`` exactly as ``pdserve serve --config`` validates a file:
     the ``pdserve serve`` namespace, or ``ConfigError`` naming the key and flag."""
-    from cluster.cli import build_parser
+    from cli.main import build_parser
 
     if options is None:
         options = {}

@@ -24,7 +24,7 @@ from cluster.placement import Placement, release, reserve, scheduling
 from decode.worker import DecodeWorker
 from engine.config import EngineConfig
 from prefill.worker import PrefillWorker
-from transfer.tracing import TraceConfig
+from telemetry.tracing import TraceConfig
 
 log = logging.getLogger(__name__)
 

@@ -40,10 +40,7 @@ from engine.engine import LLMEngine
 from engine.kv_sizing import kv_dtype_name
 from engine.outputs import RequestOutput
 from engine.sampling import SamplingParams, TokenLogprobs
-from engine.worker import EngineWorker
-from transfer.errors import TransferError
-from transfer.histogram import Histogram
-from transfer.messages import (
+from messages.wire import (
     GenerateRequest,
     KvEvents,
     KvSnapshot,
@@ -57,9 +54,12 @@ from transfer.messages import (
     pack,
     unpack,
 )
+from telemetry.histogram import Histogram
+from telemetry.tracing import TracedRole, end_span, wall_ns
+from transfer.errors import TransferError
 from transfer.nixl_sink import KvSink
-from transfer.tracing import TracedRole, end_span, wall_ns
 from transfer.wire import AgentInfo, KvHandle, KvLayout, decode
+from worker.base import EngineWorker
 
 
 @dataclass

@@ -30,10 +30,7 @@ from engine.engine import LLMEngine
 from engine.kv_sizing import kv_dtype_name
 from engine.outputs import RequestMetrics
 from engine.sampling import SamplingParams
-from engine.worker import EngineWorker
-from transfer.compat import compat_hash
-from transfer.histogram import Histogram
-from transfer.messages import (
+from messages.wire import (
     GenerateRequest,
     KvEvents,
     KvSnapshot,
@@ -44,9 +41,12 @@ from transfer.messages import (
     pack,
     unpack,
 )
+from telemetry.histogram import Histogram
+from telemetry.tracing import TracedRole
+from transfer.compat import compat_hash
 from transfer.nixl_source import KvSource
-from transfer.tracing import TracedRole
 from transfer.wire import KvHandle, KvLayout, encode
+from worker.base import EngineWorker
 
 log = logging.getLogger(__name__)
 

@@ -28,6 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
 
 from engine.tokenizer import Tokenizer
+from messages.wire import GenerateRequest, RequestFailed
 from router.admission import AdmissionGate, Ticket
 from router.backend import Backend
 from router.errors import (
@@ -65,8 +66,7 @@ from router.streaming import (
     sse,
 )
 from router.telemetry import RequestTelemetry
-from transfer.messages import GenerateRequest, RequestFailed
-from transfer.tracing import Tracing
+from telemetry.tracing import Tracing
 
 WORKER_STATS_TIMEOUT = 5.0
 DECODE_WORKER_HEADER = "x-pdserve-decode-worker"

@@ -34,8 +34,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from messages.wire import HistogramData, KvTierStats, WorkerStats
 from router.admission import AdmissionGate
-from transfer.messages import HistogramData, KvTierStats, WorkerStats
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 # vLLM's buckets for inter-token and end-to-end latency (seconds).

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from engine.hashing import block_hashes
-from transfer.messages import KvEvents, KvSnapshot
+from messages.wire import KvEvents, KvSnapshot
 
 
 class PrefixIndex:

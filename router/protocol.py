@@ -15,8 +15,8 @@ from typing import Annotated, Literal, TypeVar
 import msgspec
 from msgspec import Meta
 
+from messages.wire import SamplingSpec
 from router.errors import invalid
-from transfer.messages import SamplingSpec
 
 MAX_N = 16
 MAX_STOP = 4

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from messages.wire import TokenLogprob
 from router.streaming import ChoiceDecoder
-from transfer.messages import TokenLogprob
 
 Json = dict[str, object]
 TokenText = Callable[[int], str]

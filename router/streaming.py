@@ -27,8 +27,8 @@ import anyio
 import msgspec
 
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from messages.wire import GenerateRequest, TokenBatch, TokenLogprob
 from router.backend import Backend
-from transfer.messages import GenerateRequest, TokenBatch, TokenLogprob
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)

@@ -16,10 +16,10 @@ from typing import Any
 
 import msgspec
 
+from messages.wire import GenerateRequest
 from router.metrics import RouterMetrics
 from router.streaming import ChoiceDecoder
-from transfer.messages import GenerateRequest
-from transfer.tracing import AttrValue, Tracing, end_span
+from telemetry.tracing import AttrValue, Tracing, end_span
 
 
 class RequestTelemetry:

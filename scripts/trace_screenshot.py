@@ -68,7 +68,7 @@ def main() -> None:
         wait_http(phoenix + "/healthz", 180, procs[0])
         serve_env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "cluster.cli", "serve", "--port", str(api),
+            [sys.executable, "-m", "cli.main", "serve", "--port", str(api),
              "--served-model-name", "smollm2", "--worker-cpus", "0.5", "--kv-cache-memory", "256M",
              "--otlp-traces-endpoint", f"{phoenix}/v1/traces"],
             cwd=ROOT, env=serve_env, stdout=(work / "serve.log").open("wb"), stderr=subprocess.STDOUT))

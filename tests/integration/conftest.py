@@ -72,7 +72,7 @@ def pdserve_factory(default_model_path: Path,
         port = _free_port()
         log_path = tmp_path_factory.mktemp("pdserve") / "serve.log"
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-        cmd = [sys.executable, "-m", "cluster.cli", "serve", "--model", str(default_model_path),
+        cmd = [sys.executable, "-m", "cli.main", "serve", "--model", str(default_model_path),
                "--port", str(port), *SERVER_FLAGS, *extra]
         with log_path.open("wb") as log:
             proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT,

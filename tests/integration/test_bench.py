@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from cluster.cli import main
+from cli.main import main
 from tests.integration.conftest import PdserveServer
 
 pytestmark = pytest.mark.slow

@@ -2,7 +2,7 @@
 
 import pytest
 
-from cluster.cli import main
+from cli.main import main
 
 
 def test_generate_prints_completion_and_throughput(capsys: pytest.CaptureFixture[str]) -> None:

@@ -16,12 +16,10 @@ import msgspec
 import pytest
 import ray
 
-from cluster.client import ClientConfig, KvFailurePolicy, PDClient
 from cluster.workers import WorkerGroup, start_workers
 from engine.config import EngineConfig
 from engine.loader import default_model_path, load_model_source
-from tests.integration.otlp_receiver import OtlpReceiver
-from transfer.messages import (
+from messages.wire import (
     GenerateRequest,
     PrefillResult,
     RequestFailed,
@@ -31,7 +29,9 @@ from transfer.messages import (
     pack,
     unpack,
 )
-from transfer.tracing import TraceConfig
+from router.client import ClientConfig, KvFailurePolicy, PDClient
+from telemetry.tracing import TraceConfig
+from tests.integration.otlp_receiver import OtlpReceiver
 
 MODEL = str(default_model_path())
 CONFIG = EngineConfig(dtype="float32", max_num_batched_tokens=512, kv_cache_memory=256 * 2**20)

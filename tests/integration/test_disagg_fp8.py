@@ -12,11 +12,11 @@ import httpx
 import pytest
 import ray
 
-from cluster.client import PDClient
 from cluster.workers import WorkerGroup, start_workers
 from engine.config import EngineConfig
 from engine.loader import default_model_path, load_model_source
-from transfer.messages import GenerateRequest, PrefillResult, SamplingSpec, TokenBatch, pack, unpack
+from messages.wire import GenerateRequest, PrefillResult, SamplingSpec, TokenBatch, pack, unpack
+from router.client import PDClient
 
 MODEL = str(default_model_path())
 CONFIG = EngineConfig(dtype="float32", kv_cache_dtype="fp8", max_num_batched_tokens=512,
@@ -90,8 +90,8 @@ def test_metrics_report_fp8_device_and_host_tiers(group: WorkerGroup) -> None:
     """GET /metrics on the router app over these workers: capacities per tier, labelled fp8."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from cluster.backend import ClusterBackend
     from router.app import RouterConfig, create_app
+    from router.backend import ClusterBackend
 
     async def scrape() -> str:
         client = PDClient(group.prefill, group.decode)

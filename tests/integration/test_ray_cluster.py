@@ -4,7 +4,7 @@ The module starts its own cluster with ``ray start`` (own temp dir, own ports,
 ``RAY_AUTH_MODE=token``): a head node (the job driver and router run there) and
 two worker nodes on this machine, one offering the custom resource
 ``prefill_node`` and one ``decode_node``. ``ray job submit`` runs
-``python -m cluster.cli serve --address auto`` (what the ``pdserve`` script runs)
+``python -m cli.main serve --address auto`` (what the ``pdserve`` script runs)
 with ``--prefill-resources prefill_node=1 --decode-resources decode_node=1`` (and the
 decode node's label, ``--decode-labels pdserve-role=decode_node``); the
 tests check the actors' node ids, a request through the router, and that
@@ -33,7 +33,7 @@ import httpx
 import psutil
 import pytest
 
-from cluster.plan import make_plan, read_model_config
+from cli.plan import make_plan, read_model_config
 
 pytestmark = pytest.mark.slow
 
@@ -180,7 +180,7 @@ def job(ray_cluster: RayCluster, default_model_path: Path) -> Iterator[Job]:
     submit = ray_cluster.run(
         RAY, "job", "submit", "--address", ray_cluster.dashboard, "--submission-id", job_id, "--no-wait",
         "--working-dir", str(ROOT), "--entrypoint-resources", json.dumps({"ingress": 1}), "--",
-        "python", "-m", "cluster.cli", "serve", "--address", "auto", "--model", str(default_model_path),
+        "python", "-m", "cli.main", "serve", "--address", "auto", "--model", str(default_model_path),
         "--host", "127.0.0.1", "--port", str(port), "--num-prefill", "1", "--num-decode", "1",
         "--prefill-resources", "prefill_node=1", "--decode-resources", "decode_node=1",
         "--decode-labels", "pdserve-role=decode_node",

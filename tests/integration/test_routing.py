@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 import ray
 
-from cluster.client import ClientConfig, PDClient
 from cluster.workers import WorkerGroup, start_workers
 from engine.config import EngineConfig
 from engine.loader import default_model_path, load_model_source
-from transfer.messages import GenerateRequest, KvSnapshot, SamplingSpec, TokenBatch, WorkerStats, unpack
+from messages.wire import GenerateRequest, KvSnapshot, SamplingSpec, TokenBatch, WorkerStats, unpack
+from router.client import ClientConfig, PDClient
 
 MODEL = str(default_model_path())
 CONFIG = EngineConfig(dtype="float32", max_num_batched_tokens=512, kv_cache_memory=128 * 2**20)

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.cli import UsageError, main, parse_size
+from cli.main import UsageError, main, parse_size
 
 GENERATE_FLAGS = (
     "--model", "--dtype", "--device", "--block-size", "--kv-cache-memory", "--num-kv-blocks",
@@ -94,7 +94,7 @@ def test_parse_size_rejects(text: str) -> None:
 
 
 def test_offload_bytes_zero_means_off_but_other_sizes_reject_zero() -> None:
-    from cluster.cli import build_parser
+    from cli.main import build_parser
 
     parser = build_parser()
     args = parser.parse_args(["generate", "--kv-offload-bytes", "0", "hello"])

@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 import yaml
 
-from cluster.cli import build_parser
-from cluster.config import parse_with_config
+from cli.config_file import parse_with_config
+from cli.main import build_parser
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 RAY_VERSION = version("ray")

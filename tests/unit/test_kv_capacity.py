@@ -11,13 +11,13 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.cli import main
-from cluster.plan import make_plan, read_model_config
+from cli.main import main
+from cli.plan import make_plan, read_model_config
 from engine import LLM
 from engine.kv_sizing import KV_CACHE_DTYPES, KvTier, kv_dtype_name
+from messages.wire import KvTierStats, WorkerStats
 from router.metrics import worker_metrics
 from tests.unit.test_kv_offload import PARAMS, SHARED, evict_shared
-from transfer.messages import KvTierStats, WorkerStats
 
 # The tiny model (2 layers, 2 KV heads x 16): 512 bytes per token in float32, 128 in fp8/int8, plus
 # 2 x 2 layers x 2 heads x 4 bytes of scales per quantized block.

@@ -12,11 +12,11 @@ import yaml
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from messages.wire import KvTierStats, WorkerStats
 from router.admission import AdmissionGate
 from router.metrics import RouterMetrics, worker_metrics
-from transfer.histogram import Histogram
-from transfer.messages import KvTierStats, WorkerStats
-from transfer.tracing import TraceConfig
+from telemetry.histogram import Histogram
+from telemetry.tracing import TraceConfig
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "observability"
 SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}

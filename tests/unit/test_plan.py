@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from cluster.cli import main
-from cluster.plan import make_plan, parameter_count, read_model_config
+from cli.main import main
+from cli.plan import make_plan, parameter_count, read_model_config
 from engine.config import EngineConfig
 from engine.kv_sizing import num_kv_blocks
 

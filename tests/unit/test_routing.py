@@ -2,11 +2,11 @@
 
 import time
 
-from cluster.worker_state import WorkerState, WorkerTable
 from engine.hashing import ROOT_SEED, block_hashes
+from messages.wire import KvEvents, KvSnapshot
 from router.policy import Candidate, LeastLoaded, PrefixAware, RoundRobin, make_policy
 from router.prefix_index import PrefixIndex
-from transfer.messages import KvEvents, KvSnapshot
+from router.worker_table import WorkerState, WorkerTable
 
 
 def test_index_folds_events_in_order_and_detects_gaps() -> None:

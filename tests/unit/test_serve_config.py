@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from cluster.cli import build_parser, main
-from cluster.config import ConfigError, describe, load_config, parse_with_config, subparser
+from cli.config_file import ConfigError, describe, load_config, parse_with_config, subparser
+from cli.main import build_parser, main
 from cluster.placement import Placement, parse_labels, parse_resources
 
 CONFIG = """

@@ -9,10 +9,10 @@ from collections.abc import AsyncIterator
 import pytest
 
 from engine.tokenizer import Tokenizer
+from messages.wire import TokenBatch
 from router.admission import AdmissionGate
 from router.errors import APIError
 from router.streaming import ChoiceDecoder, StopFilter, guarded
-from transfer.messages import TokenBatch
 
 
 def run(stops: list[str], pieces: list[str]) -> tuple[list[str], bool]:

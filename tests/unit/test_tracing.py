@@ -1,4 +1,4 @@
-"""transfer.tracing against real OTLP receivers (HTTP/protobuf and gRPC) in this process."""
+"""telemetry.tracing against real OTLP receivers (HTTP/protobuf and gRPC) in this process."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from concurrent import futures
 import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
+from telemetry.tracing import TraceConfig, Tracing, end_span
 from tests.integration.otlp_receiver import OtlpReceiver
-from transfer.tracing import TraceConfig, Tracing, end_span
 
 
 def test_disabled_tracing_makes_nothing() -> None:

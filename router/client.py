@@ -39,11 +39,8 @@ from typing import Any
 import msgspec
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
-from cluster.worker_state import WorkerState, WorkerTable
 from engine.hashing import seed_for
-from router.policy import RoutingPolicy, make_policy
-from router.prefix_index import PrefixIndex
-from transfer.messages import (
+from messages.wire import (
     GenerateRequest,
     PrefillResult,
     RequestFailed,
@@ -54,6 +51,9 @@ from transfer.messages import (
     pack,
     unpack,
 )
+from router.policy import RoutingPolicy, make_policy
+from router.prefix_index import PrefixIndex
+from router.worker_table import WorkerState, WorkerTable
 from transfer.wire import AgentInfo, KvHandle, KvLayout
 from transfer.wire import decode as decode_wire
 

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NoReturn, TypedDict
 
-from cluster.argtypes import converted
+from cli.argtypes import converted
 
 if TYPE_CHECKING:
     from engine.outputs import RequestOutput
@@ -257,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default: when the model has a chat template)")
     add_engine_args(gen)
     add_sampling_args(gen)
-    from cluster.serve_args import add_serve_args
+    from cli.serve_args import add_serve_args
 
     serve = sub.add_parser(
         "serve", help="serve the OpenAI HTTP API from prefill and decode workers on Ray",
@@ -266,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "/metrics) until Ctrl-C or SIGTERM.",
     )
     add_serve_args(serve)
-    from cluster.plan import add_plan_args
+    from cli.plan import add_plan_args
 
     plan = sub.add_parser(
         "plan", help="size the KV cache of a model on a device (no model weights are loaded)",
@@ -329,7 +329,7 @@ def _fail(message: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from cluster.config import parse_with_config
+    from cli.config_file import parse_with_config
 
     parser = build_parser()
     try:
@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_serve(args)
         if args.command == "plan":
-            from cluster.plan import run_plan
+            from cli.plan import run_plan
 
             return run_plan(args)
         if hasattr(args, "handler"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import bisect
 
-from transfer.messages import HistogramData
+from messages.wire import HistogramData
 
 # vLLM's request-queue-time buckets (seconds).
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,

@@ -7,10 +7,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from cluster.argtypes import number, parsed_by, positive
-from cluster.cli import add_engine_args, size
+from cli.argtypes import number, parsed_by, positive
+from cli.main import add_engine_args, size
 from router.policy import POLICIES as POLICIES_ROUTING
-from transfer.tracing import PROTOCOLS
+from telemetry.tracing import PROTOCOLS
 
 POLICIES = ("retry", "recompute", "fail")
 

@@ -33,9 +33,9 @@ from typing import Any
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
+from messages.wire import KvEvents, KvSnapshot, WorkerStats, unpack
 from router.policy import Candidate
 from router.prefix_index import PrefixIndex
-from transfer.messages import KvEvents, KvSnapshot, WorkerStats, unpack
 
 log = logging.getLogger(__name__)
 

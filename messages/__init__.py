@@ -1,0 +1,1 @@
+"""Everything that crosses a process boundary we own (router <-> workers), msgspec-encoded."""

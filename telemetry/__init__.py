@@ -1,0 +1,1 @@
+"""Tracing (OpenTelemetry, W3C context across processes) and in-process histograms."""

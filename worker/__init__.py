@@ -1,0 +1,1 @@
+"""The half both worker roles share: an engine driven by an AsyncEngine, stats, KV events."""
