@@ -50,7 +50,8 @@ from engine.config import EngineConfig
 from engine.loader import load_model_source, resolve_model
 from messages.wire import GenerateRequest, SamplingSpec
 from router.backend import ClusterBackend
-from router.client import ClientConfig, PDClient
+from router.client import PDClient
+from router.config import ClientConfig
 
 NAMESPACE = "pdserve-bench"
 LATENCY_MAX_TOKENS = (1, 16)

@@ -29,7 +29,8 @@ from cluster.workers import start_workers
 from engine.config import EngineConfig
 from engine.loader import load_model_source, resolve_model
 from messages.wire import GenerateRequest, SamplingSpec
-from router.client import ClientConfig, PDClient
+from router.client import PDClient
+from router.config import ClientConfig
 from router.policy import POLICIES
 
 

@@ -31,7 +31,6 @@ aborts the request on every worker it touched.
 from __future__ import annotations
 
 import asyncio
-import enum
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +50,7 @@ from messages.wire import (
     pack,
     unpack,
 )
+from router.config import ClientConfig, KvFailurePolicy
 from router.policy import RoutingPolicy, make_policy
 from router.prefix_index import PrefixIndex
 from router.worker_table import WorkerState, WorkerTable
@@ -60,27 +60,6 @@ from transfer.wire import decode as decode_wire
 Reply = ReservationInfo | WorkerError
 Streamed = TokenBatch | WorkerError
 WorkerDied = (RayActorError, ActorUnavailableError)
-
-
-class KvFailurePolicy(enum.StrEnum):
-    RETRY = "retry"
-    RECOMPUTE = "recompute"
-    FAIL = "fail"
-
-
-@dataclass(frozen=True)
-class ClientConfig:
-    kv_failure_policy: KvFailurePolicy = KvFailurePolicy.RETRY
-    routing: str = "round-robin"
-    disagg_min_tokens: int = 0
-    prefill_saturation_tokens: int = 1 << 30
-    migration_limit: int = 1
-    prefill_timeout: float = 120.0
-    call_timeout: float = 30.0
-    stream_timeout: float = 300.0
-    refresh_interval: float = 0.1
-    pending_ttl: float = 30.0  # how long a prompt sent to a worker counts as held there, at most
-    settle_ttl: float = 5.0  # ... and once served there, waiting for its KV events
 
 
 class PDClient:

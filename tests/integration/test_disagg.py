@@ -29,7 +29,8 @@ from messages.wire import (
     pack,
     unpack,
 )
-from router.client import ClientConfig, KvFailurePolicy, PDClient
+from router.client import PDClient
+from router.config import ClientConfig, KvFailurePolicy
 from telemetry.tracing import TraceConfig
 from tests.integration.otlp_receiver import OtlpReceiver
 

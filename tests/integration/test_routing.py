@@ -15,7 +15,8 @@ from cluster.workers import WorkerGroup, start_workers
 from engine.config import EngineConfig
 from engine.loader import default_model_path, load_model_source
 from messages.wire import GenerateRequest, KvSnapshot, SamplingSpec, TokenBatch, WorkerStats, unpack
-from router.client import ClientConfig, PDClient
+from router.client import PDClient
+from router.config import ClientConfig
 
 MODEL = str(default_model_path())
 CONFIG = EngineConfig(dtype="float32", max_num_batched_tokens=512, kv_cache_memory=128 * 2**20)
