@@ -190,7 +190,7 @@ def launch_service(args: argparse.Namespace, prepared: Prepared) -> Service:
     from router.app import create_app
     from router.backend import ClusterBackend
     from router.client import PDClient
-from router.config import ClientConfig, KvFailurePolicy
+    from router.config import ClientConfig, KvFailurePolicy
 
     gpus = 1 if prepared.engine_config.device.startswith("cuda") else 0
     common = {"num_cpus": args.worker_cpus, "num_gpus": gpus, "torch_threads": args.torch_threads,
