@@ -48,7 +48,8 @@ from cluster.serve import serving_max_model_len
 from cluster.workers import WorkerOptions, start_workers
 from engine.config import EngineConfig
 from engine.loader import load_model_source, resolve_model
-from messages.wire import GenerateRequest, SamplingSpec
+from engine.sampling_params import SamplingParams
+from messages.wire import GenerateRequest
 from router.backend import ClusterBackend
 from router.client import PDClient
 from router.config import ClientConfig
@@ -139,7 +140,8 @@ class Paths:
 
     async def direct(self, prompt: str, max_tokens: int) -> int:
         req = GenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=self.encode(prompt),
-                              sampling=SamplingSpec(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+                              sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                      ignore_eos=True))
         tokens = 0
         async for batch in self.client.generate(req):
             tokens += len(batch.token_ids)

@@ -28,11 +28,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
 
 from engine.tokenizer import Tokenizer
-from messages.wire import GenerateRequest, RequestFailed
+from messages.wire import GenerateRequest
 from router.admission import AdmissionGate, Ticket
 from router.backend import Backend
 from router.errors import (
     APIError,
+    RequestFailed,
     backend_failure,
     install_handlers,
     invalid,
@@ -57,7 +58,6 @@ from router.protocol import (
 from router.responses import Envelope, Json, LogprobFormatter, choice, merge_logprobs, role_chunk, usage
 from router.streaming import (
     DONE,
-    BackendAborted,
     ChoiceDecoder,
     ChoiceDelta,
     ClientGone,
@@ -307,9 +307,7 @@ def _as_api_error(exc: BaseException, request_timeout: float) -> APIError:
     if isinstance(exc, TimeoutError):
         return timeout(request_timeout)
     if isinstance(exc, RequestFailed):
-        return backend_failure(exc.kind, str(exc))
-    if isinstance(exc, BackendAborted):
-        return unavailable(str(exc), code="aborted")
+        return backend_failure(exc)
     if isinstance(exc, ClientGone):
         return APIError(499, "Client closed the request.", code="client_closed_request")
     if isinstance(exc, StopAsyncIteration):
