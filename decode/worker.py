@@ -127,17 +127,11 @@ class DecodeWorker(WorkerBase):
         last: RequestOutput | None = None
         final = True
         try:
-            error = await self._admit(req, prefill is not None)
-            if error is None and prefill is not None:
-                result = await self._await_prefill(prefill[0], prefill_timeout)
-                if isinstance(result, PrefillResult):
-                    error = await self._pull(rid, result.handle, attempt)
-                    if error is None:
-                        last = await self.aengine.mutate(lambda e: self._start_prefilled(e, result))
-                else:
-                    error = result
-            elif error is None:
+            if prefill is None:
                 await self.aengine.mutate(lambda e: self._start_here(e, req))
+                error = None
+            else:
+                error, last = await self._prefilled(req, prefill[0], prefill_timeout, attempt)
             if error is not None:
                 final = not error.retryable
                 yield pack(error)
@@ -149,6 +143,8 @@ class DecodeWorker(WorkerBase):
             async for outputs in self.aengine.stream(rid, self.request_timeout):
                 last = outputs[-1]
                 yield pack(to_batch(outputs, self.worker_id))
+        except ValueError as exc:  # the engine refused the request (e.g. longer than the model allows)
+            yield pack(WorkerError(ErrorKind.INVALID, str(exc)))
         except TimeoutError:
             yield pack(WorkerError(ErrorKind.TIMEOUT, f"{rid}: no output for {self.request_timeout} s"))
         except RuntimeError as exc:  # the engine loop failed: this worker cannot serve
@@ -157,26 +153,31 @@ class DecodeWorker(WorkerBase):
             if final:
                 self._finish_trace(rid, last)
 
-    async def _admit(self, req: GenerateRequest, disaggregated: bool) -> WorkerError | None:
-        """Reserve KV for a disaggregated request not reserved yet; None when it may go on."""
-        if not disaggregated:
-            return None
+    async def _prefilled(self, req: GenerateRequest, ref: Any, timeout: float,
+                         attempt: int) -> tuple[WorkerError | None, RequestOutput | None]:
+        """Reserve, await the prefill, pull its blocks, start decoding: the first output, or the error."""
+        error = await self.aengine.mutate(lambda e: self._reserve(e, req))
+        if error is not None:
+            return error, None
+        result = await self._await_prefill(ref, timeout)
+        if isinstance(result, WorkerError):
+            return result, None
+        error = await self._pull(req.request_id, result.handle, attempt)
+        if error is not None:
+            return error, None
+        return None, await self.aengine.mutate(lambda e: self._start_prefilled(e, result))
 
-        def take(e: LLMEngine) -> WorkerError | None:
-            if req.request_id in e.reserved:
-                return None  # a retry: the reservation is kept across attempts
-            r = e.make_request(req.prompt_token_ids, req.sampling, request_id=req.request_id,
-                               priority=req.priority)
-            if e.reserve(r) is None:
-                return WorkerError(ErrorKind.NO_KV,
-                                   f"{self.worker_id} has no KV room for {r.num_tokens} tokens")
-            self._open_trace(req)
+    def _reserve(self, e: LLMEngine, req: GenerateRequest) -> WorkerError | None:
+        """Hold KV for the prompt unless this request holds it already (a retry keeps its reservation)."""
+        if req.request_id in e.reserved:
             return None
-
-        try:
-            return await self.aengine.mutate(take)
-        except ValueError as exc:
-            return WorkerError(ErrorKind.INVALID, str(exc))
+        r = e.make_request(req.prompt_token_ids, req.sampling, request_id=req.request_id,
+                           priority=req.priority)
+        if e.reserve(r) is None:
+            return WorkerError(ErrorKind.NO_KV,
+                               f"{self.worker_id} has no KV room for {r.num_tokens} tokens")
+        self._open_trace(req)
+        return None
 
     async def _await_prefill(self, ref: Any, timeout: float) -> PrefillResult | WorkerError:
         try:

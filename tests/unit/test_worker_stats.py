@@ -60,8 +60,9 @@ def test_stats_in_a_tight_loop_never_read_the_engine_mid_step(tiny_model_dir: Pa
     worker = DecodeWorker("decode-t", str(tiny_model_dir), pack(config))
     touched = _instrument(worker)
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
-    requests = [GenerateRequest(request_id=f"r{i}", prompt_token_ids=[(7 * i + j) % 250 + 1 for j in range(40)],
-                                sampling=params) for i in range(16)]
+    prompts = [[(7 * i + j) % 250 + 1 for j in range(40)] for i in range(16)]
+    requests = [GenerateRequest(request_id=f"r{i}", prompt_token_ids=p, sampling=params)
+                for i, p in enumerate(prompts)]
 
     async def consume(req: GenerateRequest) -> int:
         n = 0
@@ -74,7 +75,7 @@ def test_stats_in_a_tight_loop_never_read_the_engine_mid_step(tiny_model_dir: Pa
     async def main() -> tuple[int, list[BaseException], list[int], WorkerStats]:
         await worker.ready()
         tasks = [asyncio.create_task(consume(r)) for r in requests]
-        calls, errors = 0, []
+        calls, errors = 0, list[BaseException]()
         while not all(t.done() for t in tasks):
             try:
                 unpack(await worker.stats(), WorkerStats)
