@@ -31,6 +31,7 @@ from engine.tokenizer import Tokenizer
 from messages.wire import GenerateRequest
 from router.admission import AdmissionGate, Ticket
 from router.backend import Backend
+from router.config import RouterSettings
 from router.errors import (
     APIError,
     RequestFailed,
@@ -73,17 +74,12 @@ DECODE_WORKER_HEADER = "x-pdserve-decode-worker"
 
 
 @dataclass(frozen=True)
-class RouterConfig:
-    """How the router serves one model; ``max_queued_tokens=None`` means no token limit."""
+class RouterConfig(RouterSettings):
+    """How the router serves one model: the user's ``RouterSettings`` (keyword-only) plus what the model
+    decides, its served name and context length."""
 
     model_name: str
     max_model_len: int
-    api_key: str | None = None
-    max_request_bytes: int = 1 << 20
-    max_queued_requests: int = 256
-    max_queued_tokens: int | None = None
-    request_timeout: float = 600.0
-    default_max_tokens: int | None = None
 
 
 @dataclass

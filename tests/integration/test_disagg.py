@@ -224,7 +224,9 @@ def test_killed_prefill_worker_request_completes_on_the_other(
 ) -> None:
     victim, survivor = group.prefill
     reference = run(collect(PDClient([], group.decode), req(prompts[5], max_tokens=8)))
-    client = PDClient([victim, survivor], group.decode, ClientConfig(prefill_timeout=60))
+    # round-robin: the first prompt goes to the victim, whatever its cache holds
+    config = ClientConfig(routing="round-robin", prefill_timeout=60)
+    client = PDClient([victim, survivor], group.decode, config)
 
     async def kill_during() -> list[int]:
         task = asyncio.create_task(collect(client, req(prompts[5], max_tokens=8)))

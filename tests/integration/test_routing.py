@@ -110,7 +110,8 @@ def test_conditional_disaggregation_keeps_short_prompts_on_decode(
     group: WorkerGroup, tokenizer: Any
 ) -> None:
     async def scenario() -> None:
-        client = PDClient(group.prefill, group.decode, ClientConfig(disagg_min_tokens=10_000))
+        config = ClientConfig(routing="round-robin", disagg_min_tokens=10_000)
+        client = PDClient(group.prefill, group.decode, config)
         await client.start()
         before = sum(s.transfer_blocks for s in await client.stats())
         out = await collect(client, req(tokenizer.encode("The tide tables say"), max_tokens=6))
