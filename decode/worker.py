@@ -58,7 +58,7 @@ from messages.wire import (
 )
 from telemetry.histogram import Histogram
 from telemetry.tracing import end_span, wall_ns
-from transfer.errors import TransferError
+from transfer.errors import IncompatibleKvError, TransferError
 from transfer.nixl_sink import KvSink
 from transfer.wire import AgentInfo, KvHandle, KvLayout
 from worker.base import WorkerBase
@@ -109,9 +109,15 @@ class DecodeWorker(WorkerBase):
         self.aengine.start()
         return pack(self.layout)
 
-    async def connect(self, agent_info: bytes) -> None:
-        """Handshake with a prefill worker's agent (idempotent); IncompatibleKvError on mismatch."""
-        self.sink.connect(unpack(agent_info, AgentInfo))
+    async def connect(self, agent_info: bytes) -> bytes:
+        """Handshake with a prefill worker's agent (idempotent): empty bytes, or a ``WorkerError`` naming
+        what differs when the two KV caches cannot exchange blocks."""
+        try:
+            self.sink.connect(unpack(agent_info, AgentInfo))
+        except IncompatibleKvError as exc:
+            message = f"{self.worker_id}: incompatible KV ({exc.field}): {exc}"
+            return pack(WorkerError(ErrorKind.INVALID, message))
+        return b""
 
     async def generate(self, request: bytes, prefill: PrefillRef | None = None, attempt: int = 1,
                        prefill_timeout: float = 120.0) -> AsyncIterator[bytes]:

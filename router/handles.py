@@ -22,6 +22,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 
 from messages.codec import pack, unpack
 from messages.wire import GenerateRequest, KvEvents, KvSnapshot, TokenBatch, WorkerError, WorkerStats
+from router.errors import RequestFailed
 from transfer.wire import AgentInfo, KvLayout
 
 WORKER_DIED = (RayActorError, ActorUnavailableError)
@@ -73,7 +74,11 @@ class DecodeHandle(WorkerHandle):
         return unpack(await asyncio.wait_for(self.actor.ready.remote(), timeout), KvLayout)
 
     async def connect(self, agent: AgentInfo, timeout: float) -> None:
-        await asyncio.wait_for(self.actor.connect.remote(pack(agent)), timeout)
+        """Raises ``RequestFailed(invalid)`` when the decode worker refuses the agent (incompatible KV)."""
+        reply = await asyncio.wait_for(self.actor.connect.remote(pack(agent)), timeout)
+        if reply:
+            error = unpack(reply, WorkerError)
+            raise RequestFailed(error.kind, error.message)
 
     def generate(self, req: GenerateRequest, prefill_ref: Any | None, attempt: int, prefill_timeout: float,
                  item_timeout: float) -> AsyncIterator[Streamed]:
