@@ -150,8 +150,10 @@ def paged_attention_kernel(
         acc = v_own
     last_tok = tl.minimum((row0 + BLOCK_M - 1) // q_per_kv, q_len - 1)
     hi = seq_len - q_len + last_tok + 1
+    limit = qpos + 1  # a row sees cache positions < limit
     if KV_KIND != 0:
         hi = hi - 1
+        limit = qpos
     for start in range(0, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         pos_ok = pos < hi
@@ -166,10 +168,7 @@ def paged_attention_kernel(
             k = (codes_to_float(k, KV_KIND, MANT, BIAS) * k_scale[:, None]).to(q_dtype)
             v = (codes_to_float(v, KV_KIND, MANT, BIAS) * v_scale[:, None]).to(q_dtype)
         s = _dot(q, tl.trans(k), DOT_FP32) * sm_scale_log2
-        if KV_KIND != 0:
-            visible = pos[None, :] < qpos[:, None]
-        else:
-            visible = pos[None, :] <= qpos[:, None]
+        visible = pos[None, :] < limit[:, None]
         s = tl.where(visible & pos_ok[None, :] & row_ok[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)

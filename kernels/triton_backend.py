@@ -37,7 +37,8 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def plan_tiles(query_lens: list[int], q_per_kv: int, decode: bool, block_m: int) -> tuple[list[int], list[int]]:
+def plan_tiles(query_lens: list[int], q_per_kv: int, decode: bool,
+               block_m: int) -> tuple[list[int], list[int]]:
     """(sequence, first row) of every tile over the decode (or the prefill) sequences."""
     seqs: list[int] = []
     rows: list[int] = []

@@ -107,7 +107,8 @@ def attention_launch(model_dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: 
     return KernelLaunch(ATTENTION, constexprs, signature)
 
 
-def write_launch(model_dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int, block_size: int) -> KernelLaunch:
+def write_launch(model_dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int,
+                 block_size: int) -> KernelLaunch:
     fmt = kv_format(kv_dtype)
     m, kv = _TRITON_TYPES[model_dtype], _TRITON_TYPES[storage_dtype(kv_dtype)]
     strides = _ints("stride_kt stride_kh stride_vt stride_vh stride_kvb stride_kvs stride_kvt stride_kvh")
