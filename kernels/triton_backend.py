@@ -24,6 +24,7 @@ from kernels.attention import AttentionMetadata
 from kernels.triton_configs import (
     BLOCK_M_DECODE,
     BLOCK_M_PREFILL,
+    MAX_HEAD_DIM,
     WRITE,
     KernelLaunch,
     attention_launch,
@@ -103,6 +104,8 @@ class TritonAttentionBackend:
         if meta is None:
             raise RuntimeError("TritonAttentionBackend.forward called before prepare")
         fmt = kv_format(kv_layer.dtype)
+        if q.shape[2] > MAX_HEAD_DIM:
+            raise ValueError(f"the Triton backend supports head_dim <= {MAX_HEAD_DIM}, got {q.shape[2]}")
         if fmt.quantized and kv_scales is None:
             raise ValueError(f"a {kv_layer.dtype} KV cache needs its scales")
         model_dtype = q.dtype

@@ -21,9 +21,11 @@ WRITE = "write_kv_kernel"
 WRITE_QUANTIZED = "write_kv_quantized_kernel"
 
 BLOCK_M_DECODE = 16
-BLOCK_M_PREFILL = 64
-BLOCK_N = 32
+BLOCK_M_PREFILL = 32
+BLOCK_N = 16
 NUM_WARPS = 4
+MAX_HEAD_DIM = 128  # larger head dims spill at these tiles (kernels/triton_aot.py checks)
+NUM_WARPS_PREFILL = 8  # 4 warps spill at BLOCK_M_PREFILL=32, head_dim 128, fp8 on sm_80
 
 MODEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 QUANTIZED_KV = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
@@ -104,7 +106,7 @@ def attention_launch(model_dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: 
         **_ints("stride_kvb stride_kvs stride_kvt stride_kvh stride_sb stride_ss"),
         **{k: "constexpr" for k in constexprs},
     }
-    return KernelLaunch(ATTENTION, constexprs, signature)
+    return KernelLaunch(ATTENTION, constexprs, signature, NUM_WARPS if decode else NUM_WARPS_PREFILL)
 
 
 def write_launch(model_dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int,
