@@ -21,12 +21,15 @@ __all__ = [
 ]
 
 
-def get_attention_backend(device: torch.device | str, name: str = "auto") -> AttentionBackend:
+def get_attention_backend(device: torch.device | str, name: str = "auto",
+                          kv_quantized: bool = False) -> AttentionBackend:
     """The attention backend ``name`` (``auto``, ``triton``, ``flashinfer`` or ``torch``) for ``device``.
 
     ``auto`` on CPU: the native paged kernel when it builds here (``PDSERVE_NATIVE_KERNELS=0``
     turns it off), which hands dtypes it does not support to the torch reference itself;
-    on CUDA: flashinfer when installed, else Triton, else the torch reference. The CUDA
+    on CUDA: flashinfer when installed and the cache is not quantized (flashinfer cannot read
+    our per-block fp8/int8 scales, see ``kernels/flashinfer_backend.py``), else Triton, else
+    the torch reference. The CUDA
     backends are imported only when chosen, so CPU-only installs never need them.
     Triton on CPU runs only under ``TRITON_INTERPRET=1`` (the tests).
     """
@@ -34,7 +37,7 @@ def get_attention_backend(device: torch.device | str, name: str = "auto") -> Att
     if name == "auto":
         if kind == "cpu":
             return NativeCpuAttentionBackend() if native_available() else TorchAttentionBackend()
-        if kind == "cuda" and importlib.util.find_spec("flashinfer") is not None:
+        if kind == "cuda" and not kv_quantized and importlib.util.find_spec("flashinfer") is not None:
             name = "flashinfer"
         elif kind == "cuda" and importlib.util.find_spec("triton") is not None:
             name = "triton"
@@ -51,7 +54,10 @@ def get_attention_backend(device: torch.device | str, name: str = "auto") -> Att
     if name == "flashinfer":
         if kind != "cuda":
             raise ValueError(f"attention_backend='flashinfer' needs a CUDA device, got {kind!r}")
+        if kv_quantized:
+            raise ValueError("attention_backend='flashinfer' cannot read a quantized (fp8/int8) KV cache; "
+                             "use 'triton' or 'auto'")
         from kernels.flashinfer_backend import FlashInferAttentionBackend
 
-        return FlashInferAttentionBackend()
+        return FlashInferAttentionBackend(device)
     raise ValueError(f"attention_backend must be auto, triton, flashinfer or torch, got {name!r}")
