@@ -1,8 +1,8 @@
 """``AttentionBackend`` on the Triton kernels of ``kernels/triton_attention.py``.
 
 ``prepare`` plans on the host, once per step: the tiles of query rows each program
-owns (decode sequences in ``BLOCK_M_DECODE``-row tiles, prefill chunks in
-``BLOCK_M_PREFILL``-row tiles; rows are tokens x the query heads of one KV head) and,
+owns (decode sequences and prefill chunks in tiles of their own ``BLOCK_M``,
+``kernels/triton_configs.TILES``; rows are tokens x the query heads of one KV head) and,
 for a quantized cache, the touched blocks (block, first and last row written, first
 token). ``forward`` then launches the KV write and one attention launch per tile size.
 Semantics are the torch reference's (``kernels/torch_ref.py``), quantized caches
@@ -22,8 +22,6 @@ import torch
 from kernels import triton_attention as ta
 from kernels.attention import AttentionMetadata
 from kernels.triton_configs import (
-    BLOCK_M_DECODE,
-    BLOCK_M_PREFILL,
     MAX_HEAD_DIM,
     WRITE,
     KernelLaunch,
@@ -72,7 +70,7 @@ class TritonAttentionBackend:
 
     def __init__(self) -> None:
         self._meta: AttentionMetadata | None = None
-        self._tiles: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._tiles: dict[tuple[int, bool, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._writes: torch.Tensor | None = None
         self._interpret = interpreting()
 
@@ -81,11 +79,10 @@ class TritonAttentionBackend:
         self._tiles = {}
         self._writes = None
 
-    def _tiles_for(self, q_per_kv: int, decode: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (q_per_kv, decode)
+    def _tiles_for(self, q_per_kv: int, decode: bool, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (q_per_kv, decode, block_m)
         if key not in self._tiles:
             assert self._meta is not None
-            block_m = BLOCK_M_DECODE if decode else BLOCK_M_PREFILL
             seqs, rows = plan_tiles(self._meta.query_lens_list, q_per_kv, decode, block_m)
             both = torch.tensor([seqs, rows], dtype=torch.int32).to(self._meta.seq_lens.device)
             self._tiles[key] = (both[0], both[1])
@@ -117,10 +114,10 @@ class TritonAttentionBackend:
         self._write(k, v, cache, scales, write_launch(model_dtype, kv_layer.dtype, head_dim, meta.block_size))
         out = torch.empty_like(q)
         for decode in (True, False):
-            tile_seq, tile_row = self._tiles_for(q_per_kv, decode)
+            cfg = attention_launch(model_dtype, kv_layer.dtype, head_dim, decode, self._interpret)
+            tile_seq, tile_row = self._tiles_for(q_per_kv, decode, int(cfg.constexprs["BLOCK_M"]))
             if tile_seq.numel() == 0:
                 continue
-            cfg = attention_launch(model_dtype, kv_layer.dtype, head_dim, decode, self._interpret)
             ta.paged_attention_kernel[(tile_seq.numel(), kv_heads)](
                 q, k, v, cache, scales, out,
                 meta.block_tables, meta.query_start_loc, meta.seq_lens, tile_seq, tile_row,

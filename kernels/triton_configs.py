@@ -20,12 +20,17 @@ ATTENTION = "paged_attention_kernel"
 WRITE = "write_kv_kernel"
 WRITE_QUANTIZED = "write_kv_quantized_kernel"
 
-BLOCK_M_DECODE = 16
-BLOCK_M_PREFILL = 32
-BLOCK_N = 16
-NUM_WARPS = 4
+# (BLOCK_M, BLOCK_N, num_warps) by (float32 model, decode). Chosen so that nothing spills at
+# head_dim 128 on sm_80 and sm_90 (the AOT check): float32 dots run on FMA units and hold more
+# registers; at BLOCK_N 16 sm_90 puts 16-bit decode on the stack; 4 warps spill 16-bit prefill.
+TILES: dict[tuple[bool, bool], tuple[int, int, int]] = {
+    (False, True): (16, 32, 4),
+    (False, False): (32, 16, 8),
+    (True, True): (16, 16, 4),
+    (True, False): (16, 16, 4),
+}
+
 MAX_HEAD_DIM = 128  # larger head dims spill at these tiles (kernels/triton_aot.py checks)
-NUM_WARPS_PREFILL = 8  # 4 warps spill at BLOCK_M_PREFILL=32, head_dim 128, fp8 on sm_80
 
 MODEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 QUANTIZED_KV = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
@@ -78,7 +83,7 @@ class KernelLaunch:
     kernel: str
     constexprs: dict[str, int | float | bool] = field(hash=False)
     signature: dict[str, str] = field(hash=False)
-    num_warps: int = NUM_WARPS
+    num_warps: int = 4
 
 
 def _ptrs(names: str, ty: str) -> dict[str, str]:
@@ -93,10 +98,10 @@ def attention_launch(model_dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: 
                      interpret: bool = False) -> KernelLaunch:
     fmt = kv_format(kv_dtype)
     m, kv = _TRITON_TYPES[model_dtype], _TRITON_TYPES[storage_dtype(kv_dtype)]
+    block_m, block_n, num_warps = TILES[(model_dtype == torch.float32, decode)]
     constexprs: dict[str, int | float | bool] = dict(
-        HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=BLOCK_M_DECODE if decode else BLOCK_M_PREFILL,
-        BLOCK_N=BLOCK_N, KV_KIND=fmt.kind, MANT=fmt.mant, BIAS=fmt.bias,
-        DOT_FP32=interpret or model_dtype == torch.float32,
+        HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
+        KV_KIND=fmt.kind, MANT=fmt.mant, BIAS=fmt.bias, DOT_FP32=interpret or model_dtype == torch.float32,
     )
     signature = {
         **_ptrs("q_ptr k_ptr v_ptr", m), **_ptrs("kv_ptr", kv), **_ptrs("scales_ptr", "fp32"),
@@ -106,7 +111,7 @@ def attention_launch(model_dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: 
         **_ints("stride_kvb stride_kvs stride_kvt stride_kvh stride_sb stride_ss"),
         **{k: "constexpr" for k in constexprs},
     }
-    return KernelLaunch(ATTENTION, constexprs, signature, NUM_WARPS if decode else NUM_WARPS_PREFILL)
+    return KernelLaunch(ATTENTION, constexprs, signature, num_warps)
 
 
 def write_launch(model_dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int,
