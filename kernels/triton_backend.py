@@ -2,7 +2,7 @@
 
 ``prepare`` plans on the host, once per step: the tiles of query rows each program
 owns (decode sequences and prefill chunks in tiles of their own ``BLOCK_M``,
-``kernels/triton_configs.TILES``; rows are tokens x the query heads of one KV head) and,
+``kernels/triton_configs.attention_tiles``; rows are tokens x the query heads of one KV head) and,
 for a quantized cache, the touched blocks (block, first and last row written, first
 token). ``forward`` then launches the KV write and one attention launch per tile size.
 Semantics are the torch reference's (``kernels/torch_ref.py``), quantized caches

@@ -20,15 +20,18 @@ ATTENTION = "paged_attention_kernel"
 WRITE = "write_kv_kernel"
 WRITE_QUANTIZED = "write_kv_quantized_kernel"
 
-# (BLOCK_M, BLOCK_N, num_warps) by (float32 model, decode). Chosen so that nothing spills at
-# head_dim 128 on sm_80 and sm_90 (the AOT check): float32 dots run on FMA units and hold more
-# registers; at BLOCK_N 16 sm_90 puts 16-bit decode on the stack; 4 warps spill 16-bit prefill.
-TILES: dict[tuple[bool, bool], tuple[int, int, int]] = {
-    (False, True): (16, 32, 4),
-    (False, False): (32, 16, 8),
-    (True, True): (16, 16, 4),
-    (True, False): (16, 16, 4),
-}
+
+def attention_tiles(model_dtype: torch.dtype, head_dim: int, decode: bool) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps), chosen so that no launch spills on sm_80 or sm_90 (the AOT
+    check found each exception): float32 dots run on FMA units and need 8 warps at head_dim 128
+    with a quantized cache; sm_90 puts 16 bytes on the stack for 16-bit decode at BLOCK_N 16 and
+    for 8-warp prefill at head_dim 64; 4 warps spill 16-bit prefill at head_dim 128."""
+    if model_dtype == torch.float32:
+        return (16, 16, 8)
+    if decode:
+        return (16, 32, 4)
+    return (32, 16, 8 if head_dim > 64 else 4)
+
 
 MAX_HEAD_DIM = 128  # larger head dims spill at these tiles (kernels/triton_aot.py checks)
 
@@ -98,7 +101,7 @@ def attention_launch(model_dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: 
                      interpret: bool = False) -> KernelLaunch:
     fmt = kv_format(kv_dtype)
     m, kv = _TRITON_TYPES[model_dtype], _TRITON_TYPES[storage_dtype(kv_dtype)]
-    block_m, block_n, num_warps = TILES[(model_dtype == torch.float32, decode)]
+    block_m, block_n, num_warps = attention_tiles(model_dtype, head_dim, decode)
     constexprs: dict[str, int | float | bool] = dict(
         HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
         KV_KIND=fmt.kind, MANT=fmt.mant, BIAS=fmt.bias, DOT_FP32=interpret or model_dtype == torch.float32,
