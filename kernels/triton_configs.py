@@ -24,13 +24,13 @@ WRITE_QUANTIZED = "write_kv_quantized_kernel"
 def attention_tiles(model_dtype: torch.dtype, head_dim: int, decode: bool) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps), chosen so that no launch spills on sm_80 or sm_90 (the AOT
     check found each exception): float32 dots run on FMA units and need 8 warps at head_dim 128
-    with a quantized cache; sm_90 puts 16 bytes on the stack for 16-bit decode at BLOCK_N 16 and
-    for 8-warp prefill at head_dim 64; 4 warps spill 16-bit prefill at head_dim 128."""
+    with a quantized cache; 16-bit decode at BLOCK_N 16 and 16-bit prefill at head_dim 64 with
+    BLOCK_M 32 put a few bytes on the stack; 4 warps spill 16-bit prefill at head_dim 128."""
     if model_dtype == torch.float32:
         return (16, 16, 8)
-    if decode:
+    if decode or head_dim <= 64:
         return (16, 32, 4)
-    return (32, 16, 8 if head_dim > 64 else 4)
+    return (32, 16, 8)
 
 
 MAX_HEAD_DIM = 128  # larger head dims spill at these tiles (kernels/triton_aot.py checks)

@@ -37,8 +37,8 @@ def test_backend_matches_dense_attention(backend: str, dtype: torch.dtype) -> No
     meta = _meta_on_cuda(case.meta)
     attn = get_attention_backend("cuda", backend)
     attn.prepare(meta)
-    out = attn.forward(*(t.to("cuda", dtype) for t in (case.q, case.new_k, case.new_v)),
-                       case.kv.to("cuda", dtype), 128**-0.5)
+    q, k, v = (t.to("cuda", dtype) for t in (case.q, case.new_k, case.new_v))
+    out = attn.forward(q, k, v, case.kv.to("cuda", dtype), 128**-0.5)
     torch.testing.assert_close(out.float().cpu(), case.expected, atol=2e-2, rtol=2e-2)
 
 
@@ -52,8 +52,8 @@ def test_triton_fp8_cache_bytes_equal_torch_reference(kv_dtype: torch.dtype) -> 
         kv, sc = codes.clone(), scales.cuda()
         attn = get_attention_backend("cuda", name)
         attn.prepare(_meta_on_cuda(case.meta))
-        out = attn.forward(*(t.to("cuda", torch.bfloat16) for t in (case.q, case.new_k, case.new_v)), kv,
-                           128**-0.5, sc)
+        q, k, v = (t.to("cuda", torch.bfloat16) for t in (case.q, case.new_k, case.new_v))
+        out = attn.forward(q, k, v, kv, 128**-0.5, sc)
         results.append((out.float().cpu(), kv.view(torch.uint8).cpu(), sc.cpu()))
     assert torch.equal(results[0][1], results[1][1]) and torch.equal(results[0][2], results[1][2])
     torch.testing.assert_close(results[0][0], results[1][0], atol=2e-2, rtol=2e-2)
@@ -71,8 +71,8 @@ def test_padded_decode_buffers_on_cuda_stay_put_and_rows_match() -> None:
     for meta, rows in ((AttentionMetadata.build(16, [1] * 3, lens, tables, "cuda"), 3), (padded.meta, 4)):
         attn = get_attention_backend("cuda", "triton")
         attn.prepare(meta)
-        qkv = [torch.cat([t, t[:1].expand(rows - 3, -1, -1)]) for t in (q, k, v)]
-        outs.append(attn.forward(*qkv, kv.clone(), 0.125)[:3])
+        pq, pk, pv = (torch.cat([t, t[:1].expand(rows - 3, -1, -1)]) for t in (q, k, v))
+        outs.append(attn.forward(pq, pk, pv, kv.clone(), 0.125)[:3])
     assert torch.equal(outs[0], outs[1])
 
 

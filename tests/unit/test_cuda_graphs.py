@@ -92,8 +92,8 @@ def test_padded_attention_rows_are_exact(backend_name: str) -> None:
     for meta, rows in ((AttentionMetadata.build(BLOCK_SIZE, [1, 1, 1], lens, tables), 3), (padded.meta, 4)):
         backend = get_attention_backend("cpu", backend_name)
         backend.prepare(meta)
-        qkv = [torch.cat([t, t[:1].expand(rows - 3, -1, -1)]) for t in (q, k, v)]
-        outs.append(backend.forward(*qkv, kv.clone(), 0.25)[:3])
+        pq, pk, pv = (torch.cat([t, t[:1].expand(rows - 3, -1, -1)]) for t in (q, k, v))
+        outs.append(backend.forward(pq, pk, pv, kv.clone(), 0.25)[:3])
     assert torch.equal(outs[0], outs[1])
 
 

@@ -33,7 +33,7 @@ def _run(backend_cls: type, meta: AttentionMetadata, q: torch.Tensor, k: torch.T
          kv: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
     backend = backend_cls()
     backend.prepare(meta)
-    return backend.forward(q, k, v, kv, HEAD_DIM**-0.5, scales)  # type: ignore[no-any-return]
+    return backend.forward(q, k, v, kv, HEAD_DIM**-0.5, scales)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
