@@ -52,11 +52,11 @@ def get_attention_backend(device: torch.device | str, name: str = "auto",
 
         return TritonAttentionBackend()
     if name == "flashinfer":
-        if kind != "cuda":
-            raise ValueError(f"attention_backend='flashinfer' needs a CUDA device, got {kind!r}")
         if kv_quantized:
             raise ValueError("attention_backend='flashinfer' cannot read a quantized (fp8/int8) KV cache; "
                              "use 'triton' or 'auto'")
+        if kind != "cuda":
+            raise ValueError(f"attention_backend='flashinfer' needs a CUDA device, got {kind!r}")
         from kernels.flashinfer_backend import FlashInferAttentionBackend
 
         return FlashInferAttentionBackend(device)
