@@ -1,6 +1,6 @@
 """Triton paged attention and KV writes (interpreted on CPU) against the torch reference.
 
-``tests/unit/conftest.py`` sets ``TRITON_INTERPRET=1`` before these modules import.
+``tests/conftest.py`` sets ``TRITON_INTERPRET=1`` (without CUDA) before triton is first imported.
 """
 
 from __future__ import annotations
