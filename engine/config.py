@@ -16,6 +16,7 @@ import torch
 from kernels.kv_quant import is_quantized, parse_kv_cache_dtype
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+ATTENTION_BACKENDS = ("auto", "triton", "flashinfer", "torch")
 
 _DTYPES = {
     "float32": torch.float32,
@@ -122,9 +123,18 @@ class EngineConfig:
     # in-flight prefix dedup (engine/scheduler.py): a waiting request waits for at least this many
     # of its next prompt tokens that a running request is computing; 0 turns it off
     prefix_wait_min_tokens: int = 128
+    # paged attention kernels: auto (flashinfer, else triton on CUDA; the native/torch kernels on CPU),
+    # or one of ATTENTION_BACKENDS by name
+    attention_backend: str = "auto"
+    # never capture CUDA graphs for decode steps (engine/cuda_graphs.py); no effect on CPU
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
-        parse_dtype(self.dtype)
+        if self.dtype.lower() != "auto":
+            parse_dtype(self.dtype)
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            choices = ", ".join(ATTENTION_BACKENDS)
+            raise ValueError(f"attention_backend must be one of {choices}, got {self.attention_backend!r}")
         parse_kv_cache_dtype(self.kv_cache_dtype)
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"--preemption-mode must be recompute or swap, got {self.preemption_mode!r}")
@@ -157,6 +167,9 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        """The model dtype; ``auto`` is bfloat16 on CUDA and float32 elsewhere."""
+        if self.dtype.lower() == "auto":
+            return torch.bfloat16 if torch.device(self.device).type == "cuda" else torch.float32
         return parse_dtype(self.dtype)
 
     @property

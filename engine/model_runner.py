@@ -23,7 +23,8 @@ class ModelRunner:
         # per-block scales of a quantized (fp8/int8) cache; None when the cache is full precision
         self.kv_scales = (allocate_kv_scales(model_config, num_blocks, self.device)
                           if engine_config.kv_quantized else None)
-        self.backend = get_attention_backend(self.device)
+        self.backend = get_attention_backend(self.device, engine_config.attention_backend,
+                                             engine_config.kv_quantized)
 
     @property
     def kv_cache_bytes(self) -> int:

@@ -1,0 +1,95 @@
+"""``AttentionBackend`` on flashinfer's batch paged-prefill kernel (CUDA only).
+
+Imported only when chosen (``kernels.get_attention_backend``), so CPU-only installs
+never import flashinfer. Our per-layer KV tensor ``[blocks, 2, block_size, kv_heads,
+head_dim]`` is flashinfer's NHD paged layout as is. ``prepare`` plans the page-table
+arrays in plain Python (``kernels/flashinfer_plan.py``, decodes first) and copies them
+to the device once per step; the wrapper's own ``plan`` runs at the first layer, when
+the head counts and dtypes are known. One ``BatchPrefillWithPagedKVCacheWrapper`` with
+``causal=True`` serves decodes and chunks alike (flashinfer aligns the causal mask to
+the end of the KV, which is our "query i sits at ``L - q_len + i``").
+
+Quantized caches are refused. flashinfer's fp8 path takes one scalar ``k_scale`` /
+``v_scale`` per layer, while our fp8/int8 blocks carry one scale per block, per K/V,
+per KV head (``kernels/kv_quant.py``) and are requantized as blocks fill; reading our
+bytes with a single scale would be wrong, and converting them per step would cost
+more than it saves. So with ``kv_cache_dtype`` fp8/int8, ``auto`` picks the Triton
+backend on CUDA, and asking for flashinfer is an error at engine start. That is also
+what keeps a disaggregated fp8 transfer correct: prefill and decode both write and
+read the same per-block-scaled bytes (Triton and the torch reference agree on them
+byte for byte, ``tests/unit/test_triton_attention.py``), whichever of those two each
+role runs; flashinfer never sees them.
+
+Not yet run on a GPU (README.md lists what has been).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kernels.attention import AttentionMetadata
+from kernels.flashinfer_plan import FlashInferPlan, plan_flashinfer
+from kernels.kv_quant import is_quantized
+
+WORKSPACE_BYTES = 128 * 1024**2
+
+
+class FlashInferAttentionBackend:
+    def __init__(self, device: torch.device | str = "cuda") -> None:
+        import flashinfer
+
+        self._device = torch.device(device)
+        self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self._device)
+        self._wrapper: Any = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, kv_layout="NHD")
+        self._meta: AttentionMetadata | None = None
+        self._plan: FlashInferPlan | None = None
+        self._arrays: list[torch.Tensor] = []
+        self._token_order: torch.Tensor | None = None
+        self._planned_key: tuple[Any, ...] | None = None
+        self._write_rows = torch.empty(0, dtype=torch.int64)
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        plan = plan_flashinfer(meta)
+        self._meta, self._plan, self._planned_key = meta, plan, None
+        arrays = [plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.kv_last_page_len]
+        self._arrays = [torch.tensor(a, dtype=torch.int32).to(self._device, non_blocking=True)
+                        for a in arrays]
+        self._token_order = (None if plan.token_order is None else
+                             torch.tensor(plan.token_order, dtype=torch.int64).to(self._device))
+        bs = meta.block_size
+        slots = meta.slot_mapping.to(torch.int64)
+        self._write_rows = torch.div(slots, bs, rounding_mode="floor") * (2 * bs) + slots % bs
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_layer: torch.Tensor,
+        scale: float,
+        kv_scales: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if self._meta is None or self._plan is None:
+            raise RuntimeError("FlashInferAttentionBackend.forward called before prepare")
+        if is_quantized(kv_layer.dtype):
+            raise ValueError(
+                f"the flashinfer backend does not read {kv_layer.dtype} KV caches (per-block scales); "
+                "use attention_backend='triton' or 'auto'"
+            )
+        _, _, bs, kv_heads, head_dim = kv_layer.shape
+        rows = kv_layer.view(-1, kv_heads, head_dim)
+        rows.index_copy_(0, self._write_rows, k.to(kv_layer.dtype))
+        rows.index_copy_(0, self._write_rows + bs, v.to(kv_layer.dtype))
+        key = (q.shape[1], kv_heads, head_dim, q.dtype, kv_layer.dtype, scale)
+        if key != self._planned_key:
+            self._wrapper.plan(*self._arrays, q.shape[1], kv_heads, head_dim, bs, causal=True,
+                               sm_scale=scale, q_data_type=q.dtype, kv_data_type=kv_layer.dtype)
+            self._planned_key = key
+        order = self._token_order
+        planned_q = q if order is None else q.index_select(0, order)
+        out: torch.Tensor = self._wrapper.run(planned_q, kv_layer)
+        if order is None:
+            return out
+        return torch.empty_like(out).index_copy_(0, order, out)

@@ -1,0 +1,155 @@
+"""``AttentionBackend`` on the Triton kernels of ``kernels/triton_attention.py``.
+
+``prepare`` plans on the host, once per step: the tiles of query rows each program
+owns (decode sequences and prefill chunks in tiles of their own ``BLOCK_M``,
+``kernels/triton_configs.attention_tiles``; rows are tokens x the query heads of one KV head) and,
+for a quantized cache, the touched blocks (block, first and last row written, first
+token). ``forward`` then launches the KV write and one attention launch per tile size.
+Semantics are the torch reference's (``kernels/torch_ref.py``), quantized caches
+included; the tests check both backends against each other.
+
+Under ``TRITON_INTERPRET=1`` (set before this module is imported) the kernels run on
+CPU tensors, which is how the CPU-only test suite runs them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from kernels import triton_attention as ta
+from kernels.attention import AttentionMetadata
+from kernels.triton_configs import (
+    MAX_HEAD_DIM,
+    WRITE,
+    KernelLaunch,
+    attention_launch,
+    kv_format,
+    storage_dtype,
+    write_launch,
+)
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def plan_tiles(query_lens: list[int], q_per_kv: int, decode: bool,
+               block_m: int) -> tuple[list[int], list[int]]:
+    """(sequence, first row) of every tile over the decode (or the prefill) sequences."""
+    seqs: list[int] = []
+    rows: list[int] = []
+    for s, q_len in enumerate(query_lens):
+        if (q_len == 1) != decode:
+            continue
+        for row in range(0, q_len * q_per_kv, block_m):
+            seqs.append(s)
+            rows.append(row)
+    return seqs, rows
+
+
+def plan_block_writes(meta: AttentionMetadata) -> list[tuple[int, int, int, int]]:
+    """(block id, first row, last row, first token) of every block the step writes."""
+    out: list[tuple[int, int, int, int]] = []
+    bs = meta.block_size
+    token = 0
+    for q_len, s_len, table in zip(meta.query_lens_list, meta.seq_lens_list, meta.block_tables_list,
+                                   strict=True):
+        first = s_len - q_len
+        for j in range(first // bs, (s_len - 1) // bs + 1):
+            lo, hi = max(first, j * bs), min(s_len - 1, (j + 1) * bs - 1)
+            out.append((table[j], lo - j * bs, hi - j * bs, token + lo - first))
+        token += q_len
+    return out
+
+
+class TritonAttentionBackend:
+    """Paged attention and KV writes in Triton (CUDA, or the interpreter on CPU)."""
+
+    def __init__(self) -> None:
+        self._meta: AttentionMetadata | None = None
+        self._tiles: dict[tuple[int, bool, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._writes: torch.Tensor | None = None
+        self._interpret = interpreting()
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        self._meta = meta
+        self._tiles = {}
+        self._writes = None
+
+    def _tiles_for(self, q_per_kv: int, decode: bool, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (q_per_kv, decode, block_m)
+        if key not in self._tiles:
+            assert self._meta is not None
+            seqs, rows = plan_tiles(self._meta.query_lens_list, q_per_kv, decode, block_m)
+            both = torch.tensor([seqs, rows], dtype=torch.int32).to(self._meta.seq_lens.device)
+            self._tiles[key] = (both[0], both[1])
+        return self._tiles[key]
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_layer: torch.Tensor,
+        scale: float,
+        kv_scales: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        meta = self._meta
+        if meta is None:
+            raise RuntimeError("TritonAttentionBackend.forward called before prepare")
+        fmt = kv_format(kv_layer.dtype)
+        if q.shape[2] > MAX_HEAD_DIM:
+            raise ValueError(f"the Triton backend supports head_dim <= {MAX_HEAD_DIM}, got {q.shape[2]}")
+        if fmt.quantized and kv_scales is None:
+            raise ValueError(f"a {kv_layer.dtype} KV cache needs its scales")
+        model_dtype = q.dtype
+        head_dim = q.shape[2]
+        kv_heads = kv_layer.shape[3]
+        q_per_kv = q.shape[1] // kv_heads
+        cache = kv_layer.view(storage_dtype(kv_layer.dtype))
+        scales = kv_scales if kv_scales is not None else torch.zeros(1, 1, 1, device=q.device)
+        self._write(k, v, cache, scales, write_launch(model_dtype, kv_layer.dtype, head_dim, meta.block_size))
+        out = torch.empty_like(q)
+        for decode in (True, False):
+            cfg = attention_launch(model_dtype, kv_layer.dtype, head_dim, decode, self._interpret)
+            tile_seq, tile_row = self._tiles_for(q_per_kv, decode, int(cfg.constexprs["BLOCK_M"]))
+            if tile_seq.numel() == 0:
+                continue
+            ta.paged_attention_kernel[(tile_seq.numel(), kv_heads)](
+                q, k, v, cache, scales, out,
+                meta.block_tables, meta.query_start_loc, meta.seq_lens, tile_seq, tile_row,
+                scale * math.log2(math.e), q_per_kv, meta.block_size,
+                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                out.stride(0), out.stride(1), meta.block_tables.stride(0),
+                *cache.stride()[:4], scales.stride(0), scales.stride(1),
+                num_warps=cfg.num_warps, **cfg.constexprs,
+            )
+        return out
+
+    def _write(self, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor,
+               cfg: KernelLaunch) -> None:
+        meta = self._meta
+        assert meta is not None
+        kv_heads = cache.shape[3]
+        strides = (k.stride(0), k.stride(1), v.stride(0), v.stride(1), *cache.stride()[:4])
+        if cfg.kernel == WRITE:
+            if k.shape[0]:
+                ta.write_kv_kernel[(k.shape[0], kv_heads)](
+                    k, v, cache, meta.slot_mapping, meta.block_size, *strides,
+                    num_warps=cfg.num_warps, **cfg.constexprs,
+                )
+            return
+        if self._writes is None:
+            plan = plan_block_writes(meta)
+            self._writes = torch.tensor(plan, dtype=torch.int32).reshape(-1, 4).t().contiguous().to(k.device)
+        writes = self._writes
+        if writes.shape[1] == 0:
+            return
+        ta.write_kv_quantized_kernel[(writes.shape[1], kv_heads)](
+            k, v, cache, scales, writes[0], writes[1], writes[2], writes[3],
+            *strides, scales.stride(0), scales.stride(1),
+            num_warps=cfg.num_warps, **cfg.constexprs,
+        )

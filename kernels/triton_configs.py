@@ -1,0 +1,153 @@
+"""Every Triton kernel configuration the Triton backend launches, from one place.
+
+``launch_configs`` is what ``kernels/triton_backend.py`` looks its launches up in and
+what the ahead-of-time compile test walks (``tests/unit/test_triton_aot.py``), so a
+configuration that does not compile (or spills registers) for sm_80 / sm_90 is found
+on a CPU-only machine before any GPU sees it.
+
+Tile sizes: ``BLOCK_N`` (keys per step) stays >= 16 because NVIDIA's MMA needs
+K >= 16 for 16-bit operands (the ``p @ v`` dot has K = ``BLOCK_N``); keys are gathered
+through the block table per column, so the page size never sets a dot shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+ATTENTION = "paged_attention_kernel"
+WRITE = "write_kv_kernel"
+WRITE_QUANTIZED = "write_kv_quantized_kernel"
+
+
+def attention_tiles(model_dtype: torch.dtype, head_dim: int, decode: bool) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps), chosen so that no launch spills on sm_80 or sm_90 (the AOT
+    check found each exception): float32 dots run on FMA units and need 8 warps at head_dim 128
+    with a quantized cache; 16-bit decode at BLOCK_N 16 and 16-bit prefill at head_dim 64 with
+    BLOCK_M 32 put a few bytes on the stack; 4 warps spill 16-bit prefill at head_dim 128."""
+    if model_dtype == torch.float32:
+        return (16, 16, 8)
+    if decode or head_dim <= 64:
+        return (16, 32, 4)
+    return (32, 16, 8)
+
+
+MAX_HEAD_DIM = 128  # larger head dims spill at these tiles (kernels/triton_aot.py checks)
+
+MODEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+QUANTIZED_KV = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
+
+_TRITON_TYPES = {
+    torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
+    torch.int8: "i8", torch.uint8: "u8",
+}
+
+
+@dataclass(frozen=True)
+class KvFormat:
+    """How the kernels see a cache dtype: ``kind`` (see ``kernels/triton_codes.py``), fp8 bits, range."""
+
+    kind: int
+    mant: int = 0
+    bias: int = 0
+    qmax: float = 0.0
+
+    @property
+    def quantized(self) -> bool:
+        return self.kind != 0
+
+
+def kv_format(kv_dtype: torch.dtype) -> KvFormat:
+    if kv_dtype == torch.int8:
+        return KvFormat(1, qmax=127.0)
+    if kv_dtype == torch.float8_e4m3fn:
+        return KvFormat(2, 3, 7, float(torch.finfo(kv_dtype).max))
+    if kv_dtype == torch.float8_e5m2:
+        return KvFormat(2, 2, 15, float(torch.finfo(kv_dtype).max))
+    if kv_dtype in MODEL_DTYPES:
+        return KvFormat(0)
+    raise ValueError(f"the Triton backend does not support a {kv_dtype} KV cache")
+
+
+def storage_dtype(kv_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the kernels take the cache as (fp8 is passed as its bytes)."""
+    return torch.uint8 if kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else kv_dtype
+
+
+def block_d(head_dim: int) -> int:
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class KernelLaunch:
+    """One compiled variant: kernel name, its constexprs, and the argument types for AOT compiles."""
+
+    kernel: str
+    constexprs: dict[str, int | float | bool] = field(hash=False)
+    signature: dict[str, str] = field(hash=False)
+    num_warps: int = 4
+
+
+def _ptrs(names: str, ty: str) -> dict[str, str]:
+    return {n: f"*{ty}" for n in names.split()}
+
+
+def _ints(names: str) -> dict[str, str]:
+    return {n: "i32" for n in names.split()}
+
+
+def attention_launch(model_dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int, decode: bool,
+                     interpret: bool = False) -> KernelLaunch:
+    fmt = kv_format(kv_dtype)
+    m, kv = _TRITON_TYPES[model_dtype], _TRITON_TYPES[storage_dtype(kv_dtype)]
+    block_m, block_n, num_warps = attention_tiles(model_dtype, head_dim, decode)
+    constexprs: dict[str, int | float | bool] = dict(
+        HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
+        KV_KIND=fmt.kind, MANT=fmt.mant, BIAS=fmt.bias, DOT_FP32=interpret or model_dtype == torch.float32,
+    )
+    signature = {
+        **_ptrs("q_ptr k_ptr v_ptr", m), **_ptrs("kv_ptr", kv), **_ptrs("scales_ptr", "fp32"),
+        **_ptrs("out_ptr", m), **_ptrs("tables_ptr qstart_ptr seqlen_ptr tile_seq_ptr tile_row_ptr", "i32"),
+        "sm_scale_log2": "fp32", **_ints("q_per_kv block_size"),
+        **_ints("stride_qt stride_qh stride_kt stride_kh stride_vt stride_vh stride_ot stride_oh stride_tab"),
+        **_ints("stride_kvb stride_kvs stride_kvt stride_kvh stride_sb stride_ss"),
+        **{k: "constexpr" for k in constexprs},
+    }
+    return KernelLaunch(ATTENTION, constexprs, signature, num_warps)
+
+
+def write_launch(model_dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int,
+                 block_size: int) -> KernelLaunch:
+    fmt = kv_format(kv_dtype)
+    m, kv = _TRITON_TYPES[model_dtype], _TRITON_TYPES[storage_dtype(kv_dtype)]
+    strides = _ints("stride_kt stride_kh stride_vt stride_vh stride_kvb stride_kvs stride_kvt stride_kvh")
+    if not fmt.quantized:
+        constexprs: dict[str, int | float | bool] = dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim))
+        signature = {**_ptrs("k_ptr v_ptr", m), **_ptrs("kv_ptr", kv), **_ptrs("slot_ptr", "i64"),
+                     "block_size": "i32", **strides, **{k: "constexpr" for k in constexprs}}
+        return KernelLaunch(WRITE, constexprs, signature)
+    constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), PAGE=block_size,
+                      BLOCK_T=1 << (block_size - 1).bit_length(), QMAX=fmt.qmax,
+                      KV_KIND=fmt.kind, MANT=fmt.mant, BIAS=fmt.bias)
+    signature = {**_ptrs("k_ptr v_ptr", m), **_ptrs("kv_ptr", kv), **_ptrs("scales_ptr", "fp32"),
+                 **_ptrs("blk_ptr start_ptr end_ptr tok_ptr", "i32"), **strides,
+                 **_ints("stride_sb stride_ss"), **{k: "constexpr" for k in constexprs}}
+    return KernelLaunch(WRITE_QUANTIZED, constexprs, signature)
+
+
+def supported_dtype_pairs() -> list[tuple[torch.dtype, torch.dtype]]:
+    """(model dtype, KV cache dtype) pairs the backend runs: plain caches in the model dtype,
+    quantized caches under any model dtype."""
+    pairs = [(d, d) for d in MODEL_DTYPES]
+    return pairs + [(m, q) for m in MODEL_DTYPES for q in QUANTIZED_KV]
+
+
+def launch_configs(model_dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int,
+                   block_size: int) -> list[KernelLaunch]:
+    """Everything one model's steps can launch: the KV write, decode tiles and prefill tiles."""
+    return [
+        write_launch(model_dtype, kv_dtype, head_dim, block_size),
+        attention_launch(model_dtype, kv_dtype, head_dim, decode=True),
+        attention_launch(model_dtype, kv_dtype, head_dim, decode=False),
+    ]

@@ -1,0 +1,76 @@
+"""Run by ``test_triton_aot.py`` in a child process without ``TRITON_INTERPRET``: compiles the
+configurations it is given (or all) for NVIDIA targets and two kernels known to be faulty.
+
+Prints one JSON object per compile: ``{"name": ..., "ok": ..., "registers": ..., "error": ...}``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton_aot import CompileResult, all_launches, compile_kernel, compile_launch
+from kernels.triton_configs import attention_launch, write_launch
+
+
+@triton.jit
+def small_dot_kernel(a_ptr, b_ptr, c_ptr, K: tl.constexpr):
+    """``[16, K] @ [K, 16]`` in bfloat16: NVIDIA rejects K < 16."""
+    i = tl.arange(0, 16)
+    k = tl.arange(0, K)
+    a = tl.load(a_ptr + i[:, None] * K + k[None, :])
+    b = tl.load(b_ptr + k[:, None] * 16 + i[None, :])
+    tl.store(c_ptr + i[:, None] * 16 + i[None, :], tl.dot(a, b))
+
+
+@triton.jit
+def fp8_cast_kernel(x_ptr, y_ptr):
+    """A float32 -> e4m3 cast through Triton's fp8 type: sm_80 has none."""
+    i = tl.arange(0, 16)
+    tl.store(y_ptr + i, tl.load(x_ptr + i).to(tl.float8e4nv))
+
+
+def covering() -> list[tuple[str, CompileResult]]:
+    """Every kernel, every KV kind and both dot paths, at the largest head dim, on sm_80 and sm_90."""
+    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+    e4m3, e5m2, int8 = torch.float8_e4m3fn, torch.float8_e5m2, torch.int8
+    out: list[tuple[str, CompileResult]] = []
+    for arch in (80, 90):
+        prefill = attention_launch(bf16, e4m3, 128, False)
+        out.append((f"prefill bf16/e4m3 sm_{arch}", compile_launch(prefill, arch)))
+        out.append((f"write bf16/e4m3 sm_{arch}", compile_launch(write_launch(bf16, e4m3, 128, 16), arch)))
+    out.append(("prefill fp32 sm_90", compile_launch(attention_launch(fp32, fp32, 128, False), 90)))
+    out.append(("decode fp16/int8 sm_90", compile_launch(attention_launch(fp16, int8, 128, True), 90)))
+    out.append(("write fp16/e5m2 bs32 sm_90", compile_launch(write_launch(fp16, e5m2, 128, 32), 90)))
+    out.append(("write bf16 sm_80", compile_launch(write_launch(bf16, bf16, 128, 16), 80)))
+    return out
+
+
+def known_faults() -> list[tuple[str, CompileResult]]:
+    dot_sig = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*fp32", "K": "constexpr"}
+    cast_sig = {"x_ptr": "*fp32", "y_ptr": "*fp8e4nv"}
+    return [
+        ("fault: bf16 dot K=8 sm_90", compile_kernel(small_dot_kernel, dot_sig, {"K": 8}, 90, 4)),
+        ("control: bf16 dot K=16 sm_90", compile_kernel(small_dot_kernel, dot_sig, {"K": 16}, 90, 4)),
+        ("fault: e4m3 cast sm_80", compile_kernel(fp8_cast_kernel, cast_sig, {}, 80, 4)),
+        ("control: e4m3 cast sm_90", compile_kernel(fp8_cast_kernel, cast_sig, {}, 90, 4)),
+    ]
+
+
+def main() -> None:
+    mode = sys.argv[1]
+    if mode == "all":
+        results = [(f"{c.kernel} sm_{a}", compile_launch(c, a)) for c in all_launches() for a in (80, 90)]
+    else:
+        results = known_faults() if mode == "faults" else covering()
+    for name, result in results:
+        print(json.dumps({"name": name, "ok": result.ok, **asdict(result)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
