@@ -88,7 +88,7 @@ def _device(text: str) -> str:
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Add the flags that configure an engine (model, memory, scheduler limits). Each flag's dest is
     an ``EngineConfig`` field and its default is that field's default (``engine_config_from_args``)."""
-    from engine.config import EngineConfig
+    from engine.config import ATTENTION_BACKENDS, EngineConfig
 
     d = EngineConfig()
     g = parser.add_argument_group("engine")
@@ -96,8 +96,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="a Hugging Face model folder (config.json, tokenizer, *.safetensors) or a .gguf "
                         "file; default: the built-in SmolLM2-135M-Instruct Q4_1 GGUF in "
                         "$PDSERVE_CACHE/models (fetched by scripts/fetch_model.py)")
-    g.add_argument("--dtype", choices=DTYPES, default=d.dtype,
-                   help="dtype of weights, activations and KV cache (default: float32)")
+    g.add_argument("--dtype", choices=("auto", *DTYPES), default=d.dtype,
+                   help="dtype of weights, activations and KV cache; auto is bfloat16 on CUDA and float32 "
+                        "on CPU (default: auto)")
     g.add_argument("--device", type=_device, default=d.device,
                    help="torch device: cpu, cuda or cuda:N (default: cpu)")
     g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d.kv_cache_dtype,
@@ -145,6 +146,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="longest prompt + output in tokens (default: the model's context length)")
     g.add_argument("--seed", type=int, default=d.seed, metavar="N",
                    help="seed of the engine's random sampling (default: 0)")
+    g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=d.attention_backend,
+                   help="attention kernels: auto (flashinfer on CUDA when installed and the KV cache is "
+                        "not quantized, else Triton on CUDA; the CPU kernels on CPU), triton, flashinfer "
+                        "or torch (default: auto)")
+    g.add_argument("--enforce-eager", action="store_true", default=d.enforce_eager,
+                   help="run the model eagerly: no compiled forward, no CUDA graphs")
+    g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization, metavar="F",
+                   help="with --device cuda, the fraction of the device's memory the engine may use "
+                        "(weights plus KV cache), in (0, 1] (default: 0.9)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

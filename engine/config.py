@@ -101,7 +101,7 @@ class ModelConfig:
 class EngineConfig:
     """Engine knobs. ``None`` means "derive it" (see the properties / engine)."""
 
-    dtype: str = "float32"
+    dtype: str = "auto"  # bfloat16 on CUDA, float32 elsewhere (see torch_dtype)
     device: str = "cpu"
     block_size: int = 16
     kv_cache_memory: int = 512 * 1024**2
