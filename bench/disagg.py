@@ -24,13 +24,14 @@ import ray
 
 from cluster.workers import start_workers
 from engine.config import EngineConfig
-from messages.wire import GenerateRequest, SamplingSpec, WorkerStats
+from engine.sampling_params import SamplingParams
+from messages.wire import GenerateRequest, WorkerStats
 from router.client import PDClient
 
 
 async def ttft(client: PDClient, tokens: list[int]) -> float:
     req = GenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=tokens,
-                          sampling=SamplingSpec(max_tokens=1, temperature=0.0))
+                          sampling=SamplingParams(max_tokens=1, temperature=0.0))
     start = time.perf_counter()
     async for _ in client.generate(req):
         break

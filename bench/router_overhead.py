@@ -38,17 +38,20 @@ import tempfile
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import httpx
 import ray
 
+from cluster.placement import UNPLACED
 from cluster.serve import serving_max_model_len
-from cluster.workers import WorkerOptions, start_workers
+from cluster.workers import start_workers
 from engine.config import EngineConfig
 from engine.loader import load_model_source, resolve_model
-from messages.wire import GenerateRequest, SamplingSpec
+from engine.sampling_params import SamplingParams
+from messages.wire import GenerateRequest
 from router.backend import ClusterBackend
 from router.client import PDClient
 from router.config import ClientConfig
@@ -139,7 +142,8 @@ class Paths:
 
     async def direct(self, prompt: str, max_tokens: int) -> int:
         req = GenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=self.encode(prompt),
-                              sampling=SamplingSpec(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+                              sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                      ignore_eos=True))
         tokens = 0
         async for batch in self.client.generate(req):
             tokens += len(batch.token_ids)
@@ -298,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     ray.init(address="local", num_cpus=4, namespace=NAMESPACE, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     prefix = f"bench-{uuid.uuid4().hex[:6]}"
-    opts = WorkerOptions(num_cpus=0.5)
+    opts = replace(UNPLACED, num_cpus=0.5)
     group = start_workers(args.model, engine_config(args), 1, 1, opts, opts, name_prefix=prefix)
     port = free_port()
     log = Path(tempfile.mkdtemp(prefix="pdserve-bench-")) / "router.log"

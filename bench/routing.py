@@ -28,7 +28,8 @@ import ray
 from cluster.workers import start_workers
 from engine.config import EngineConfig
 from engine.loader import load_model_source, resolve_model
-from messages.wire import GenerateRequest, SamplingSpec
+from engine.sampling_params import SamplingParams
+from messages.wire import GenerateRequest
 from router.client import PDClient
 from router.config import ClientConfig
 from router.policy import POLICIES
@@ -94,7 +95,7 @@ async def run_policy(args: argparse.Namespace, policy: str,
             req = GenerateRequest(
                 request_id=uuid.uuid4().hex,
                 prompt_token_ids=tokens,
-                sampling=SamplingSpec(max_tokens=4, temperature=0.0),
+                sampling=SamplingParams(max_tokens=4, temperature=0.0),
             )
             start = time.perf_counter()
             first = True

@@ -32,8 +32,9 @@ from multiprocessing.connection import Connection
 import msgspec
 import torch
 
+from messages.codec import pack, unpack
 from transfer.agent import default_read_threads
-from transfer.wire import AgentInfo, KvHandle, KvLayout, decode, encode
+from transfer.wire import AgentInfo, KvHandle, KvLayout
 
 WAIT_S = 60.0
 SETTLE_S = 0.05
@@ -86,7 +87,7 @@ def source_main(conn: Connection) -> None:
     for i, (_, layout, _) in enumerate(cases()):
         kv = torch.randn(layout.shape).to(getattr(torch, layout.dtype))
         sources.append(KvSource(kv, layout, f"bench-source-{i}"))
-    conn.send_bytes(encode([s.agent_info() for s in sources]))
+    conn.send_bytes(pack([s.agent_info() for s in sources]))
     while not conn.poll(0.01):
         for source in sources:
             source.poll()
@@ -210,7 +211,7 @@ def main() -> None:
     try:
         if not parent.poll(WAIT_S):
             raise TimeoutError("source process did not start")
-        infos = decode(parent.recv_bytes(), list[AgentInfo])
+        infos = unpack(parent.recv_bytes(), list[AgentInfo])
         rows = [
             row
             for (name, _, n), info in zip(cases(), infos, strict=True)

@@ -3,8 +3,8 @@
 Keys are flag names without the dashes (``num-decode`` or ``num_decode``);
 values go through the same argparse conversion and checks as on the command
 line, so a bad value names its key and flag. Flags given on the command line
-override the file. ``describe`` renders the effective configuration for the
-start-up log (secrets masked).
+override the file. (``cluster.config.describe`` renders the effective configuration for the start-up
+log, keyed the same way, secrets masked.)
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-SECRET_KEYS = frozenset({"api_key"})
 _NOT_IN_FILE = frozenset({"config", "help", "command"})
 
 
@@ -118,14 +117,3 @@ def subparser(parser: argparse.ArgumentParser, command: str) -> argparse.Argumen
         if isinstance(action, argparse._SubParsersAction):
             return action.choices[command]
     return parser
-
-
-def describe(args: argparse.Namespace) -> str:
-    """``key=value`` for every setting, one per line, sorted, secrets masked."""
-    items = []
-    for key, value in sorted(vars(args).items()):
-        if key in _NOT_IN_FILE:
-            continue
-        shown = "***" if key in SECRET_KEYS and value else value
-        items.append(f"  {key.replace('_', '-')}: {shown}")
-    return "\n".join(items)

@@ -9,16 +9,18 @@ engine accepts the same ones.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import re
 import sys
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NoReturn, TypedDict
+from typing import TYPE_CHECKING, NoReturn
 
 from cli.argtypes import converted
 
 if TYPE_CHECKING:
+    from engine.config import EngineConfig
     from engine.outputs import RequestOutput
     from engine.sampling import SamplingParams
 
@@ -28,30 +30,6 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e5m2", "int8")
 _SIZE_UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
-
-
-class EngineKwargs(TypedDict):
-    """Keyword arguments for ``engine.LLM``, as parsed from the command line."""
-
-    model: str | None
-    dtype: str
-    device: str
-    block_size: int
-    kv_cache_memory: int
-    num_kv_blocks: int | None
-    enable_prefix_caching: bool
-    max_num_batched_tokens: int
-    max_num_seqs: int
-    max_model_len: int | None
-    seed: int
-    kv_cache_dtype: str
-    preemption_mode: str
-    swap_space: int
-    kv_offload_bytes: int
-    kv_offload_dir: str | None
-    kv_offload_disk_bytes: int
-    kv_sinks: int
-    kv_window: int | None
 
 
 class UsageError(Exception):
@@ -108,102 +86,75 @@ def _device(text: str) -> str:
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Add the flags that configure an engine (model, memory, scheduler limits)."""
+    """Add the flags that configure an engine (model, memory, scheduler limits). Each flag's dest is
+    an ``EngineConfig`` field and its default is that field's default (``engine_config_from_args``)."""
+    from engine.config import EngineConfig
+
+    d = EngineConfig()
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None, metavar="PATH",
                    help="a Hugging Face model folder (config.json, tokenizer, *.safetensors) or a .gguf "
                         "file; default: the built-in SmolLM2-135M-Instruct Q4_1 GGUF in "
                         "$PDSERVE_CACHE/models (fetched by scripts/fetch_model.py)")
-    g.add_argument("--dtype", choices=DTYPES, default="float32",
+    g.add_argument("--dtype", choices=DTYPES, default=d.dtype,
                    help="dtype of weights, activations and KV cache (default: float32)")
-    g.add_argument("--device", type=_device, default="cpu",
+    g.add_argument("--device", type=_device, default=d.device,
                    help="torch device: cpu, cuda or cuda:N (default: cpu)")
-    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d.kv_cache_dtype,
                    help="KV cache storage: auto (the --dtype), fp8 (e4m3), fp8_e5m2 or int8; quantized "
                         "blocks keep float32 per-block, per-head scales and hold 2x the tokens of "
                         "bf16 (4x of float32) per byte (default: auto)")
-    g.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute",
+    g.add_argument("--preemption-mode", choices=("recompute", "swap"), default=d.preemption_mode,
                    help="when KV runs out, the least important running request (highest priority value) "
                         "is preempted: recompute its KV on resume, or swap its blocks to host memory and "
                         "back (default: recompute)")
-    g.add_argument("--swap-space", type=size, default=1024**3, metavar="SIZE",
+    g.add_argument("--swap-space", type=size, default=d.swap_space, metavar="SIZE",
                    help="host memory for swapped-out KV with --preemption-mode swap; requests that do "
                         "not fit are recomputed (default: 1G)")
-    g.add_argument("--kv-offload-bytes", type=size_or_zero, default=0, metavar="SIZE",
+    g.add_argument("--kv-offload-bytes", type=size_or_zero, default=d.kv_offload_bytes, metavar="SIZE",
                    help="host memory for prefix-cache blocks evicted from the KV cache; a later prefix "
                         "hit copies them back instead of recomputing (default: 0, off)")
-    g.add_argument("--kv-offload-dir", default=None, metavar="DIR",
+    g.add_argument("--kv-offload-dir", default=d.kv_offload_dir, metavar="DIR",
                    help="disk tier below the host tier: one file per block plus an index, kept across "
                         "restarts for the same model and KV layout (default: none)")
-    g.add_argument("--kv-offload-disk-bytes", type=size, default=8 * 1024**3, metavar="SIZE",
+    g.add_argument("--kv-offload-disk-bytes", type=size, default=d.kv_offload_disk_bytes, metavar="SIZE",
                    help="most bytes the disk tier (--kv-offload-dir) holds; its least recently used "
                         "block file is deleted past that (default: 8G)")
-    g.add_argument("--kv-window", type=int, default=None, metavar="N",
+    g.add_argument("--kv-window", type=int, default=d.kv_window, metavar="N",
                    help="bounded KV for endless sessions: keep only the last N tokens' K/V (whole "
                         "blocks) plus the --kv-sinks first tokens; generation is then not limited by "
                         "the pool (default: off; models with a native sliding_window use theirs)")
-    g.add_argument("--kv-sinks", type=int, default=0, metavar="K",
+    g.add_argument("--kv-sinks", type=int, default=d.kv_sinks, metavar="K",
                    help="attention sinks kept with --kv-window: the first K tokens, rounded up to whole "
                         "blocks (default: 0)")
-    g.add_argument("--block-size", type=int, default=16, metavar="N",
+    g.add_argument("--block-size", type=int, default=d.block_size, metavar="N",
                    help="tokens per KV cache block, a power of two (default: 16)")
-    g.add_argument("--kv-cache-memory", type=size, default=512 * 1024**2, metavar="SIZE",
+    g.add_argument("--kv-cache-memory", type=size, default=d.kv_cache_memory, metavar="SIZE",
                    help="bytes for the paged KV cache, with optional K/M/G/T suffix, 1024-based "
                         "(default: 512M); ignored when --num-kv-blocks is given")
-    g.add_argument("--num-kv-blocks", type=int, default=None, metavar="N",
+    g.add_argument("--num-kv-blocks", type=int, default=d.num_kv_blocks, metavar="N",
                    help="exact number of KV cache blocks (default: derived from --kv-cache-memory)")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=d.enable_prefix_caching,
                    help="reuse KV blocks of identical prompt prefixes across requests (default: on)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048, metavar="N",
+    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens, metavar="N",
                    help="most tokens (prompt chunks + decodes) run in one engine step (default: 2048)")
-    g.add_argument("--max-num-seqs", type=int, default=128, metavar="N",
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, metavar="N",
                    help="most requests running at once (default: 128)")
-    g.add_argument("--max-model-len", type=int, default=None, metavar="N",
+    g.add_argument("--max-model-len", type=int, default=d.max_model_len, metavar="N",
                    help="longest prompt + output in tokens (default: the model's context length)")
-    g.add_argument("--seed", type=int, default=0, metavar="N",
+    g.add_argument("--seed", type=int, default=d.seed, metavar="N",
                    help="seed of the engine's random sampling (default: 0)")
 
 
-def engine_kwargs_from_args(args: argparse.Namespace) -> EngineKwargs:
-    """The ``engine.LLM`` keyword arguments for flags added by :func:`add_engine_args`."""
-    return EngineKwargs(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        block_size=args.block_size,
-        kv_cache_memory=args.kv_cache_memory,
-        num_kv_blocks=args.num_kv_blocks,
-        enable_prefix_caching=args.enable_prefix_caching,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-        seed=args.seed,
-        kv_cache_dtype=args.kv_cache_dtype,
-        preemption_mode=args.preemption_mode,
-        swap_space=args.swap_space,
-        kv_offload_bytes=args.kv_offload_bytes,
-        kv_offload_dir=args.kv_offload_dir,
-        kv_offload_disk_bytes=args.kv_offload_disk_bytes,
-        kv_sinks=args.kv_sinks,
-        kv_window=args.kv_window,
-    )
-
-
-def check_engine_kwargs(kwargs: EngineKwargs) -> None:
-    """Validate the engine flags without loading a model; raises ValueError naming the flag."""
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The ``EngineConfig`` of the flags added by :func:`add_engine_args` (each dest names its field;
+    fields without a flag keep their defaults). Raises ValueError naming the flag on a bad value."""
     from engine.config import EngineConfig
 
-    EngineConfig(
-        dtype=kwargs["dtype"], device=kwargs["device"], block_size=kwargs["block_size"],
-        kv_cache_memory=kwargs["kv_cache_memory"], num_kv_blocks=kwargs["num_kv_blocks"],
-        enable_prefix_caching=kwargs["enable_prefix_caching"],
-        max_num_batched_tokens=kwargs["max_num_batched_tokens"], max_num_seqs=kwargs["max_num_seqs"],
-        max_model_len=kwargs["max_model_len"], seed=kwargs["seed"], kv_cache_dtype=kwargs["kv_cache_dtype"],
-        preemption_mode=kwargs["preemption_mode"], swap_space=kwargs["swap_space"],
-        kv_offload_bytes=kwargs["kv_offload_bytes"], kv_offload_dir=kwargs["kv_offload_dir"],
-        kv_offload_disk_bytes=kwargs["kv_offload_disk_bytes"],
-        kv_sinks=kwargs["kv_sinks"], kv_window=kwargs["kv_window"],
-    )
+    given = vars(args)
+    return EngineConfig(**{f.name: given[f.name] for f in dataclasses.fields(EngineConfig)
+                           if f.name in given})
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -298,13 +249,12 @@ def _print_output(index: int, total: int, prompt: str, out: RequestOutput) -> No
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    kwargs = engine_kwargs_from_args(args)
-    check_engine_kwargs(kwargs)
+    config = engine_config_from_args(args)
     params = sampling_params_from_args(args)
 
     from engine import LLM
 
-    llm = LLM(**kwargs)
+    llm = LLM(args.model, **dataclasses.asdict(config))
     chat = llm.tokenizer.has_chat_template if args.chat is None else args.chat
     if chat and not llm.tokenizer.has_chat_template:
         raise UsageError("--chat: the model has no chat template")
@@ -342,9 +292,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "generate":
             return run_generate(args)
         if args.command == "serve":
+            from cli.serve_config import serve_config_from_args
             from cluster.serve import run_serve
 
-            return run_serve(args)
+            return run_serve(serve_config_from_args(args), args.config)
         if args.command == "plan":
             from cli.plan import run_plan
 

@@ -1,6 +1,8 @@
 """``pdserve serve``'s flags (``add_serve_args``): engine flags plus the cluster, router and
 tracing ones, each value checked by its argparse type so a bad one names its flag. The
-``--config`` file and the Ray Serve application's args go through the same parser."""
+``--config`` file and the Ray Serve application's args go through the same parser, and
+``cli.serve_config.serve_config_from_args`` turns what it parsed into the one ``ServeConfig``. Every
+default is read from ``ServeConfig`` (``cluster.config.SERVE_DEFAULTS``), never repeated here."""
 
 from __future__ import annotations
 
@@ -9,10 +11,11 @@ from typing import Any
 
 from cli.argtypes import number, parsed_by, positive
 from cli.main import add_engine_args, size
+from router.config import KvFailurePolicy
 from router.policy import POLICIES as POLICIES_ROUTING
 from telemetry.tracing import PROTOCOLS
 
-POLICIES = ("retry", "recompute", "fail")
+POLICIES = tuple(p.value for p in KvFailurePolicy)
 
 
 _positive = positive
@@ -21,89 +24,98 @@ _ratio = number(float, lambda v: 0.0 <= v <= 1.0, "within [0, 1]")
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    """The flags of ``pdserve serve`` (the engine flags included)."""
+    """The flags of ``pdserve serve`` (the engine flags included); defaults are ``ServeConfig``'s."""
+    from cluster.config import SERVE_DEFAULTS as d
+
     g = parser.add_argument_group("server")
     g.add_argument("--config", default=None, metavar="FILE",
                    help="YAML file of settings keyed by flag name (e.g. 'num-decode: 2'); flags given on "
                         "the command line override it")
-    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    g.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
-    g.add_argument("--api-key", default=None, metavar="KEY",
+    g.add_argument("--host", default=d.host, help="address to listen on (default: 127.0.0.1)")
+    g.add_argument("--port", type=int, default=d.port, help="port to listen on (default: 8000)")
+    g.add_argument("--api-key", default=d.router.api_key, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health "
                         "(default: $PDSERVE_API_KEY, else no key)")
-    g.add_argument("--served-model-name", default=None, metavar="NAME",
+    g.add_argument("--served-model-name", default=d.served_model_name, metavar="NAME",
                    help="the model name clients send (default: the model file or folder name)")
-    g.add_argument("--max-request-bytes", type=size, default=1024**2, metavar="SIZE",
+    g.add_argument("--max-request-bytes", type=size, default=d.router.max_request_bytes, metavar="SIZE",
                    help="largest request body, e.g. 1M (default: 1M); larger ones get 413")
-    g.add_argument("--max-queued-requests", type=_positive(int), default=256, metavar="N",
+    g.add_argument("--max-queued-requests", type=_positive(int), default=d.router.max_queued_requests,
+                   metavar="N",
                    help="requests waiting for their first token before new ones get 503 (default: 256)")
-    g.add_argument("--max-queued-tokens", type=_positive(int), default=None, metavar="N",
+    g.add_argument("--max-queued-tokens", type=_positive(int), default=d.router.max_queued_tokens,
+                   metavar="N",
                    help="prompt tokens waiting for their first token before new requests get 503 "
                         "(default: no limit)")
-    g.add_argument("--request-timeout", type=_positive(float), default=600.0, metavar="SECONDS",
+    g.add_argument("--request-timeout", type=_positive(float), default=d.router.request_timeout,
+                   metavar="SECONDS",
                    help="abort a request (408) that has not finished after this long (default: 600)")
-    g.add_argument("--default-max-tokens", type=_positive(int), default=None, metavar="N",
+    g.add_argument("--default-max-tokens", type=_positive(int), default=d.router.default_max_tokens,
+                   metavar="N",
                    help="max_tokens when a request gives none (default: up to the context length)")
     c = parser.add_argument_group("cluster")
-    c.add_argument("--num-prefill", type=int, default=1, metavar="N",
+    c.add_argument("--num-prefill", type=int, default=d.num_prefill, metavar="N",
                    help="prefill workers; 0 runs prompts on the decode workers (default: 1)")
-    c.add_argument("--num-decode", type=int, default=1, metavar="N", help="decode workers (default: 1)")
-    c.add_argument("--address", default=None, metavar="ADDR",
+    c.add_argument("--num-decode", type=int, default=d.num_decode,
+                   metavar="N", help="decode workers (default: 1)")
+    c.add_argument("--address", default=d.address, metavar="ADDR",
                    help="Ray cluster to attach to: 'auto' (the cluster of this node, or the job's under "
                         "ray job submit) or HOST:PORT (default: start a local Ray instance)")
-    c.add_argument("--kv-failure-policy", choices=POLICIES, default="retry",
+    c.add_argument("--kv-failure-policy", choices=POLICIES, default=d.client.kv_failure_policy.value,
                    help="when a prefill worker or a KV transfer fails: retry on another prefill worker, "
                         "recompute on decode, or fail the request (default: retry)")
-    c.add_argument("--routing", choices=POLICIES_ROUTING, default="prefix",
+    c.add_argument("--routing", choices=POLICIES_ROUTING, default=d.client.routing,
                    help="how workers are chosen: prefix (cached prefix blocks, load, free KV, transfer "
                         "size), round-robin or least-loaded (default: prefix)")
-    c.add_argument("--disagg-min-tokens", type=_non_negative, default=0, metavar="N",
+    c.add_argument("--disagg-min-tokens", type=_non_negative, default=d.client.disagg_min_tokens, metavar="N",
                    help="prompts whose uncached part is shorter than N tokens prefill on the decode "
                         "worker (default: 0, always disaggregate when prefill workers exist)")
-    c.add_argument("--prefill-saturation-tokens", type=_positive(int), default=32768, metavar="N",
+    c.add_argument("--prefill-saturation-tokens", type=_positive(int),
+                   default=d.client.prefill_saturation_tokens, metavar="N",
                    help="while every prefill worker has more than N prompt tokens in flight, new "
                         "prompts prefill on the decode worker (default: 32768)")
-    c.add_argument("--migration-limit", type=_non_negative, default=1, metavar="N",
+    c.add_argument("--migration-limit", type=_non_negative, default=d.client.migration_limit, metavar="N",
                    help="times a stream moves to another decode worker when its worker dies (default: 1)")
-    c.add_argument("--lease-seconds", type=_positive(float), default=30.0, metavar="SECONDS",
+    c.add_argument("--lease-seconds", type=_positive(float), default=d.lease_seconds, metavar="SECONDS",
                    help="how long prefill keeps KV blocks for decode to pull (default: 30)")
-    c.add_argument("--worker-cpus", type=_positive(float), default=1.0, metavar="N",
+    c.add_argument("--worker-cpus", type=_positive(float), default=d.prefill.num_cpus, metavar="N",
                    help="Ray CPUs reserved by each worker; with --device cuda each also reserves one "
                         "GPU (default: 1)")
-    c.add_argument("--torch-threads", type=_positive(int), default=1, metavar="N",
+    c.add_argument("--torch-threads", type=_positive(int), default=d.prefill.torch_threads, metavar="N",
                    help="torch threads in each worker (default: 1)")
-    c.add_argument("--prefill-resources", type=_resources("--prefill-resources"), default={},
+    c.add_argument("--prefill-resources", type=_resources("--prefill-resources"), default=d.prefill.resources,
                    metavar="NAME=N[,...]",
                    help="Ray custom resources each prefill worker needs, e.g. prefill_node=1: prefill runs "
                         "only on nodes started with them (default: none)")
-    c.add_argument("--decode-resources", type=_resources("--decode-resources"), default={},
+    c.add_argument("--decode-resources", type=_resources("--decode-resources"), default=d.decode.resources,
                    metavar="NAME=N[,...]",
                    help="Ray custom resources each decode worker needs, e.g. decode_node=1 (default: none)")
-    c.add_argument("--prefill-labels", type=_labels("--prefill-labels"), default={},
+    c.add_argument("--prefill-labels", type=_labels("--prefill-labels"), default=d.prefill.labels,
                    metavar="KEY=VALUE[,...]",
                    help="Ray node labels prefill workers must run on (ray start --labels), e.g. "
                         "pdserve-role=prefill (default: none)")
-    c.add_argument("--decode-labels", type=_labels("--decode-labels"), default={},
+    c.add_argument("--decode-labels", type=_labels("--decode-labels"), default=d.decode.labels,
                    metavar="KEY=VALUE[,...]",
                    help="Ray node labels decode workers must run on, e.g. pdserve-role=decode "
                         "(default: none)")
-    c.add_argument("--prefill-tp", type=_tp("--prefill-tp"), default=1, metavar="N",
+    c.add_argument("--prefill-tp", type=_tp("--prefill-tp"), default=d.prefill.tp, metavar="N",
                    help="devices per prefill worker (tensor parallelism); only 1 is supported so far")
-    c.add_argument("--decode-tp", type=_tp("--decode-tp"), default=1, metavar="N",
+    c.add_argument("--decode-tp", type=_tp("--decode-tp"), default=d.decode.tp, metavar="N",
                    help="devices per decode worker (tensor parallelism); only 1 is supported so far")
-    c.add_argument("--max-restarts", type=_non_negative, default=3, metavar="N",
+    c.add_argument("--max-restarts", type=_non_negative, default=d.prefill.max_restarts, metavar="N",
                    help="times Ray restarts a worker whose process died; it then rejoins (default: 3)")
-    c.add_argument("--placement-timeout", type=_positive(float), default=300.0, metavar="SECONDS",
+    c.add_argument("--placement-timeout", type=_positive(float), default=d.prefill.placement_timeout,
+                   metavar="SECONDS",
                    help="fail when a worker's resources cannot be reserved within this long (default: 300)")
     t = parser.add_argument_group("telemetry")
-    t.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+    t.add_argument("--otlp-traces-endpoint", default=d.tracing.endpoint, metavar="URL",
                    help="send OpenTelemetry traces over OTLP here, e.g. http://127.0.0.1:4318/v1/traces "
                         "(http/protobuf) or 127.0.0.1:4317 (grpc) "
                         "(default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, "
                         "else $OTEL_EXPORTER_OTLP_ENDPOINT, else no tracing)")
-    t.add_argument("--otlp-traces-protocol", choices=PROTOCOLS, default=None,
+    t.add_argument("--otlp-traces-protocol", choices=PROTOCOLS, default=d.tracing.protocol,
                    help="OTLP transport (default: $OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, else http/protobuf)")
-    t.add_argument("--otlp-traces-sample-ratio", type=_ratio, default=None, metavar="RATIO",
+    t.add_argument("--otlp-traces-sample-ratio", type=_ratio, default=d.tracing.sample_ratio, metavar="RATIO",
                    help="fraction of requests traced, 0..1 (default: $OTEL_TRACES_SAMPLER_ARG, else 1.0)")
     add_engine_args(parser)
 

@@ -75,6 +75,29 @@ class Placement:
         return [first] + [{"GPU": float(self.num_gpus)} for _ in range(self.tp - 1) if self.num_gpus]
 
 
+@dataclass(frozen=True)
+class WorkerOptions:
+    """Placement and behaviour of one role's workers. The defaults are ``pdserve serve``'s (its flags
+    read them here); ``UNPLACED`` is the bare start of tests and benches."""
+
+    num_cpus: float = 1.0
+    num_gpus: int = 0
+    resources: dict[str, float] = field(default_factory=dict)
+    max_restarts: int = 3
+    torch_threads: int = 1
+    tp: int = 1
+    placement_groups: bool = True
+    placement_timeout: float = 300.0
+    resources_flag: str = "--resources"
+    labels: dict[str, str] = field(default_factory=dict)
+
+    def placement(self) -> Placement:
+        return Placement(self.num_cpus, self.num_gpus, self.tp, dict(self.resources), dict(self.labels))
+
+
+UNPLACED = WorkerOptions(max_restarts=0, placement_groups=False)  # no reservation, no restart
+
+
 def reserve(placement: Placement, name: str, timeout: float, flag: str) -> Any:
     """A ready placement group for one worker; TimeoutError (naming ``flag``) when no node offers it."""
     import ray

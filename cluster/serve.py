@@ -17,14 +17,15 @@ up to ``--max-restarts`` times and re-registered by the client. ``ray job stop``
 sends SIGTERM: the same clean shutdown; the actors and placement groups belong
 to this driver, so nothing outlives it even when it is killed outright.
 Settings may come from ``--config FILE.yaml`` (flags override it); the
-effective configuration is logged at start.
+effective configuration is logged at start. Everything here reads one frozen
+``cluster.config.ServeConfig``, built by the CLI (or the Ray Serve builder).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -34,13 +35,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cli.main import check_engine_kwargs, engine_kwargs_from_args
+from cluster.config import ServeConfig, describe
 from telemetry.tracing import TraceConfig, Tracing
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-    from cli.main import EngineKwargs
     from cluster.workers import WorkerGroup
     from engine.config import EngineConfig
     from engine.loader import ModelSource
@@ -50,6 +50,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pdserve")
 READY_TIMEOUT = 600.0
+
+
 def serving_max_model_len(source: ModelSource, config: EngineConfig) -> int:
     """The context length the workers will enforce: the model's (or --max-model-len), capped by KV room."""
     from engine.kv_sizing import num_kv_blocks
@@ -60,17 +62,17 @@ def serving_max_model_len(source: ModelSource, config: EngineConfig) -> int:
     return limit
 
 
-def _start_ray(args: argparse.Namespace) -> bool:
+def _start_ray(config: ServeConfig) -> bool:
     """Start or attach to Ray; True when this process started the instance."""
     import ray
 
-    if args.address is not None:  # the workers set their own env; a job's runtime_env stays as submitted
-        ray.init(address=args.address, log_to_driver=True)
+    if config.address is not None:  # the workers set their own env; a job's runtime_env stays as submitted
+        ray.init(address=config.address, log_to_driver=True)
         return False
     otel = {k: v for k, v in os.environ.items() if k.startswith("OTEL_")}
-    env = {"env_vars": {"OMP_NUM_THREADS": str(args.torch_threads), **otel}}
-    workers = args.num_prefill + args.num_decode
-    cpus = max(os.cpu_count() or 1, math.ceil(workers * args.worker_cpus))
+    env = {"env_vars": {"OMP_NUM_THREADS": str(config.decode.torch_threads), **otel}}
+    needed = config.num_prefill * config.prefill.num_cpus + config.num_decode * config.decode.num_cpus
+    cpus = max(os.cpu_count() or 1, math.ceil(needed))
     ray.init(address="local", num_cpus=cpus, include_dashboard=False, runtime_env=env, log_to_driver=True)
     return True
 
@@ -98,21 +100,6 @@ async def _serve(server: Any, backend: ClusterBackend, ready_line: str) -> bool:
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
     return not failed
-
-
-def check_serve_args(args: argparse.Namespace, on_cluster: bool = False) -> EngineKwargs:
-    """The checks argparse cannot make alone; raises ValueError naming the flag. ``on_cluster``: Ray
-    is already there (a Ray Serve application), so node selectors need no ``--address``."""
-    kwargs = engine_kwargs_from_args(args)
-    check_engine_kwargs(kwargs)
-    if args.num_decode < 1 or args.num_prefill < 0:
-        raise ValueError("--num-decode must be >= 1 and --num-prefill >= 0")
-    if args.address is None and not on_cluster:
-        for flag in ("--prefill-resources", "--decode-resources", "--prefill-labels", "--decode-labels"):
-            if getattr(args, flag[2:].replace("-", "_")):
-                raise ValueError(f"{flag} selects nodes of a Ray cluster: give its --address (e.g. auto); "
-                                 "the local instance pdserve starts has no custom resources or labels")
-    return kwargs
 
 
 @dataclass
@@ -152,64 +139,40 @@ class Service:
         return self.group.shutdown()
 
 
-def prepare_service(args: argparse.Namespace, kwargs: EngineKwargs) -> Prepared:
-    """Resolve and read the model (config and tokenizer only) and build the engine and router configs."""
-    from engine.config import EngineConfig
+def prepare_service(config: ServeConfig) -> Prepared:
+    """Resolve and read the model (config and tokenizer only) and finish the router's config with what
+    the model decides (its name, its context length) and what this process's environment says (the API
+    key, the ``OTEL_*`` tracing variables)."""
     from engine.loader import load_model_source, resolve_model
     from router.app import RouterConfig
 
-    path = resolve_model(kwargs["model"])
+    path = resolve_model(config.model)
     source = load_model_source(path)
-    engine_config = EngineConfig(
-        dtype=kwargs["dtype"], device=kwargs["device"], block_size=kwargs["block_size"],
-        kv_cache_memory=kwargs["kv_cache_memory"], num_kv_blocks=kwargs["num_kv_blocks"],
-        enable_prefix_caching=kwargs["enable_prefix_caching"],
-        max_num_batched_tokens=kwargs["max_num_batched_tokens"], max_num_seqs=kwargs["max_num_seqs"],
-        max_model_len=kwargs["max_model_len"], seed=kwargs["seed"], kv_cache_dtype=kwargs["kv_cache_dtype"],
-        preemption_mode=kwargs["preemption_mode"], swap_space=kwargs["swap_space"],
-        kv_offload_bytes=kwargs["kv_offload_bytes"], kv_offload_dir=kwargs["kv_offload_dir"],
-        kv_offload_disk_bytes=kwargs["kv_offload_disk_bytes"],
-        kv_sinks=kwargs["kv_sinks"], kv_window=kwargs["kv_window"])
-    router_config = RouterConfig(
-        model_name=args.served_model_name or Path(path).stem,
-        max_model_len=serving_max_model_len(source, engine_config),
-        api_key=args.api_key or os.environ.get("PDSERVE_API_KEY") or None,
-        max_request_bytes=args.max_request_bytes, max_queued_requests=args.max_queued_requests,
-        max_queued_tokens=args.max_queued_tokens, request_timeout=args.request_timeout,
-        default_max_tokens=args.default_max_tokens)
-    trace_config = TraceConfig.from_env(args.otlp_traces_endpoint, args.otlp_traces_protocol,
-                                        args.otlp_traces_sample_ratio)
-    return Prepared(str(path), engine_config, router_config, source.load_tokenizer(), trace_config,
+    settings = dataclasses.replace(config.router,
+                                   api_key=config.router.api_key or os.environ.get("PDSERVE_API_KEY") or None)
+    router_config = RouterConfig(model_name=config.served_model_name or Path(path).stem,
+                                 max_model_len=serving_max_model_len(source, config.engine),
+                                 **dataclasses.asdict(settings))
+    trace_config = config.tracing.resolve()
+    return Prepared(str(path), config.engine, router_config, source.load_tokenizer(), trace_config,
                     Tracing(trace_config, "router"))
 
 
-def launch_service(args: argparse.Namespace, prepared: Prepared) -> Service:
+def launch_service(config: ServeConfig, prepared: Prepared) -> Service:
     """Start the worker actors (each in its own placement group) on the connected Ray and build the app
     over them; the workers are still loading when this returns (``Service.start`` waits for them)."""
-    from cluster.workers import WorkerOptions, start_workers
+    from cluster.workers import start_workers
     from router.app import create_app
     from router.backend import ClusterBackend
     from router.client import PDClient
-    from router.config import ClientConfig, KvFailurePolicy
 
-    gpus = 1 if prepared.engine_config.device.startswith("cuda") else 0
-    common = {"num_cpus": args.worker_cpus, "num_gpus": gpus, "torch_threads": args.torch_threads,
-              "max_restarts": args.max_restarts, "placement_groups": True,
-              "placement_timeout": args.placement_timeout}
-    popts = WorkerOptions(resources=args.prefill_resources, labels=args.prefill_labels,
-                          tp=args.prefill_tp, resources_flag="--prefill-resources", **common)
-    dopts = WorkerOptions(resources=args.decode_resources, labels=args.decode_labels,
-                          tp=args.decode_tp, resources_flag="--decode-resources", **common)
-    group = start_workers(prepared.model_path, prepared.engine_config, args.num_prefill, args.num_decode,
-                          popts, dopts, lease_seconds=args.lease_seconds, tracing=prepared.trace_config)
+    group = start_workers(prepared.model_path, config.engine, config.num_prefill, config.num_decode,
+                          config.prefill, config.decode, lease_seconds=config.lease_seconds,
+                          tracing=prepared.trace_config)
     try:
-        client = PDClient(group.prefill, group.decode, ClientConfig(
-            kv_failure_policy=KvFailurePolicy(args.kv_failure_policy), routing=args.routing,
-            disagg_min_tokens=args.disagg_min_tokens,
-            prefill_saturation_tokens=args.prefill_saturation_tokens,
-            migration_limit=args.migration_limit))
+        client = PDClient(group.prefill, group.decode, config.client)
         name = prepared.router_config.model_name
-        backend = ClusterBackend(client, name, colocated=args.num_prefill == 0)
+        backend = ClusterBackend(client, name, colocated=config.colocated)
         app = create_app(backend, prepared.tokenizer, prepared.router_config, prepared.tracing)
     except BaseException:
         group.shutdown()
@@ -217,13 +180,13 @@ def launch_service(args: argparse.Namespace, prepared: Prepared) -> Service:
     return Service(app, backend, group, prepared)
 
 
-def run_serve(args: argparse.Namespace) -> int:
-    kwargs = check_serve_args(args)
+def run_serve(config: ServeConfig, config_file: str | None = None) -> int:
+    """Serve until a signal; ``config_file`` (the ``--config`` file, if any) only names the settings'
+    source in the start-up log."""
+    config.check_local()
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    from cli.config_file import describe
-
-    log.info("pdserve: configuration%s:\n%s", f" (from {args.config} and flags)" if args.config else "",
-             describe(args))
+    log.info("pdserve: configuration%s:\n%s", f" (from {config_file} and flags)" if config_file else "",
+             describe(config))
 
     import ray
     import uvicorn
@@ -237,20 +200,21 @@ def run_serve(args: argparse.Namespace) -> int:
     import router.backend  # noqa: F401
     import router.client  # noqa: F401
 
-    prepared = prepare_service(args, kwargs)
-    started_ray = _start_ray(args)
+    prepared = prepare_service(config)
+    started_ray = _start_ray(config)
     service = None
     try:
         for sig in (signal.SIGINT, signal.SIGTERM):  # while placing workers: unwind through `finally`
             signal.signal(sig, _exit_on_signal)
-        service = launch_service(args, prepared)
-        server = uvicorn.Server(uvicorn.Config(service.app, host=args.host, port=args.port,
+        service = launch_service(config, prepared)
+        server = uvicorn.Server(uvicorn.Config(service.app, host=config.host, port=config.port,
                                                log_level="warning", access_log=False,
                                                timeout_graceful_shutdown=5))
         for sig in (signal.SIGINT, signal.SIGTERM):  # uvicorn re-raises the signal it caught on exit
             signal.signal(sig, lambda *_: None)
-        ready = (f"pdserve: serving {prepared.router_config.model_name} on http://{args.host}:{args.port} "
-                 f"({args.num_prefill} prefill, {args.num_decode} decode)")
+        where = f"http://{config.host}:{config.port}"
+        ready = (f"pdserve: serving {prepared.router_config.model_name} on {where} "
+                 f"({config.num_prefill} prefill, {config.num_decode} decode)")
         ok = asyncio.run(_serve(server, service.backend, ready))
         return 0 if ok else 1
     finally:

@@ -6,7 +6,7 @@ Its ``args`` are the settings of ``pdserve serve`` keyed as in its ``--config``
 file (``num-decode: 2``, ``prefill-resources: {prefill_node: 1}``), plus
 ``config: FILE.yaml`` for a file of them that the other keys override. They go
 through the same conversion and checks as the command line
-(``cli.config_file.convert_settings``, ``cluster.serve.check_serve_args``); a bad
+(``cli.config_file.convert_settings``, ``cli.serve_config.serve_config_from_args``); a bad
 key or value raises ``ConfigError`` naming the key and its flag, which Serve
 reports as the application's deploy error. ``host``, ``port`` and ``address``
 are refused: Serve's proxy listens where its ``http_options`` say, and the
@@ -31,7 +31,6 @@ die instead, the actors it owns die with it and its placement groups go with the
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
@@ -41,8 +40,10 @@ from typing import Any
 from ray import serve
 from ray.serve import Application, Deployment
 
-from cli.config_file import ConfigError, convert_settings, describe, key_dest, load_config, subparser
-from cluster.serve import READY_TIMEOUT, Service, check_serve_args, launch_service, prepare_service
+from cli.config_file import ConfigError, convert_settings, key_dest, load_config, subparser
+from cli.serve_config import serve_config_from_args
+from cluster.config import ServeConfig, describe
+from cluster.serve import READY_TIMEOUT, Service, launch_service, prepare_service
 
 WHERE = "Ray Serve application args"
 DEPLOYMENT = "PdserveRouter"
@@ -57,9 +58,9 @@ HEALTH_REQUESTS = 64  # room beyond generation requests for /health, /metrics, /
 log = logging.getLogger("ray.serve")
 
 
-def serve_options(options: Mapping[str, Any] | None) -> argparse.Namespace:
+def serve_options(options: Mapping[str, Any] | None) -> ServeConfig:
     """Validate an application's ``args`` exactly as ``pdserve serve --config`` validates a file:
-    the ``pdserve serve`` namespace, or ``ConfigError`` naming the key and flag."""
+    their ``ServeConfig``, or ``ConfigError`` naming the key and flag."""
     from cli.main import build_parser
 
     if options is None:
@@ -80,33 +81,31 @@ def serve_options(options: Mapping[str, Any] | None) -> argparse.Namespace:
         if dest in settings:
             raise ConfigError(f"{WHERE}: key {dest!r} (--{dest}) does not apply under Ray Serve: {reason}")
     sub.set_defaults(**settings)
-    args = parser.parse_args(["serve"])
     try:
-        check_serve_args(args, on_cluster=True)
+        return serve_config_from_args(parser.parse_args(["serve"]))
     except ValueError as exc:
         raise ConfigError(f"{WHERE}: {exc}") from None
-    return args
 
 
-def max_ongoing_requests(args: argparse.Namespace) -> int:
+def max_ongoing_requests(config: ServeConfig) -> int:
     """Requests Serve lets into the replica at once: every admitted one (queued or running) plus a
     margin for the cheap endpoints, so that pdserve's own admission (503) decides, not Serve's queue."""
-    return int(args.max_queued_requests + args.num_decode * args.max_num_seqs + HEALTH_REQUESTS)
+    running = config.num_decode * config.engine.max_num_seqs
+    return config.router.max_queued_requests + running + HEALTH_REQUESTS
 
 
 class _Router:
     """The Serve replica: starts the workers, serves ``create_app``'s app, stops the workers when deleted."""
 
-    async def __init__(self, args: argparse.Namespace) -> None:  # type: ignore[misc]  # Serve awaits it
+    async def __init__(self, config: ServeConfig) -> None:  # type: ignore[misc]  # Serve awaits it
         self._service: Service | None = None
         context = serve.get_replica_context()
         if context.world_size > 1:
             raise ValueError(f"{DEPLOYMENT} runs one replica (it owns the workers); "
                              f"num_replicas is {context.world_size}")
-        kwargs = check_serve_args(args, on_cluster=True)
-        log.info("pdserve: configuration:\n%s", describe(args))
-        prepared = await asyncio.to_thread(prepare_service, args, kwargs)
-        service = await asyncio.to_thread(launch_service, args, prepared)
+        log.info("pdserve: configuration:\n%s", describe(config))
+        prepared = await asyncio.to_thread(prepare_service, config)
+        service = await asyncio.to_thread(launch_service, config, prepared)
         self._service = service
         try:
             await service.start(READY_TIMEOUT)
@@ -114,7 +113,7 @@ class _Router:
             await self._stop()
             raise
         log.info("pdserve: serving %s under Ray Serve (%d prefill, %d decode)",
-                 prepared.router_config.model_name, args.num_prefill, args.num_decode)
+                 prepared.router_config.model_name, config.num_prefill, config.num_decode)
 
     def __serve_build_asgi_app__(self) -> Any:
         assert self._service is not None

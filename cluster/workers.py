@@ -20,32 +20,14 @@ from typing import Any
 import msgspec
 import ray
 
-from cluster.placement import Placement, release, reserve, scheduling
+from cluster.config import LEASE_SECONDS
+from cluster.placement import UNPLACED, WorkerOptions, release, reserve, scheduling
 from decode.worker import DecodeWorker
 from engine.config import EngineConfig
 from prefill.worker import PrefillWorker
 from telemetry.tracing import TraceConfig
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class WorkerOptions:
-    """Placement and behaviour of one role's workers."""
-
-    num_cpus: float = 1.0
-    num_gpus: int = 0
-    resources: dict[str, float] = field(default_factory=dict)
-    max_restarts: int = 0
-    torch_threads: int = 1
-    tp: int = 1
-    placement_groups: bool = False
-    placement_timeout: float = 300.0
-    resources_flag: str = "--resources"
-    labels: dict[str, str] = field(default_factory=dict)
-
-    def placement(self) -> Placement:
-        return Placement(self.num_cpus, self.num_gpus, self.tp, dict(self.resources), dict(self.labels))
 
 
 @dataclass
@@ -101,7 +83,7 @@ def start_workers(
     num_decode: int,
     prefill_opts: WorkerOptions | None = None,
     decode_opts: WorkerOptions | None = None,
-    lease_seconds: float = 30.0,
+    lease_seconds: float = LEASE_SECONDS,
     transfer_timeout: float = 30.0,
     name_prefix: str | None = None,
     tracing: TraceConfig | None = None,
@@ -116,8 +98,8 @@ def start_workers(
     if num_prefill < 0:
         raise ValueError("--num-prefill cannot be negative")
     prefix = name_prefix or f"pdserve-{uuid.uuid4().hex[:6]}"
-    popts = prefill_opts or WorkerOptions()
-    dopts = decode_opts or WorkerOptions()
+    popts = prefill_opts or UNPLACED
+    dopts = decode_opts or UNPLACED
     cfg = msgspec.msgpack.encode(engine_config)
     trace = msgspec.msgpack.encode(tracing) if tracing is not None and tracing.endpoint else None
     group = WorkerGroup([], [])

@@ -1,19 +1,26 @@
 """DecodeWorker: reserves KV for a prompt, pulls the missing blocks, and decodes with continuous batching.
 
-Contract (DESIGN.md steps 3, 5, 6):
+Contract (DESIGN.md steps 3, 5, 6): one streaming call per attempt,
+``generate(request, prefill)``, yields ``TokenBatch`` bytes until one is
+``finished``, or one ``WorkerError`` and nothing after it.
 
-* ``reserve`` admits a request on KV headroom: it holds blocks for the whole
-  prompt plus the first token, reusing blocks its prefix cache already holds,
-  and reports how many leading blocks those are. No room: a ``WorkerError``
-  of kind ``no_kv`` and nothing held.
-* ``generate(request_id, prefill_result)`` pulls only the blocks after the
-  held ones from the prefill worker named in the handle (one NIXL READ), then
-  decodes from the first token and streams ``TokenBatch`` bytes. A failed pull
-  yields one ``WorkerError`` of kind ``transfer``, gives the prefill lease
-  back, and KEEPS the reservation so the caller can retry with another
-  prefill worker or call ``generate(request_id, None)`` to compute the prompt
-  here (recompute).
-* ``submit`` runs a request entirely here (colocated mode).
+* ``prefill`` is a one-element list holding the ``ObjectRef`` of a prefill
+  worker's ``prefill`` call (a list, so Ray hands the ref over unresolved), or
+  ``None`` to compute the prompt here.
+* First the request is admitted on KV headroom: blocks for the whole prompt
+  plus the first token are reserved, reusing blocks the prefix cache holds. No
+  room: ``WorkerError(no_kv)`` and nothing held. Reservation and the prefill
+  run at the same time.
+* With a prefill ref, the worker awaits the ``PrefillResult`` (bounded by
+  ``prefill_timeout``), then pulls only the blocks after the ones it already
+  holds from the prefill worker named in the handle (one NIXL READ), and
+  decodes from the first token. A failed prefill (``prefill``, or
+  ``prefill_died`` when its process died) or pull (``transfer``) yields that
+  retryable ``WorkerError``, gives the prefill lease back, and KEEPS the
+  reservation: the caller calls ``generate`` again with another prefill ref
+  (retry) or with ``None`` (recompute here).
+* Without a prefill ref the prompt is computed here: in the reservation when
+  there is one (recompute), else as a new request (colocated mode).
 * ``abort`` frees everything a request holds, wherever it is.
 
 Spans (for requests carrying a trace context, children of the caller's span):
@@ -25,8 +32,7 @@ Spans (for requests carrying a trace context, children of the caller's span):
 
 from __future__ import annotations
 
-import dataclasses
-import os
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -34,32 +40,31 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
-from engine.kv_sizing import kv_dtype_name
 from engine.outputs import RequestOutput
-from engine.sampling import SamplingParams, TokenLogprobs
+from engine.sampling import TokenLogprobs
+from messages.codec import pack, unpack
 from messages.wire import (
+    ErrorKind,
     GenerateRequest,
-    KvEvents,
-    KvSnapshot,
-    KvTierStats,
     PrefillResult,
-    ReservationInfo,
     TokenBatch,
     TokenLogprob,
     WorkerError,
     WorkerStats,
-    pack,
-    unpack,
 )
 from telemetry.histogram import Histogram
-from telemetry.tracing import TracedRole, end_span, wall_ns
-from transfer.errors import TransferError
+from telemetry.tracing import end_span, wall_ns
+from transfer.errors import IncompatibleKvError, TransferError
 from transfer.nixl_sink import KvSink
-from transfer.wire import AgentInfo, KvHandle, KvLayout, decode
-from worker.base import EngineWorker
+from transfer.wire import AgentInfo, KvHandle, KvLayout
+from worker.base import WorkerBase
+
+PrefillRef = list[Any]  # [ObjectRef of PrefillWorker.prefill]; a list so Ray does not resolve it
+_PrefillDied = (ActorDiedError, ActorUnavailableError, RayActorError)
 
 
 @dataclass
@@ -81,15 +86,13 @@ def to_batch(outputs: list[RequestOutput], worker_id: str) -> TokenBatch:
     )
 
 
-class DecodeWorker(EngineWorker, TracedRole):
+class DecodeWorker(WorkerBase):
     role = "decode"
 
     def __init__(self, worker_id: str, model: str | None, engine_config: bytes,
                  transfer_timeout: float = 30.0, torch_threads: int = 1,
                  request_timeout: float = 300.0, tracing: bytes | None = None) -> None:
-        super().__init__(worker_id, model, unpack(engine_config, EngineConfig), torch_threads)
-        self.init_tracing(tracing)
-        self.queue_time = Histogram()
+        super().__init__(worker_id, model, unpack(engine_config, EngineConfig), torch_threads, tracing)
         self.transfer_time = Histogram()
         self._traces: dict[str, _Trace] = {}
         self._kv_ready: dict[str, float] = {}
@@ -106,95 +109,123 @@ class DecodeWorker(EngineWorker, TracedRole):
         self.aengine.start()
         return pack(self.layout)
 
-    async def connect(self, agent_info: bytes) -> None:
-        """Handshake with a prefill worker's agent (idempotent); IncompatibleKvError on mismatch."""
-        self.sink.connect(decode(agent_info, AgentInfo))
-
-    async def reserve(self, request: bytes) -> bytes:
-        req = unpack(request, GenerateRequest)
-        self._open_trace(req)
-        params = SamplingParams(**msgspec.structs.asdict(req.sampling))
-
-        def take(e: LLMEngine) -> bytes:
-            r = e.make_request(req.prompt_token_ids, params, request_id=req.request_id, priority=req.priority)
-            res = e.reserve(r)
-            if res is None:
-                msg = f"{self.worker_id} has no KV room for {r.num_tokens} tokens"
-                return pack(WorkerError("no_kv", msg))
-            return pack(ReservationInfo(req.request_id, len(res.block_ids), res.num_cached_blocks))
-
+    async def connect(self, agent_info: bytes) -> bytes:
+        """Handshake with a prefill worker's agent (idempotent): empty bytes, or a ``WorkerError`` naming
+        what differs when the two KV caches cannot exchange blocks."""
         try:
-            return await self.aengine.mutate(take)
-        except ValueError as exc:
-            return pack(WorkerError("invalid", str(exc)))
+            self.sink.connect(unpack(agent_info, AgentInfo))
+        except IncompatibleKvError as exc:
+            message = f"{self.worker_id}: incompatible KV ({exc.field}): {exc}"
+            return pack(WorkerError(ErrorKind.INVALID, message))
+        return b""
 
-    async def generate(self, request_id: str, prefill_result: bytes | None,
-                       attempt: int = 1) -> AsyncIterator[bytes]:
-        """Stream ``TokenBatch`` bytes (or one ``WorkerError``) for a reserved request; ``attempt``
-        numbers the pulls of one request (for its ``kv.transfer`` spans)."""
+    async def generate(self, request: bytes, prefill: PrefillRef | None = None, attempt: int = 1,
+                       prefill_timeout: float = 120.0) -> AsyncIterator[bytes]:
+        """Stream ``TokenBatch`` bytes, or one ``WorkerError``, for one attempt at ``request`` (see the
+        module docstring); ``attempt`` numbers the pulls of one request (for its ``kv.transfer`` spans);
+        the prefill result is awaited ``prefill_timeout`` seconds at most."""
+        try:
+            req = unpack(request, GenerateRequest)
+        except msgspec.ValidationError as exc:
+            yield pack(WorkerError(ErrorKind.INVALID, str(exc)))
+            return
+        rid = req.request_id
         last: RequestOutput | None = None
         final = True
         try:
-            if prefill_result is None:
-                def local(e: LLMEngine) -> None:
-                    self.aengine.open_stream(request_id)
-                    e.start_local(request_id)
-
-                await self.aengine.mutate(local)
+            if prefill is None:
+                await self.aengine.mutate(lambda e: self._start_here(e, req))
+                error = None
             else:
-                result = unpack(prefill_result, PrefillResult)
-                handle = decode(result.handle_bytes, KvHandle)
-                error = await self._pull(request_id, handle, attempt)
-                if error is not None:
-                    final = error.kind != "transfer"  # the caller retries or recomputes
-                    yield pack(error)
-                    return
-                lp = result.first_logprob
-                first_lp = TokenLogprobs(lp.token_id, lp.logprob, list(lp.top)) if lp else None
-
-                def start(e: LLMEngine) -> RequestOutput:
-                    self.aengine.open_stream(request_id)
-                    return e.start_prefilled(request_id, result.first_token, first_lp, result.cached_tokens)
-
-                last = await self.aengine.mutate(start)
+                error, last = await self._prefilled(req, prefill[0], prefill_timeout, attempt)
+            if error is not None:
+                final = not error.retryable
+                yield pack(error)
+                return
+            if last is not None:
                 yield pack(to_batch([last], self.worker_id))
                 if last.finished:
                     return
-            async for outputs in self.aengine.stream(request_id, self.request_timeout):
+            async for outputs in self.aengine.stream(rid, self.request_timeout):
                 last = outputs[-1]
                 yield pack(to_batch(outputs, self.worker_id))
+        except ValueError as exc:  # the engine refused the request (e.g. longer than the model allows)
+            yield pack(WorkerError(ErrorKind.INVALID, str(exc)))
+        except TimeoutError:
+            yield pack(WorkerError(ErrorKind.TIMEOUT, f"{rid}: no output for {self.request_timeout} s"))
+        except RuntimeError as exc:  # the engine loop failed: this worker cannot serve
+            yield pack(WorkerError(ErrorKind.UNAVAILABLE, f"{self.worker_id}: {exc}"))
         finally:
             if final:
-                self._finish_trace(request_id, last)
+                self._finish_trace(rid, last)
 
-    async def submit(self, request: bytes) -> AsyncIterator[bytes]:
-        """Colocated: compute the prompt and decode here, streaming ``TokenBatch`` bytes."""
-        req = unpack(request, GenerateRequest)
-        params = SamplingParams(**msgspec.structs.asdict(req.sampling))
+    async def _prefilled(self, req: GenerateRequest, ref: Any, timeout: float,
+                         attempt: int) -> tuple[WorkerError | None, RequestOutput | None]:
+        """Reserve, await the prefill, pull its blocks, start decoding: the first output, or the error."""
+        error = await self.aengine.mutate(lambda e: self._reserve(e, req))
+        if error is not None:
+            return error, None
+        result = await self._await_prefill(ref, timeout)
+        if isinstance(result, WorkerError):
+            return result, None
+        error = await self._pull(req.request_id, result.handle, attempt)
+        if error is not None:
+            return error, None
+        return None, await self.aengine.mutate(lambda e: self._start_prefilled(e, result))
+
+    def _reserve(self, e: LLMEngine, req: GenerateRequest) -> WorkerError | None:
+        """Hold KV for the prompt unless this request holds it already (a retry keeps its reservation)."""
+        if req.request_id in e.reserved:
+            return None
+        r = e.make_request(req.prompt_token_ids, req.sampling, request_id=req.request_id,
+                           priority=req.priority)
+        if e.reserve(r) is None:
+            return WorkerError(ErrorKind.NO_KV,
+                               f"{self.worker_id} has no KV room for {r.num_tokens} tokens")
         self._open_trace(req)
-        last: RequestOutput | None = None
+        return None
 
-        def add(e: LLMEngine) -> None:
-            e.add_request(req.prompt_token_ids, params, request_id=req.request_id, priority=req.priority)
-            self.aengine.open_stream(req.request_id)
-
+    async def _await_prefill(self, ref: Any, timeout: float) -> PrefillResult | WorkerError:
         try:
-            await self.aengine.mutate(add)
-            async for outputs in self.aengine.stream(req.request_id, self.request_timeout):
-                last = outputs[-1]
-                yield pack(to_batch(outputs, self.worker_id))
-        except ValueError as exc:
-            yield pack(WorkerError("invalid", str(exc)))
-        finally:
-            self._finish_trace(req.request_id, last)
+            data = await asyncio.wait_for(ref, timeout)
+        except _PrefillDied as exc:
+            return WorkerError(ErrorKind.PREFILL_DIED, f"prefill worker died: {type(exc).__name__}")
+        except TimeoutError:
+            return WorkerError(ErrorKind.PREFILL, f"prefill did not answer within {timeout} s")
+        except Exception as exc:  # a task error on the prefill side
+            return WorkerError(ErrorKind.PREFILL, f"prefill failed: {type(exc).__name__}: {exc}")
+        result: PrefillResult | WorkerError = unpack(data, PrefillResult | WorkerError)
+        if isinstance(result, WorkerError) and result.kind is not ErrorKind.INVALID:
+            return WorkerError(ErrorKind.PREFILL, f"prefill: {result.kind}: {result.message}")
+        return result
+
+    def _start_prefilled(self, e: LLMEngine, result: PrefillResult) -> RequestOutput:
+        lp = result.first_logprob
+        first_lp = TokenLogprobs(lp.token_id, lp.logprob, list(lp.top)) if lp else None
+        self.aengine.open_stream(result.request_id)
+        return e.start_prefilled(result.request_id, result.first_token, first_lp, result.cached_tokens)
+
+    def _start_here(self, e: LLMEngine, req: GenerateRequest) -> None:
+        """Compute the prompt here: in its reservation (recompute) or as a new request (colocated)."""
+        self.aengine.open_stream(req.request_id)
+        if req.request_id in e.reserved:
+            e.start_local(req.request_id)
+            return
+        self._open_trace(req)
+        e.add_request(req.prompt_token_ids, req.sampling, request_id=req.request_id, priority=req.priority)
 
     async def _pull(self, request_id: str, handle: KvHandle, attempt: int = 1) -> WorkerError | None:
-        res = self.engine.reserved.get(request_id)
-        if res is None:
+        def plan(e: LLMEngine) -> tuple[list[int], int] | None:
+            res = e.reserved.get(request_id)
+            if res is None:
+                return None
+            return e.kv.blocks_of(request_id), res.metrics.cached_prompt_tokens // e.kv.block_size
+
+        planned = await self.aengine.read(plan)
+        if planned is None:
             self.sink.release(handle)
-            return WorkerError("invalid", f"no reservation for {request_id!r}")
-        local = self.engine.kv.blocks_of(request_id)
-        held = res.metrics.cached_prompt_tokens // self.engine.kv.block_size
+            return WorkerError(ErrorKind.INVALID, f"no reservation for {request_id!r}")
+        local, held = planned
         n = len(handle.block_ids)
         t0 = time.monotonic()
         error: WorkerError | None = None
@@ -203,9 +234,9 @@ class DecodeWorker(EngineWorker, TracedRole):
                                          self.transfer_timeout)
         except TransferError as exc:
             self.sink.release(handle)
-            error, outcome = WorkerError("transfer", f"{exc.outcome}: {exc}"), exc.outcome
+            error, outcome = WorkerError(ErrorKind.TRANSFER, f"{exc.outcome}: {exc}"), exc.outcome
         except Exception as exc:  # a dead or unknown peer surfaces from NIXL as a plain error
-            error, outcome = WorkerError("transfer", f"error: {exc}"), "error"
+            error, outcome = WorkerError(ErrorKind.TRANSFER, f"error: {exc}"), "error"
         t1 = time.monotonic()
         if error is None:
             self.transfer_blocks += stats.blocks
@@ -267,28 +298,8 @@ class DecodeWorker(EngineWorker, TracedRole):
     async def inject_transfer_failures(self, n: int) -> None:
         self.sink.inject_failures(n)
 
-    async def stats(self) -> bytes:
-        s = self.engine.stats()
-        pool = self.engine.kv.pool
-        return pack(WorkerStats(
-            worker_id=self.worker_id, role=self.role, pid=os.getpid(),
-            num_running=s.num_running, num_waiting=s.num_waiting,
-            num_kv_blocks=s.num_kv_blocks, num_free_kv_blocks=s.num_free_kv_blocks,
-            num_used_blocks=pool.num_used_blocks, num_cached_blocks=len(pool.cached),
-            num_stored_tokens=self.engine.kv.num_stored_tokens(), block_size=self.engine.kv.block_size,
-            num_reserved=len(self.engine.reserved), prefix_queries=s.prefix_queries,
-            prefix_hits=s.prefix_hits, num_preemptions=s.num_preemptions,
-            transfer_blocks=self.transfer_blocks, transfer_bytes=self.transfer_bytes,
+    def role_stats(self, common: WorkerStats) -> WorkerStats:
+        return msgspec.structs.replace(
+            common, transfer_blocks=self.transfer_blocks, transfer_bytes=self.transfer_bytes,
             transfer_seconds=self.transfer_seconds, transfer_failures=self.transfer_failures,
-            queue_time=self.queue_time.data(), transfer_time=self.transfer_time.data(),
-            kv_cache_dtype=kv_dtype_name(self.engine.config.kv_torch_dtype),
-            kv_tiers=[KvTierStats(**dataclasses.asdict(t)) for t in s.kv_tiers],
-        ))
-
-    async def kv_events(self) -> bytes:
-        """``KvEvents`` since the last call (the router's prefix index polls this)."""
-        batch = await self.drain_events()
-        return pack(KvEvents(self.worker_id, batch.seq, batch.stored, batch.removed))
-
-    async def kv_snapshot(self) -> bytes:
-        return pack(KvSnapshot(self.worker_id, *await self.events_snapshot()))
+            transfer_time=self.transfer_time.data())

@@ -1,11 +1,13 @@
 """AsyncEngine: an LLMEngine driven by one asyncio task, for actors that serve many callers.
 
 Only the loop task calls ``engine.step()`` (in a worker thread, so the event
-loop stays responsive); every other mutation goes through ``mutate``/``guard``
-and runs between steps under the same lock, so the engine is never touched by
-two threads at once. Each request's outputs go to its own queue; ``stream``
-yields them in per-step batches, and a consumer that stops early (a client that
-went away) aborts the request, freeing its blocks.
+loop stays responsive); every other mutation goes through ``mutate`` and every
+read of engine state through ``read``: both run between steps under the same
+lock, so the engine is never touched by two threads at once (a read straight
+from the event loop while a step runs may see a dict change size under it).
+Each request's outputs go to its own queue; ``stream`` yields them in per-step
+batches, and a consumer that stops early (a client that went away) aborts the
+request, freeing its blocks.
 """
 
 from __future__ import annotations
@@ -48,6 +50,11 @@ class AsyncEngine:
             result = fn(self.engine)
         self._wake.set()
         return result
+
+    async def read(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run ``fn(engine)`` between steps without waking the loop (stats, digests, events)."""
+        async with self._lock:
+            return fn(self.engine)
 
     def open_stream(self, request_id: str) -> None:
         """Register a request's output queue before the request can produce anything."""

@@ -1,42 +1,32 @@
-"""Request-level messages between the client/router and the workers (msgspec, never pickle).
+"""Control-plane messages between the router and the workers (msgspec Structs, never pickle).
 
-Ray carries these as ``bytes`` produced by ``pack`` and read back by ``unpack``
-with an explicit type, so every process boundary we own has a typed, versioned
-format. KV-level types (layouts, agent info, handles) live in ``transfer.wire``.
+Ray carries them as ``bytes`` made by ``messages.codec.pack`` and read back by
+``messages.codec.unpack`` with an explicit type. Parts are nested typed: a request
+carries the engine's own ``SamplingParams``; a prefill result carries its
+``transfer.wire.KvHandle``. KV-level types (layouts, agent info, handles) live in
+``transfer.wire``; histogram data in ``telemetry.histogram``.
+
+Errors: a worker never raises across Ray; it answers (or streams) a ``WorkerError``
+whose ``kind`` is an ``ErrorKind``. The router turns it into ``RequestFailed`` with
+the same kind, and the HTTP layer maps that kind to a status code in one place
+(``router.errors.backend_failure``).
 """
 
 from __future__ import annotations
 
-from typing import TypeVar
+import enum
 
 import msgspec
 
-T = TypeVar("T")
-
-
-class SamplingSpec(msgspec.Struct, frozen=True, kw_only=True):
-    """Wire form of ``engine.sampling.SamplingParams`` (same field names and defaults)."""
-
-    n: int = 1
-    max_tokens: int | None = 16
-    min_tokens: int = 0
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int | None = None
-    stop_token_ids: list[int] = []
-    ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logprobs: int | None = None
+from engine.sampling_params import SamplingParams
+from telemetry.histogram import HistogramData
+from transfer.wire import KvHandle
 
 
 class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
     request_id: str
     prompt_token_ids: list[int]
-    sampling: SamplingSpec = SamplingSpec()
+    sampling: SamplingParams = SamplingParams()
     priority: int = 0
     trace_context: dict[str, str] = {}
 
@@ -47,22 +37,14 @@ class TokenLogprob(msgspec.Struct, frozen=True):
     top: list[tuple[int, float]]
 
 
-class PrefillResult(msgspec.Struct, frozen=True, kw_only=True):
+class PrefillResult(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     """What a prefill worker returns: the first token and where the prompt's K/V waits (``handle``)."""
 
     request_id: str
     first_token: int
     first_logprob: TokenLogprob | None
-    handle_bytes: bytes
+    handle: KvHandle
     cached_tokens: int
-    finished: bool
-    finish_reason: str | None
-
-
-class ReservationInfo(msgspec.Struct, frozen=True, tag=True):
-    request_id: str
-    num_blocks: int
-    num_cached_blocks: int
 
 
 class TokenBatch(msgspec.Struct, frozen=True, kw_only=True, tag=True):
@@ -76,15 +58,6 @@ class TokenBatch(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     prompt_tokens: int = 0
     cached_tokens: int = 0
     worker_id: str = ""
-
-
-class HistogramData(msgspec.Struct, frozen=True, kw_only=True):
-    """Bucket counts of a histogram: ``counts[i]`` observations in ``(bounds[i-1], bounds[i]]``; the
-    last count is above every bound (``len(counts) == len(bounds) + 1``)."""
-
-    bounds: list[float]
-    counts: list[int]
-    sum: float
 
 
 class KvTierStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -146,32 +119,26 @@ class KvSnapshot(msgspec.Struct, frozen=True):
     hashes: list[int]
 
 
-class WorkerError(msgspec.Struct, frozen=True, tag=True):
-    """An error a worker reports instead of raising across Ray (kind is machine-readable)."""
+class ErrorKind(enum.StrEnum):
+    """Why a request could not be served (machine-readable; the HTTP status follows from it)."""
 
-    kind: str
+    NO_KV = "no_kv"  # no KV room on the decode worker
+    INVALID = "invalid"  # the request is malformed (the client's fault)
+    PREFILL = "prefill"  # the prefill failed or timed out (its worker may be alive)
+    PREFILL_DIED = "prefill_died"  # the prefill worker's process died
+    TRANSFER = "transfer"  # the KV could not be pulled from the prefill worker
+    ABORTED = "aborted"  # the request was aborted on the worker
+    TIMEOUT = "timeout"  # a worker-side deadline passed
+    UNAVAILABLE = "unavailable"  # no live worker could take it
+
+
+class WorkerError(msgspec.Struct, frozen=True, tag=True):
+    """What a worker answers or streams instead of raising across Ray."""
+
+    kind: ErrorKind
     message: str
 
-
-class RequestFailed(RuntimeError):
-    """A request could not be served; ``kind`` says why.
-
-    Kinds: ``no_kv`` (no worker has KV room), ``invalid`` (the request is
-    malformed), ``transfer`` (KV could not be moved and policy forbids a
-    fallback), ``unavailable`` (no live worker), ``timeout``.
-    """
-
-    def __init__(self, kind: str, message: str) -> None:
-        super().__init__(message)
-        self.kind = kind
-
-
-_encoder = msgspec.msgpack.Encoder()
-
-
-def pack(obj: object) -> bytes:
-    return _encoder.encode(obj)
-
-
-def unpack(data: bytes, type_: type[T]) -> T:
-    return msgspec.msgpack.decode(data, type=type_)
+    @property
+    def retryable(self) -> bool:
+        """The decode worker kept the reservation: the caller may prefill elsewhere or recompute."""
+        return self.kind in (ErrorKind.PREFILL, ErrorKind.PREFILL_DIED, ErrorKind.TRANSFER)

@@ -6,7 +6,9 @@ Contract with the decode side (see DESIGN.md, steps 4-5):
   token with the request's own sampling parameters, and returns a
   ``PrefillResult`` whose ``KvHandle`` lists the blocks holding the prompt's
   K/V (``ceil(prompt_len / block_size)`` blocks; the first token's K/V is not
-  computed here).
+  computed here). Errors come back as a ``WorkerError``, never raised across Ray.
+  The router does not wait for the result: it hands the call's ``ObjectRef`` to
+  the decode worker, which awaits it, pulls the blocks and streams the tokens.
 * Those blocks stay owned by the request id (pinned) until the decode side's
   transfer completes ("done" notification), the decode side gives them up
   ("release"), the caller calls ``release``/``abort``, or the lease deadline
@@ -19,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
 import time
 import uuid
 
@@ -27,35 +28,18 @@ import msgspec
 
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
-from engine.kv_sizing import kv_dtype_name
 from engine.outputs import RequestMetrics
-from engine.sampling import SamplingParams
-from messages.wire import (
-    GenerateRequest,
-    KvEvents,
-    KvSnapshot,
-    KvTierStats,
-    PrefillResult,
-    TokenLogprob,
-    WorkerStats,
-    pack,
-    unpack,
-)
-from telemetry.histogram import Histogram
-from telemetry.tracing import TracedRole
+from messages.codec import pack, unpack
+from messages.wire import ErrorKind, GenerateRequest, PrefillResult, TokenLogprob, WorkerError, WorkerStats
 from transfer.compat import compat_hash
 from transfer.nixl_source import KvSource
-from transfer.wire import KvHandle, KvLayout, encode
-from worker.base import EngineWorker
+from transfer.wire import KvHandle, KvLayout
+from worker.base import WorkerBase
 
 log = logging.getLogger(__name__)
 
 
-def sampling_params(req: GenerateRequest) -> SamplingParams:
-    return SamplingParams(**msgspec.structs.asdict(req.sampling))
-
-
-class PrefillWorker(EngineWorker, TracedRole):
+class PrefillWorker(WorkerBase):
     """Spans (for requests carrying a trace context): ``prefill.queue`` (arrival to first schedule)
     and ``prefill.compute`` (first schedule to first token), children of the caller's span."""
 
@@ -64,9 +48,7 @@ class PrefillWorker(EngineWorker, TracedRole):
     def __init__(self, worker_id: str, model: str | None, engine_config: bytes,
                  lease_seconds: float = 30.0, torch_threads: int = 1, poll_interval: float = 0.01,
                  request_timeout: float = 300.0, tracing: bytes | None = None) -> None:
-        super().__init__(worker_id, model, unpack(engine_config, EngineConfig), torch_threads)
-        self.init_tracing(tracing)
-        self.queue_time = Histogram()
+        super().__init__(worker_id, model, unpack(engine_config, EngineConfig), torch_threads, tracing)
         runner = self.engine.runner
         self.layout = KvLayout.from_tensor(runner.kv_cache, self.engine.model_config.name, runner.kv_scales)
         self.source = KvSource(runner.kv_cache, self.layout, scales=runner.kv_scales,
@@ -82,13 +64,25 @@ class PrefillWorker(EngineWorker, TracedRole):
         self.aengine.start()
         if self._poller is None:
             self._poller = asyncio.get_running_loop().create_task(self._poll_leases())
-        return encode(self.source.agent_info())
+        return pack(self.source.agent_info())
 
     async def prefill(self, request: bytes, lease_seconds: float | None = None) -> bytes:
-        """``GenerateRequest`` bytes in, ``PrefillResult`` bytes out (``lease_seconds`` overrides)."""
+        """``GenerateRequest`` bytes in; ``PrefillResult`` (or ``WorkerError``) bytes out, never a raise.
+        ``lease_seconds`` overrides the worker's lease."""
         await self.ready()
-        req = unpack(request, GenerateRequest)
-        params = sampling_params(req)
+        try:
+            req = unpack(request, GenerateRequest)
+            return pack(await self._prefill(req, lease_seconds))
+        except (ValueError, msgspec.ValidationError) as exc:
+            return pack(WorkerError(ErrorKind.INVALID, str(exc)))
+        except TimeoutError:
+            return pack(WorkerError(ErrorKind.TIMEOUT, f"prefill did not finish in {self.request_timeout} s"))
+        except RuntimeError as exc:  # the engine loop failed: this worker cannot serve
+            return pack(WorkerError(ErrorKind.UNAVAILABLE, f"{self.worker_id}: {exc}"))
+
+    async def _prefill(self, req: GenerateRequest,
+                       lease_seconds: float | None) -> PrefillResult | WorkerError:
+        params = req.sampling
         first = dataclasses.replace(params, max_tokens=1, min_tokens=min(1, params.min_tokens))
         rid = req.request_id
 
@@ -101,29 +95,29 @@ class PrefillWorker(EngineWorker, TracedRole):
         async for batch in self.aengine.stream(rid, self.request_timeout):
             last = batch[-1]
         assert last is not None and last.finished
-        self._trace(req, last.metrics, last.finish_reason == "abort")
-        if last.finish_reason == "abort":
-            raise RuntimeError(f"prefill of {rid} was aborted")
+        aborted = last.finish_reason == "abort"
+        self._trace(req, last.metrics, aborted)
+        if aborted:
+            return WorkerError(ErrorKind.ABORTED, f"prefill of {rid} was aborted")
         deadline = time.time() + (self.lease_seconds if lease_seconds is None else lease_seconds)
+        blocks = await self.aengine.read(lambda e: e.kv.blocks_of(rid))
         handle = KvHandle(
             request_id=rid,
             agent_name=self.source.agent_info().agent_name,
-            block_ids=self.engine.kv.blocks_of(rid),
+            block_ids=blocks,
             num_tokens=len(req.prompt_token_ids),
             compat_hash=compat_hash(self.layout),
             lease_deadline=deadline,
         )
         self.source.add_lease(rid, deadline)
         lp = last.logprobs[0] if last.logprobs else None
-        return pack(PrefillResult(
+        return PrefillResult(
             request_id=rid,
             first_token=last.token_ids[0],
             first_logprob=TokenLogprob(lp.token_id, lp.logprob, list(lp.top)) if lp else None,
-            handle_bytes=encode(handle),
+            handle=handle,
             cached_tokens=last.metrics.cached_prompt_tokens,
-            finished=False,
-            finish_reason=None,
-        ))
+        )
 
     def _trace(self, req: GenerateRequest, m: RequestMetrics, aborted: bool) -> None:
         if m.first_scheduled_time is not None:
@@ -143,29 +137,9 @@ class PrefillWorker(EngineWorker, TracedRole):
         """Free a request's leased blocks now (idempotent); returns how many were freed."""
         return await self.aengine.mutate(lambda e: e.release_kv(request_id))
 
-    async def stats(self) -> bytes:
-        s = self.engine.stats()
-        pool = self.engine.kv.pool
-        return pack(WorkerStats(
-            worker_id=self.worker_id, role=self.role, pid=os.getpid(),
-            num_running=s.num_running, num_waiting=s.num_waiting,
-            num_kv_blocks=s.num_kv_blocks, num_free_kv_blocks=s.num_free_kv_blocks,
-            num_used_blocks=pool.num_used_blocks, num_cached_blocks=len(pool.cached),
-            num_stored_tokens=self.engine.kv.num_stored_tokens(), block_size=self.engine.kv.block_size,
-            num_leases=self.source.num_leases(), prefix_queries=s.prefix_queries,
-            prefix_hits=s.prefix_hits, num_preemptions=s.num_preemptions,
-            leases_expired=self.leases_expired, queue_time=self.queue_time.data(),
-            kv_cache_dtype=kv_dtype_name(self.engine.config.kv_torch_dtype),
-            kv_tiers=[KvTierStats(**dataclasses.asdict(t)) for t in s.kv_tiers],
-        ))
-
-    async def kv_events(self) -> bytes:
-        """``KvEvents`` since the last call (the router's prefix index polls this)."""
-        batch = await self.drain_events()
-        return pack(KvEvents(self.worker_id, batch.seq, batch.stored, batch.removed))
-
-    async def kv_snapshot(self) -> bytes:
-        return pack(KvSnapshot(self.worker_id, *await self.events_snapshot()))
+    def role_stats(self, common: WorkerStats) -> WorkerStats:
+        return msgspec.structs.replace(common, num_leases=self.source.num_leases(),
+                                       leases_expired=self.leases_expired)
 
     async def _poll_leases(self) -> None:
         while True:

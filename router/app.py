@@ -28,11 +28,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
 
 from engine.tokenizer import Tokenizer
-from messages.wire import GenerateRequest, RequestFailed
+from messages.wire import GenerateRequest
 from router.admission import AdmissionGate, Ticket
 from router.backend import Backend
+from router.config import RouterSettings
 from router.errors import (
     APIError,
+    RequestFailed,
     backend_failure,
     install_handlers,
     invalid,
@@ -57,7 +59,6 @@ from router.protocol import (
 from router.responses import Envelope, Json, LogprobFormatter, choice, merge_logprobs, role_chunk, usage
 from router.streaming import (
     DONE,
-    BackendAborted,
     ChoiceDecoder,
     ChoiceDelta,
     ClientGone,
@@ -73,17 +74,12 @@ DECODE_WORKER_HEADER = "x-pdserve-decode-worker"
 
 
 @dataclass(frozen=True)
-class RouterConfig:
-    """How the router serves one model; ``max_queued_tokens=None`` means no token limit."""
+class RouterConfig(RouterSettings):
+    """How the router serves one model: the user's ``RouterSettings`` (keyword-only) plus what the model
+    decides, its served name and context length."""
 
     model_name: str
     max_model_len: int
-    api_key: str | None = None
-    max_request_bytes: int = 1 << 20
-    max_queued_requests: int = 256
-    max_queued_tokens: int | None = None
-    request_timeout: float = 600.0
-    default_max_tokens: int | None = None
 
 
 @dataclass
@@ -98,25 +94,43 @@ class _Job:
     decoders: list[ChoiceDecoder]
     formatters: list[LogprobFormatter]
 
+    def finish(self, tel: RequestTelemetry, error: BaseException | None = None) -> None:
+        """Record usage and end the request's span (a second call does nothing)."""
+        tel.finish(self.decoders, [len(p) for p in self.prompts], self.req.choices, error)
 
-def create_app(backend: Backend, tokenizer: Tokenizer, config: RouterConfig,
-               tracing: Tracing | None = None) -> FastAPI:
-    """Build the app; it holds no global state (metrics live in the app's own registry). With
-    ``tracing`` enabled every generation request gets a ``router`` span whose context the workers join."""
-    gate = AdmissionGate(config.max_queued_requests, config.max_queued_tokens)
-    metrics = RouterMetrics(gate, config.model_name)
-    tracer = tracing or Tracing()
-    app = FastAPI(title="pdserve", summary="OpenAI-compatible API of a prefill/decode serving cluster.")
-    install_handlers(app)
-    app.add_middleware(Gatekeeper, api_key=config.api_key, metrics=metrics)
-    started_at = int(time.time())
+    def usage(self) -> Json:
+        return usage(self.decoders, [len(p) for p in self.prompts], self.req.choices)
 
-    @functools.lru_cache(maxsize=65536)
-    def token_text(token_id: int) -> str:
-        return tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def build_job(req: CompletionParams, chat: bool, prompts: list[list[int]], param: str) -> _Job:
-        n = req.choices
+class _Front:
+    """The generation endpoints' logic, in the order a request meets it: ``prepare`` (body, model,
+    readiness), ``build_job`` (tokens, lengths, one backend request per choice), ``run`` (admission,
+    the first token, then ``respond`` as JSON or ``stream`` as SSE)."""
+
+    def __init__(self, backend: Backend, tokenizer: Tokenizer, config: RouterConfig, tracer: Tracing) -> None:
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.config = config
+        self.tracer = tracer
+        self.gate = AdmissionGate(config.max_queued_requests, config.max_queued_tokens)
+        self.metrics = RouterMetrics(self.gate, config.model_name)
+        self.token_text = functools.lru_cache(maxsize=65536)(self._token_text)
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    async def prepare(self, request: Request, type_: type[CompletionParams]) -> CompletionParams:
+        config = self.config
+        req = decode_body(await read_body(request, config.max_request_bytes), type_)
+        check_common(req)
+        if req.model != config.model_name:
+            raise model_not_found(req.model)
+        if not self.backend.is_ready():
+            raise unavailable("The server is starting; retry shortly.", code="not_ready")
+        return req
+
+    def build_job(self, req: CompletionParams, chat: bool, prompts: list[list[int]], param: str) -> _Job:
+        config, n = self.config, req.choices
         requests: list[GenerateRequest] = []
         prefix = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         for p_index, prompt in enumerate(prompts):
@@ -136,68 +150,65 @@ def create_app(backend: Backend, tokenizer: Tokenizer, config: RouterConfig,
         stops = stop_strings(req)
         return _Job(
             req, chat, Envelope(prefix, int(time.time()), config.model_name, chat), prompts, requests,
-            [ChoiceDecoder(i, tokenizer, stops) for i in range(len(requests))],
-            [LogprobFormatter(chat, token_text) for _ in requests])
+            [ChoiceDecoder(i, self.tokenizer, stops) for i in range(len(requests))],
+            [LogprobFormatter(chat, self.token_text) for _ in requests])
 
-    async def prepare(request: Request, type_: type[CompletionParams]) -> CompletionParams:
-        req = decode_body(await read_body(request, config.max_request_bytes), type_)
-        check_common(req)
-        if req.model != config.model_name:
-            raise model_not_found(req.model)
-        if not backend.is_ready():
-            raise unavailable("The server is starting; retry shortly.", code="not_ready")
-        return req
-
-    async def run(job: _Job, request: Request) -> Response:
-        ticket = gate.admit(sum(len(p) for p in job.prompts) * job.req.choices)
-        endpoint = request.url.path
+    async def run(self, job: _Job, request: Request) -> Response:
+        ticket = self.gate.admit(sum(len(p) for p in job.prompts) * job.req.choices)
         admitted = time.monotonic()
-        tel = RequestTelemetry(tracer, metrics, request.headers, job.chat, config.model_name, job.requests,
-                               job.envelope.id)
+        tel = RequestTelemetry(self.tracer, self.metrics, request.headers, job.chat, self.config.model_name,
+                               job.requests, job.envelope.id)
         job.requests = tel.stamp(job.requests)
-        deltas = guarded(merge_choices(backend, job.requests, job.decoders),
-                         admitted + config.request_timeout, request.is_disconnected)
+        deltas = guarded(merge_choices(self.backend, job.requests, job.decoders),
+                         admitted + self.config.request_timeout, request.is_disconnected)
         try:
             first = await anext(deltas)
         except BaseException as exc:
             ticket.release()
             await deltas.aclose()
-            tel.finish(job.decoders, _lens(job), job.req.choices, exc)
-            raise _as_api_error(exc, config.request_timeout) from None
+            job.finish(tel, exc)
+            raise _as_api_error(exc, self.config.request_timeout) from None
         ticket.started()
         tel.first_token()
-        metrics.ttft.labels(endpoint).observe(time.monotonic() - admitted)
+        self.metrics.ttft.labels(request.url.path).observe(time.monotonic() - admitted)
         worker = {DECODE_WORKER_HEADER: job.decoders[first.index].worker_id}
         if job.req.streaming:
-            return SSEResponse(stream(job, first, deltas, ticket, tel), media_type="text/event-stream",
-                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **worker})
+            return SSEResponse(self.stream(job, first, deltas, ticket, tel), media_type="text/event-stream",
+                               headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **worker})
         with ticket:
-            texts: list[list[str]] = [[] for _ in job.requests]
-            lps: list[list[Json]] = [[] for _ in job.requests]
-            try:
-                delta: ChoiceDelta | None = first
-                while delta is not None:
-                    texts[delta.index].append(delta.text)
-                    if delta.logprobs:
-                        lps[delta.index].append(job.formatters[delta.index].format(delta.logprobs))
-                    delta = await anext(deltas, None)
-                    if delta is not None:
-                        tel.delta()
-            except BaseException as exc:
-                tel.finish(job.decoders, _lens(job), job.req.choices, exc)
-                raise _as_api_error(exc, config.request_timeout) from None
-        tel.finish(job.decoders, _lens(job), job.req.choices)
+            return await self.respond(job, first, deltas, tel, worker)
+
+    async def respond(self, job: _Job, first: ChoiceDelta, deltas: AsyncGenerator[ChoiceDelta, None],
+                      tel: RequestTelemetry, headers: dict[str, str]) -> Response:
+        """The whole completion as one JSON body."""
+        texts: list[list[str]] = [[] for _ in job.requests]
+        lps: list[list[Json]] = [[] for _ in job.requests]
+        try:
+            delta: ChoiceDelta | None = first
+            while delta is not None:
+                texts[delta.index].append(delta.text)
+                if delta.logprobs:
+                    lps[delta.index].append(job.formatters[delta.index].format(delta.logprobs))
+                delta = await anext(deltas, None)
+                if delta is not None:
+                    tel.delta()
+        except BaseException as exc:
+            job.finish(tel, exc)
+            raise _as_api_error(exc, self.config.request_timeout) from None
+        job.finish(tel)
         want_lps = job.req.num_logprobs() is not None
         choices = [choice(i, "".join(texts[i]), job.chat, merge_logprobs(lps[i], job.chat) if want_lps
                           else None, d.finish_reason, chunk=False) for i, d in enumerate(job.decoders)]
-        metrics.output_tokens.inc(sum(d.num_tokens for d in job.decoders))
-        body = job.envelope.wrap(choices, chunk=False, usage=usage(job.decoders, _lens(job), job.req.choices))
-        return Response(msgspec.json.encode(body), media_type="application/json", headers=worker)
+        self.metrics.output_tokens.inc(sum(d.num_tokens for d in job.decoders))
+        body = job.envelope.wrap(choices, chunk=False, usage=job.usage())
+        return Response(msgspec.json.encode(body), media_type="application/json", headers=headers)
 
-    async def stream(job: _Job, first: ChoiceDelta, deltas: AsyncGenerator[ChoiceDelta, None],
+    async def stream(self, job: _Job, first: ChoiceDelta, deltas: AsyncGenerator[ChoiceDelta, None],
                      ticket: Ticket, tel: RequestTelemetry) -> AsyncIterator[bytes]:
+        """SSE chunks; the request's telemetry ends once, in ``finally``, with how the stream ended."""
         env, include_usage = job.envelope, job.req.include_usage
         want_lps = job.req.num_logprobs() is not None
+        ended: BaseException | None = GeneratorExit("stream closed")
         try:
             if job.chat:
                 roles = [role_chunk(i) for i in range(len(job.requests))]
@@ -211,24 +222,34 @@ def create_app(backend: Backend, tokenizer: Tokenizer, config: RouterConfig,
                 delta = await anext(deltas, None)
                 if delta is not None:
                     tel.delta()
-            metrics.output_tokens.inc(sum(d.num_tokens for d in job.decoders))
-            tel.finish(job.decoders, _lens(job), job.req.choices)
+            self.metrics.output_tokens.inc(sum(d.num_tokens for d in job.decoders))
+            ended = None
+            job.finish(tel)
             if include_usage:
-                yield sse(env.wrap([], chunk=True, usage=usage(job.decoders, _lens(job), job.req.choices)))
+                yield sse(env.wrap([], chunk=True, usage=job.usage()))
         except ClientGone as exc:
-            tel.finish(job.decoders, _lens(job), job.req.choices, exc)
+            ended = exc
             return
         except Exception as exc:
-            tel.finish(job.decoders, _lens(job), job.req.choices, exc)
-            yield sse(_as_api_error(exc, config.request_timeout).body())
+            ended = exc
+            job.finish(tel, exc)
+            yield sse(_as_api_error(exc, self.config.request_timeout).body())
         finally:
-            tel.finish(job.decoders, _lens(job), job.req.choices, GeneratorExit("stream closed"))
+            job.finish(tel, ended)
             ticket.release()
             await deltas.aclose()
         yield DONE
 
-    def _lens(job: _Job) -> list[int]:
-        return [len(p) for p in job.prompts]
+
+def create_app(backend: Backend, tokenizer: Tokenizer, config: RouterConfig,
+               tracing: Tracing | None = None) -> FastAPI:
+    """Build the app; it holds no global state (metrics live in the app's own registry). With
+    ``tracing`` enabled every generation request gets a ``router`` span whose context the workers join."""
+    front = _Front(backend, tokenizer, config, tracing or Tracing())
+    app = FastAPI(title="pdserve", summary="OpenAI-compatible API of a prefill/decode serving cluster.")
+    install_handlers(app)
+    app.add_middleware(Gatekeeper, api_key=config.api_key, metrics=front.metrics)
+    started_at = int(time.time())
 
     def body_schema(name: str) -> dict[str, object]:
         ref = {"$ref": f"#/components/schemas/{name}"}
@@ -236,7 +257,7 @@ def create_app(backend: Backend, tokenizer: Tokenizer, config: RouterConfig,
 
     @app.post("/v1/chat/completions", openapi_extra=body_schema("ChatCompletionRequest"))
     async def chat_completions(request: Request) -> Response:
-        req = await prepare(request, ChatCompletionRequest)
+        req = await front.prepare(request, ChatCompletionRequest)
         assert isinstance(req, ChatCompletionRequest)
         if not tokenizer.has_chat_template:
             raise invalid("This model has no chat template; use /v1/completions.", "messages")
@@ -244,17 +265,17 @@ def create_app(backend: Backend, tokenizer: Tokenizer, config: RouterConfig,
             prompt = await asyncio.to_thread(tokenizer.apply_chat_template, req.conversation())
         except Exception as exc:  # the template rejects the conversation (e.g. role order)
             raise invalid(f"Cannot apply the chat template: {exc}", "messages") from None
-        return await run(build_job(req, True, [prompt], "messages"), request)
+        return await front.run(front.build_job(req, True, [prompt], "messages"), request)
 
     @app.post("/v1/completions", openapi_extra=body_schema("CompletionRequest"))
     async def completions(request: Request) -> Response:
-        req = await prepare(request, CompletionRequest)
+        req = await front.prepare(request, CompletionRequest)
         assert isinstance(req, CompletionRequest)
         prompts: list[Prompt] = completion_prompts(req, tokenizer.vocab_size)
         ids = [p if isinstance(p, list) else await asyncio.to_thread(tokenizer.encode, p) for p in prompts]
         if any(not p for p in ids):
             raise invalid("'prompt' encodes to no tokens.", "prompt")
-        return await run(build_job(req, False, ids, "prompt"), request)
+        return await front.run(front.build_job(req, False, ids, "prompt"), request)
 
     @app.get("/v1/models")
     async def models() -> Json:
@@ -270,7 +291,7 @@ def create_app(backend: Backend, tokenizer: Tokenizer, config: RouterConfig,
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        text = generate_latest(metrics.registry)
+        text = generate_latest(front.metrics.registry)
         if backend.is_ready():
             with contextlib.suppress(TimeoutError, RequestFailed):
                 stats = await asyncio.wait_for(backend.stats(), WORKER_STATS_TIMEOUT)
@@ -307,9 +328,7 @@ def _as_api_error(exc: BaseException, request_timeout: float) -> APIError:
     if isinstance(exc, TimeoutError):
         return timeout(request_timeout)
     if isinstance(exc, RequestFailed):
-        return backend_failure(exc.kind, str(exc))
-    if isinstance(exc, BackendAborted):
-        return unavailable(str(exc), code="aborted")
+        return backend_failure(exc)
     if isinstance(exc, ClientGone):
         return APIError(499, "Client closed the request.", code="client_closed_request")
     if isinstance(exc, StopAsyncIteration):

@@ -15,7 +15,7 @@ class Backend(Protocol):
     """A source of token streams.
 
     ``generate`` yields ``TokenBatch`` items until one has ``finished`` set and
-    raises ``messages.wire.RequestFailed`` when the request cannot be served.
+    raises ``router.errors.RequestFailed`` when the request cannot be served.
     Closing the iterator early (``aclose``) aborts the request wherever it runs.
     """
 

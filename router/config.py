@@ -1,4 +1,6 @@
-"""How the router's PD client routes, retries and waits (one frozen config, built by the CLI)."""
+"""The router process's frozen settings: how its PD client routes, retries and waits (``ClientConfig``),
+and the HTTP limits a user sets (``RouterSettings``; ``router.app.RouterConfig`` adds what the model
+decides). Built once by the CLI; their defaults are the flags' defaults (the parser reads them here)."""
 
 from __future__ import annotations
 
@@ -15,9 +17,9 @@ class KvFailurePolicy(enum.StrEnum):
 @dataclass(frozen=True)
 class ClientConfig:
     kv_failure_policy: KvFailurePolicy = KvFailurePolicy.RETRY
-    routing: str = "round-robin"
+    routing: str = "prefix"
     disagg_min_tokens: int = 0
-    prefill_saturation_tokens: int = 1 << 30
+    prefill_saturation_tokens: int = 32768
     migration_limit: int = 1
     prefill_timeout: float = 120.0
     call_timeout: float = 30.0
@@ -25,3 +27,16 @@ class ClientConfig:
     refresh_interval: float = 0.1
     pending_ttl: float = 30.0  # how long a prompt sent to a worker counts as held there, at most
     settle_ttl: float = 5.0  # ... and once served there, waiting for its KV events
+
+
+@dataclass(frozen=True, kw_only=True)
+class RouterSettings:
+    """The router's HTTP limits. ``api_key=None``: ``$PDSERVE_API_KEY`` of the router's process, else
+    no key; ``max_queued_tokens=None``: no token limit; ``default_max_tokens=None``: up to the context."""
+
+    api_key: str | None = None
+    max_request_bytes: int = 1 << 20
+    max_queued_requests: int = 256
+    max_queued_tokens: int | None = None
+    request_timeout: float = 600.0
+    default_max_tokens: int | None = None

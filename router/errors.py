@@ -15,10 +15,25 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
+from messages.wire import ErrorKind
+
 log = logging.getLogger("pdserve.router")
 
 INVALID_REQUEST = "invalid_request_error"
 RETRY_AFTER_SECONDS = 1
+
+
+class RequestFailed(RuntimeError):
+    """A request could not be served by the workers; ``kind`` (an ``ErrorKind``) says why.
+
+    It is a worker's ``WorkerError`` as the router raises it, or the router's own
+    verdict (no live worker, a policy that forbids a fallback); ``backend_failure``
+    turns it into the HTTP answer.
+    """
+
+    def __init__(self, kind: ErrorKind, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 class ErrorDetail(msgspec.Struct, frozen=True):
@@ -79,13 +94,14 @@ def unavailable(message: str, code: str = "overloaded") -> APIError:
                     headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
 
 
-def backend_failure(kind: str, message: str) -> APIError:
-    """Map a ``RequestFailed`` kind to an HTTP error: ``invalid`` is the client's, the rest are capacity."""
-    if kind == "invalid":
-        return invalid(message)
-    if kind == "timeout":
-        return APIError(504, message, type="timeout_error", code="backend_timeout")
-    return unavailable(message, code=kind)
+def backend_failure(exc: RequestFailed) -> APIError:
+    """The one map from a failed request's kind to HTTP: ``invalid`` is the client's (400), a worker-side
+    deadline is 504, everything else is capacity (503 + Retry-After, the kind as ``code``)."""
+    if exc.kind is ErrorKind.INVALID:
+        return invalid(str(exc))
+    if exc.kind is ErrorKind.TIMEOUT:
+        return APIError(504, str(exc), type="timeout_error", code="backend_timeout")
+    return unavailable(str(exc), code=str(exc.kind))
 
 
 def _status_code(status: int) -> str:

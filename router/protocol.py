@@ -15,7 +15,7 @@ from typing import Annotated, Literal, TypeVar
 import msgspec
 from msgspec import Meta
 
-from messages.wire import SamplingSpec
+from engine.sampling_params import SamplingParams
 from router.errors import invalid
 
 MAX_N = 16
@@ -200,10 +200,18 @@ def completion_prompts(req: CompletionRequest, vocab_size: int) -> list[Prompt]:
     return prompts
 
 
-def sampling_for(req: CompletionParams, max_tokens: int, index: int) -> SamplingSpec:
-    """The wire sampling parameters of choice ``index`` (a seeded request uses ``seed + index``)."""
+def sampling_for(req: CompletionParams, max_tokens: int, index: int) -> SamplingParams:
+    """The engine's sampling parameters of choice ``index`` (a seeded request uses ``seed + index``);
+    a value the engine refuses is a 400 naming it."""
     seed = None if req.seed is None else req.seed + index
-    return SamplingSpec(
+    try:
+        return _sampling(req, max_tokens, seed)
+    except ValueError as exc:
+        raise invalid(str(exc), str(exc).split(" ", 1)[0]) from None
+
+
+def _sampling(req: CompletionParams, max_tokens: int, seed: int | None) -> SamplingParams:
+    return SamplingParams(
         max_tokens=max_tokens,
         min_tokens=req.min_tokens or 0,
         temperature=1.0 if req.temperature is None else req.temperature,

@@ -27,8 +27,9 @@ import anyio
 import msgspec
 
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from messages.wire import GenerateRequest, TokenBatch, TokenLogprob
+from messages.wire import ErrorKind, GenerateRequest, TokenBatch, TokenLogprob
 from router.backend import Backend
+from router.errors import RequestFailed
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -123,10 +124,6 @@ class ChoiceDecoder:
         return ChoiceDelta(self.index, out, logprobs, self.finish_reason)
 
 
-class BackendAborted(RuntimeError):
-    """The backend ended a choice with finish_reason ``abort`` (or ended its stream early)."""
-
-
 async def _close(it: AsyncIterator[object]) -> None:
     aclose: Callable[[], Awaitable[None]] | None = getattr(it, "aclose", None)
     if aclose is not None:
@@ -144,11 +141,12 @@ async def merge_choices(backend: Backend, requests: Sequence[GenerateRequest],
             async for batch in stream:
                 delta = decoder.feed(batch)
                 if delta.finish_reason == "abort":
-                    raise BackendAborted(f"request {req.request_id} was aborted by the server")
+                    raise RequestFailed(ErrorKind.ABORTED,
+                                        f"request {req.request_id} was aborted by the server")
                 queue.put_nowait(delta)
                 if delta.finish_reason is not None:
                     return
-            raise BackendAborted(f"request {req.request_id} ended without finishing")
+            raise RequestFailed(ErrorKind.ABORTED, f"request {req.request_id} ended without finishing")
         except Exception as exc:
             queue.put_nowait(exc)
         finally:

@@ -16,8 +16,8 @@ it was served).
 Supervision: a worker found dead (a call raised ``RayActorError`` /
 ``ActorUnavailableError``, or its stats report a new pid: Ray restarted it
 behind our back) leaves routing and the prefix index, and a background task
-waits (``revive_timeout``) for Ray to restart it (``max_restarts``): once its
-``ready`` answers, ``on_revive`` re-registers it (new NIXL agent, connections)
+waits (``revive_timeout``) for Ray to restart it (``max_restarts``): ``on_revive``
+asks its ``ready`` and re-registers it (new NIXL agent, connections)
 and it serves again. A worker Ray will not restart (``ActorDiedError``) stays out.
 """
 
@@ -29,13 +29,14 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
-from messages.wire import KvEvents, KvSnapshot, WorkerStats, unpack
+from messages.wire import WorkerStats
+from router.handles import DecodeHandle, PrefillHandle
 from router.policy import Candidate
 from router.prefix_index import PrefixIndex
+from transfer.wire import AgentInfo
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ class Pending:
 
 @dataclass
 class WorkerState:
-    handle: Any
+    handle: PrefillHandle | DecodeHandle
     role: str
     index: int
     worker_id: str = ""
@@ -61,7 +62,7 @@ class WorkerState:
     stats: WorkerStats | None = None
     pending: dict[str, Pending] = field(default_factory=dict)
     pid: int = 0
-    info: bytes = b""  # what ``ready`` returned: a prefill worker's NIXL agent info
+    agent: AgentInfo | None = None  # a prefill worker's NIXL agent, from its ``ready``
     restarts: int = 0
 
     def add_pending(self, request_id: str, hashes: list[int], ttl: float) -> None:
@@ -108,13 +109,13 @@ class WorkerState:
 
 
 class WorkerTable:
-    def __init__(self, prefill: list[Any], decode: list[Any], call_timeout: float) -> None:
+    def __init__(self, prefill: list[PrefillHandle], decode: list[DecodeHandle], call_timeout: float) -> None:
         self.prefill = [WorkerState(h, "prefill", i) for i, h in enumerate(prefill)]
         self.decode = [WorkerState(h, "decode", i) for i, h in enumerate(decode)]
         self.call_timeout = call_timeout
         self.index: PrefixIndex | None = None
         self._task: asyncio.Task[None] | None = None
-        self.on_revive: Callable[[WorkerState, bytes], Awaitable[None]] | None = None
+        self.on_revive: Callable[[WorkerState], Awaitable[None]] | None = None
         self.revive_timeout = 600.0
         self._revivals: dict[int, asyncio.Task[None]] = {}
 
@@ -123,9 +124,6 @@ class WorkerTable:
 
     def live(self, role: str) -> list[WorkerState]:
         return [w for w in (self.prefill if role == "prefill" else self.decode) if w.alive]
-
-    def find(self, handle: Any) -> WorkerState | None:
-        return next((w for w in self.all() if w.handle == handle), None)
 
     def candidates(self, workers: list[WorkerState], hashes: list[int], block_size: int,
                    num_tokens: int = 0) -> list[Candidate]:
@@ -158,9 +156,8 @@ class WorkerTable:
         deadline = asyncio.get_running_loop().time() + self.revive_timeout
         while asyncio.get_running_loop().time() < deadline:
             try:
-                info = await asyncio.wait_for(worker.handle.ready.remote(), self.revive_timeout)
                 assert self.on_revive is not None
-                await self.on_revive(worker, info)
+                await asyncio.wait_for(self.on_revive(worker), self.revive_timeout)
             except ActorDiedError as exc:
                 log.warning("%s is dead and will not be restarted: %s", name, exc)
                 return
@@ -184,8 +181,7 @@ class WorkerTable:
 
     async def _refresh_one(self, w: WorkerState) -> None:
         try:
-            reply = await asyncio.wait_for(w.handle.stats.remote(), self.call_timeout)
-            stats = unpack(reply, WorkerStats)
+            stats = await w.handle.stats(self.call_timeout)
             if w.pid and stats.pid != w.pid:  # Ray restarted it between two refreshes
                 log.warning("%s has a new process (pid %d, was %d)", stats.worker_id, stats.pid, w.pid)
                 self.mark_dead(w)
@@ -194,11 +190,8 @@ class WorkerTable:
                                                           stats.pid)
             if self.index is not None:
                 drained_after = time.monotonic()
-                events = unpack(await asyncio.wait_for(w.handle.kv_events.remote(), self.call_timeout),
-                                KvEvents)
-                if not self.index.apply(events):
-                    snap = await asyncio.wait_for(w.handle.kv_snapshot.remote(), self.call_timeout)
-                    self.index.reset(unpack(snap, KvSnapshot))
+                if not self.index.apply(await w.handle.kv_events(self.call_timeout)):
+                    self.index.reset(await w.handle.kv_snapshot(self.call_timeout))
                 w.drop_published(drained_after)
         except (RayActorError, ActorUnavailableError) as exc:
             log.warning("%s died: %r", w.worker_id or w.role, exc)

@@ -16,7 +16,7 @@ def _loopback(self: Server, address: str) -> int:
     return _add(self, "127.0.0.1:" + address.rsplit(":", 1)[-1])
 
 
-Server.add_insecure_port = _loopback  # type: ignore[method-assign]
+Server.add_insecure_port = _loopback  # type: ignore[method-assign, unused-ignore]
 
 from phoenix.server.main import main  # noqa: E402 (after the patch)
 

@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import bisect
 
-from messages.wire import HistogramData
+import msgspec
+
+
+class HistogramData(msgspec.Struct, frozen=True, kw_only=True):
+    """Bucket counts of a histogram: ``counts[i]`` observations in ``(bounds[i-1], bounds[i]]``; the
+    last count is above every bound (``len(counts) == len(bounds) + 1``)."""
+
+    bounds: list[float]
+    counts: list[int]
+    sum: float
+
 
 # vLLM's request-queue-time buckets (seconds).
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from transfer.compat import compat_hash
 from transfer.errors import IncompatibleKvError, TransferError
-from transfer.wire import WIRE_VERSION, AgentInfo, KvHandle, KvLayout, TransferStats, decode, encode
+from transfer.wire import WIRE_VERSION, AgentInfo, KvHandle, KvLayout, TransferStats
 
 __all__ = [
     "WIRE_VERSION",
@@ -20,6 +20,4 @@ __all__ = [
     "TransferError",
     "TransferStats",
     "compat_hash",
-    "decode",
-    "encode",
 ]

@@ -17,19 +17,16 @@ meaning; peers with different versions refuse each other at the handshake.
 - ``KvHandle`` is what prefill hands decode per request: which source agent holds the
   blocks, which blocks, and until when (``lease_deadline``, ``time.time()`` seconds).
 - ``TransferStats`` is what one read moved and how long it took.
+
+They cross processes through ``messages.codec.pack`` / ``unpack``, like every message.
 """
 
 from __future__ import annotations
-
-from typing import Any, TypeVar
 
 import msgspec
 import torch
 
 WIRE_VERSION: int = 2
-
-T = TypeVar("T")
-
 
 class KvLayout(msgspec.Struct, frozen=True):
     model: str
@@ -114,11 +111,3 @@ class TransferStats(msgspec.Struct, frozen=True):
     @property
     def gb_per_s(self) -> float:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
-
-
-def encode(obj: Any) -> bytes:
-    return msgspec.msgpack.encode(obj)
-
-
-def decode(data: bytes, type_: type[T]) -> T:
-    return msgspec.msgpack.decode(data, type=type_)

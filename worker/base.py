@@ -1,10 +1,23 @@
-"""What every serving role shares: an engine driven by an AsyncEngine, its KV events, checks.
+"""``WorkerBase``: the half ``PrefillWorker`` and ``DecodeWorker`` share.
 
-``PrefillWorker`` and ``DecodeWorker`` subclass this and add their own role;
-wire formats stay in the roles (the engine knows nothing of ``transfer/``).
+An engine driven by an ``AsyncEngine`` (its step runs in a worker thread), the
+KV-event publisher the router's prefix index polls, tracing, and the calls the
+router makes of every worker: ``stats``, ``kv_events``, ``kv_snapshot``,
+``abort``, ``check_integrity``, ``kv_digest``.
+
+Thread rule: the engine is touched by one thread at a time. Every read of
+engine state here goes through ``AsyncEngine.read`` (between two steps, under
+the engine's lock), never straight from the event loop while a step runs.
+A role adds its own figures to ``WorkerStats`` by overriding ``role_stats``,
+which runs under that same lock.
+
+Methods called over Ray never raise for a request's sake: they answer a
+``messages.wire.WorkerError`` instead.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -12,29 +25,67 @@ from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.kv_digest import kv_digest
-from engine.kv_events import EventBatch, KvEventPublisher
+from engine.kv_events import KvEventPublisher
+from engine.kv_sizing import kv_dtype_name
+from messages.codec import pack
+from messages.wire import KvEvents, KvSnapshot, KvTierStats, WorkerStats
+from telemetry.histogram import Histogram
+from telemetry.tracing import TracedRole
 
 
-class EngineWorker:
-    def __init__(self, worker_id: str, model: str | None, config: EngineConfig, torch_threads: int) -> None:
+class WorkerBase(TracedRole):
+    role = "worker"
+
+    def __init__(self, worker_id: str, model: str | None, config: EngineConfig, torch_threads: int,
+                 tracing: bytes | None = None) -> None:
         torch.set_num_threads(torch_threads)
         self.worker_id = worker_id
         self.engine = LLMEngine(model, config)
         self.aengine = AsyncEngine(self.engine)
         self.events = KvEventPublisher(self.engine.kv)
+        self.queue_time = Histogram()
+        self.init_tracing(tracing)
 
     async def abort(self, request_id: str) -> None:
         await self.aengine.mutate(lambda e: e.abort_request(request_id))
 
     async def check_integrity(self) -> None:
-        await self.aengine.mutate(lambda e: e.kv.check_integrity())
+        await self.aengine.read(lambda e: e.kv.check_integrity())
 
     async def kv_digest(self, request_id: str, num_tokens: int) -> str:
         """SHA-256 of the K/V bytes of a request's first ``num_tokens`` tokens (tests compare both sides)."""
-        return await self.aengine.mutate(lambda e: kv_digest(e, request_id, num_tokens))
+        return await self.aengine.read(lambda e: kv_digest(e, request_id, num_tokens))
 
-    async def drain_events(self) -> EventBatch:
-        return await self.aengine.mutate(lambda e: self.events.drain())
+    async def stats(self) -> bytes:
+        """``WorkerStats``, read between two engine steps."""
+        return pack(await self.aengine.read(self._stats))
 
-    async def events_snapshot(self) -> tuple[int, list[int]]:
-        return await self.aengine.mutate(lambda e: self.events.snapshot())
+    def _stats(self, e: LLMEngine) -> WorkerStats:
+        s = e.stats()
+        common = WorkerStats(
+            worker_id=self.worker_id, role=self.role, pid=os.getpid(),
+            num_running=s.num_running, num_waiting=s.num_waiting,
+            num_kv_blocks=s.num_kv_blocks, num_free_kv_blocks=s.num_free_kv_blocks,
+            num_used_blocks=e.kv.pool.num_used_blocks, num_cached_blocks=len(e.kv.pool.cached),
+            num_stored_tokens=e.kv.num_stored_tokens(), block_size=e.kv.block_size,
+            num_reserved=len(e.reserved), prefix_queries=s.prefix_queries, prefix_hits=s.prefix_hits,
+            num_preemptions=s.num_preemptions, queue_time=self.queue_time.data(),
+            kv_cache_dtype=kv_dtype_name(e.config.kv_torch_dtype),
+            kv_tiers=[KvTierStats(tier=t.tier, capacity_blocks=t.capacity_blocks, used_blocks=t.used_blocks,
+                                  block_bytes=t.block_bytes, hits=t.hits) for t in s.kv_tiers],
+        )
+        return self.role_stats(common)
+
+    def role_stats(self, common: WorkerStats) -> WorkerStats:
+        """The role's own figures added to ``common`` (``msgspec.structs.replace``); engine lock held."""
+        return common
+
+    async def kv_events(self) -> bytes:
+        """``KvEvents`` since the last call (the router's prefix index polls this)."""
+        batch = await self.aengine.read(lambda e: self.events.drain())
+        return pack(KvEvents(self.worker_id, batch.seq, batch.stored, batch.removed))
+
+    async def kv_snapshot(self) -> bytes:
+        seq, hashes = await self.aengine.read(lambda e: self.events.snapshot())
+        return pack(KvSnapshot(self.worker_id, seq, hashes))
+

@@ -19,18 +19,12 @@ import ray
 from cluster.workers import WorkerGroup
 from engine.config import EngineConfig
 from engine.loader import default_model_path, load_model_source
-from messages.wire import (
-    GenerateRequest,
-    PrefillResult,
-    RequestFailed,
-    SamplingSpec,
-    TokenBatch,
-    WorkerStats,
-    pack,
-    unpack,
-)
+from engine.sampling_params import SamplingParams
+from messages.codec import pack, unpack
+from messages.wire import GenerateRequest, PrefillResult, TokenBatch, WorkerStats
 from router.client import PDClient
 from router.config import ClientConfig, KvFailurePolicy
+from router.errors import RequestFailed
 from telemetry.tracing import TraceConfig
 from tests.integration.otlp_receiver import OtlpReceiver
 
@@ -67,7 +61,7 @@ def group(worker_group_factory: Callable[..., WorkerGroup]) -> WorkerGroup:
 
 def req(tokens: list[int], max_tokens: int = 24, **kw: Any) -> GenerateRequest:
     return GenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=tokens,
-                           sampling=SamplingSpec(max_tokens=max_tokens, temperature=0.0, **kw))
+                           sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw))
 
 
 async def collect(client: PDClient, r: GenerateRequest) -> list[int]:
@@ -109,11 +103,11 @@ def test_kv_bytes_equal_on_both_sides(group: WorkerGroup, tokenizer: Any) -> Non
     r = req(tokens, max_tokens=40, ignore_eos=True)
 
     async def flow() -> tuple[str, str]:
-        await decode.reserve.remote(pack(r))
-        result = await prefill.prefill.remote(pack(r))
+        ref = prefill.prefill.remote(pack(r))
+        result = await ref
         assert unpack(result, PrefillResult).request_id == r.request_id
         source_digest = await prefill.kv_digest.remote(r.request_id, len(tokens))
-        stream = decode.generate.options(num_returns="streaming").remote(r.request_id, result)
+        stream = decode.generate.options(num_returns="streaming").remote(pack(r), [ref])
         first = unpack(await (await stream.__anext__()), TokenBatch)
         assert not first.finished
         sink_digest = await decode.kv_digest.remote(r.request_id, len(tokens))
@@ -227,9 +221,9 @@ def test_killed_prefill_worker_request_completes_on_the_other(
     """The prefill worker computing a request is killed while it provably holds it (its stats show the
     request running); the request completes with the colocated greedy tokens, the other prefill worker
     computed the whole prompt (its prefix-cache queries grew by exactly the prompt, with no hit), and no
-    block stays held."""
+    block stays held. The victim is whichever worker the routing picked."""
     prompt = tokenizer.encode(STORY * 30 + " Only the kill test sends this prompt.")  # 3 chunks of 512
-    client = PDClient(group.prefill, group.decode, ClientConfig(prefill_timeout=60))
+    client = PDClient(group.prefill, group.decode, ClientConfig(routing="round-robin", prefill_timeout=60))
 
     def stats(worker: Any) -> WorkerStats:
         return unpack(ray.get(worker.stats.remote(), timeout=30), WorkerStats)

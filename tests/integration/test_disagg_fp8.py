@@ -14,7 +14,9 @@ import pytest
 from cluster.workers import WorkerGroup
 from engine.config import EngineConfig
 from engine.loader import default_model_path, load_model_source
-from messages.wire import GenerateRequest, PrefillResult, SamplingSpec, TokenBatch, pack, unpack
+from engine.sampling_params import SamplingParams
+from messages.codec import pack, unpack
+from messages.wire import GenerateRequest, PrefillResult, TokenBatch
 from router.client import PDClient
 
 MODEL = str(default_model_path())
@@ -35,7 +37,7 @@ def group(worker_group_factory: Callable[..., WorkerGroup]) -> WorkerGroup:
 
 def req(tokens: list[int], max_tokens: int = 16) -> GenerateRequest:
     return GenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=tokens,
-                           sampling=SamplingSpec(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+                           sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
 
 
 async def collect(client: PDClient, r: GenerateRequest) -> list[int]:
@@ -65,11 +67,11 @@ def test_disaggregated_fp8_equals_colocated_fp8(group: WorkerGroup) -> None:
     r = req(tokens, max_tokens=4)
 
     async def flow() -> tuple[str, str]:
-        await decode.reserve.remote(pack(r))
-        result = await prefill.prefill.remote(pack(r))
+        ref = prefill.prefill.remote(pack(r))
+        result = await ref
         assert unpack(result, PrefillResult).request_id == r.request_id
         source_digest = await prefill.kv_digest.remote(r.request_id, full)
-        stream = decode.generate.options(num_returns="streaming").remote(r.request_id, result)
+        stream = decode.generate.options(num_returns="streaming").remote(pack(r), [ref])
         assert not unpack(await (await stream.__anext__()), TokenBatch).finished
         sink_digest = await decode.kv_digest.remote(r.request_id, full)
         async for ref in stream:

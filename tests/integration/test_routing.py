@@ -14,7 +14,8 @@ import ray
 from cluster.workers import WorkerGroup
 from engine.config import EngineConfig
 from engine.loader import default_model_path, load_model_source
-from messages.wire import GenerateRequest, KvSnapshot, SamplingSpec, TokenBatch, WorkerStats, unpack
+from engine.sampling_params import SamplingParams
+from messages.wire import GenerateRequest, TokenBatch
 from router.client import PDClient
 from router.config import ClientConfig
 
@@ -36,7 +37,7 @@ def group(worker_group_factory: Callable[..., WorkerGroup]) -> WorkerGroup:
 
 def req(tokens: list[int], max_tokens: int = 4, **kw: Any) -> GenerateRequest:
     return GenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=tokens,
-                           sampling=SamplingSpec(max_tokens=max_tokens, temperature=0.0, **kw))
+                           sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw))
 
 
 async def collect(client: PDClient, r: GenerateRequest) -> list[TokenBatch]:
@@ -50,7 +51,7 @@ async def settle_index(client: PDClient) -> None:
     while True:
         await client.table.refresh()
         live = [w for w in client.table.all() if w.alive]
-        snaps = [unpack(await w.handle.kv_snapshot.remote(), KvSnapshot) for w in live]
+        snaps = [await w.handle.kv_snapshot(30) for w in live]
         await client.table.refresh()
         if all(client.table.index.held(s.worker_id) == set(s.hashes) for s in snaps):
             return
@@ -105,7 +106,8 @@ def test_conditional_disaggregation_keeps_short_prompts_on_decode(
     group: WorkerGroup, tokenizer: Any
 ) -> None:
     async def scenario() -> None:
-        client = PDClient(group.prefill, group.decode, ClientConfig(disagg_min_tokens=10_000))
+        config = ClientConfig(routing="round-robin", disagg_min_tokens=10_000)
+        client = PDClient(group.prefill, group.decode, config)
         await client.start()
         before = sum(s.transfer_blocks for s in await client.stats())
         out = await collect(client, req(tokenizer.encode("The tide tables say"), max_tokens=6))
@@ -133,12 +135,12 @@ def test_decode_worker_killed_mid_stream_migrates(group: WorkerGroup, tokenizer:
             servers.add(batch.worker_id)
             if not killed and len(got) >= 8:
                 victim = next(w for w in client.table.decode if w.worker_id == batch.worker_id)
-                ray.kill(victim.handle, no_restart=True)
+                ray.kill(victim.handle.actor, no_restart=True)
                 killed = True
         survivors = [w for w in client.table.all() if w.alive]
         deadline = time.monotonic() + 20
         while True:
-            stats = [unpack(await w.handle.stats.remote(), WorkerStats) for w in survivors]
+            stats = [await w.handle.stats(30) for w in survivors]
             if all(s.num_used_blocks == 0 for s in stats):
                 break
             assert time.monotonic() < deadline, stats

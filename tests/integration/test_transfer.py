@@ -19,8 +19,9 @@ import msgspec
 import pytest
 import torch
 
+from messages.codec import pack, unpack
 from transfer.errors import IncompatibleKvError, TransferError
-from transfer.wire import WIRE_VERSION, AgentInfo, KvHandle, KvLayout, decode, encode
+from transfer.wire import WIRE_VERSION, AgentInfo, KvHandle, KvLayout
 
 SRC_LAYOUT = KvLayout(
     "tiny", "float32", num_layers=3, num_blocks=10, block_size=4, num_kv_heads=2, head_dim=8, element_size=4
@@ -55,9 +56,9 @@ def source_main(conn: Connection) -> None:
     torch.manual_seed(0)
     kv = torch.randn(SRC_LAYOUT.shape)
     source = KvSource(kv, SRC_LAYOUT, "prefill-0")
-    conn.send_bytes(encode(source.agent_info()))
+    conn.send_bytes(pack(source.agent_info()))
     while conn.poll(WAIT_S * 3):
-        cmd = decode(conn.recv_bytes(), Command)
+        cmd = unpack(conn.recv_bytes(), Command)
         if cmd.op == "stop":
             break
         if cmd.op == "lease":
@@ -68,7 +69,7 @@ def source_main(conn: Connection) -> None:
             reply = Reply(released=released, expired=expired)
         else:
             reply = Reply(hashes=block_hashes(kv, cmd.block_ids))
-        conn.send_bytes(encode(msgspec.structs.replace(reply, num_leases=source.num_leases())))
+        conn.send_bytes(pack(msgspec.structs.replace(reply, num_leases=source.num_leases())))
     source.close()
 
 
@@ -78,10 +79,10 @@ class SourcePeer:
         self.info = info
 
     def call(self, cmd: Command) -> Reply:
-        self.conn.send_bytes(encode(cmd))
+        self.conn.send_bytes(pack(cmd))
         if not self.conn.poll(WAIT_S):
             raise TimeoutError(f"source did not answer {cmd.op}")
-        return decode(self.conn.recv_bytes(), Reply)
+        return unpack(self.conn.recv_bytes(), Reply)
 
     def lease(self, request_id: str, ttl: float = 30.0) -> KvHandle:
         deadline = time.time() + ttl
@@ -108,8 +109,8 @@ def source() -> Iterator[SourcePeer]:
     try:
         if not parent.poll(60):
             raise TimeoutError("source process did not start")
-        yield SourcePeer(parent, decode(parent.recv_bytes(), AgentInfo))
-        parent.send_bytes(encode(Command("stop")))
+        yield SourcePeer(parent, unpack(parent.recv_bytes(), AgentInfo))
+        parent.send_bytes(pack(Command("stop")))
         proc.join(10)
     finally:
         if proc.is_alive():
@@ -229,7 +230,7 @@ def test_injected_failure_then_success(source: SourcePeer, sink: Any) -> None:
 
 
 def test_wire_round_trip(source: SourcePeer) -> None:
-    assert decode(encode(source.info), AgentInfo) == source.info
+    assert unpack(pack(source.info), AgentInfo) == source.info
     assert SRC_LAYOUT.region_bytes == 2 * 4 * 2 * 8 * 4
     assert SRC_LAYOUT.total_bytes == 3 * 10 * SRC_LAYOUT.region_bytes
 

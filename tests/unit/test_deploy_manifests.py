@@ -22,6 +22,8 @@ import yaml
 
 from cli.config_file import parse_with_config
 from cli.main import build_parser
+from cli.serve_config import serve_config_from_args
+from cluster.config import ServeConfig
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 RAY_VERSION = version("ray")
@@ -56,22 +58,23 @@ def clusters() -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
-def assert_workers_fit(args: Any, spec: dict[str, Any]) -> None:
+def assert_workers_fit(args: ServeConfig, spec: dict[str, Any]) -> None:
     """Each role's resources are offered by a worker group (with GPUs for cuda), enough replicas of it."""
     offered = [(start_resources(g["rayStartParams"]), int(g["rayStartParams"]["num-gpus"]))
                for g in spec["workerGroupSpecs"]]
-    for wanted in (args.prefill_resources, args.decode_resources):
+    for wanted in (args.prefill.resources, args.decode.resources):
         hosts = [gpus for res, gpus in offered if all(res.get(k, 0) >= v for k, v in wanted.items())]
         assert hosts, (wanted, offered)
-        assert args.device != "cuda" or all(g >= 1 for g in hosts)
+        assert args.engine.device != "cuda" or all(g >= 1 for g in hosts)
     replicas = {g["groupName"]: g["replicas"] for g in spec["workerGroupSpecs"]}
     assert args.num_prefill <= replicas["prefill"] and args.num_decode <= replicas["decode"]
 
 
-def serve_args(entrypoint: str) -> Any:
+def serve_args(entrypoint: str) -> ServeConfig:
     argv = shlex.split(entrypoint)
     assert argv[:2] == ["pdserve", "serve"], entrypoint
-    return build_parser().parse_args(argv[1:])  # raises (UsageError) on any flag the code lacks
+    # raises (UsageError, ValueError) on any flag or value the code lacks
+    return serve_config_from_args(build_parser().parse_args(argv[1:]))
 
 
 def test_every_file_parses_and_has_a_readme() -> None:
@@ -150,7 +153,7 @@ def test_ray_service_matches_the_code() -> None:
     assert isinstance(built, Application)
     # the manifest's per-deployment overrides name the deployment the code binds (else Serve rejects them)
     assert [d.name for d in app.deployments] == [built._bound_deployment.name] == [DEPLOYMENT]
-    assert args.device == "cuda" and args.prefill_resources and args.decode_resources
+    assert args.engine.device == "cuda" and args.prefill.resources and args.decode.resources
     cluster = spec["rayClusterConfig"]
     assert_workers_fit(args, cluster)
     (deployment,) = app.deployments
@@ -187,6 +190,8 @@ def test_cluster_launcher() -> None:
 def test_example_config_file_loads() -> None:
     path = DEPLOY / "pdserve.yaml"
     args = parse_with_config(build_parser(), ["serve", "--config", str(path), "--num-decode", "3"])
-    assert (args.address, args.device, args.num_prefill, args.num_decode) == ("auto", "cuda", 2, 3)
-    assert args.prefill_resources == {"prefill_node": 1.0} and args.decode_resources == {"decode_node": 1.0}
+    cfg = serve_config_from_args(args)
+    assert (cfg.address, cfg.engine.device, cfg.num_prefill, cfg.num_decode) == ("auto", "cuda", 2, 3)
+    assert cfg.prefill.resources == {"prefill_node": 1.0} and cfg.decode.resources == {"decode_node": 1.0}
+    assert cfg.prefill.num_gpus == cfg.decode.num_gpus == 1
     assert "pdserve.yaml" in (DEPLOY / "README.md").read_text()

@@ -4,6 +4,7 @@ import time
 
 from engine.hashing import ROOT_SEED, block_hashes
 from messages.wire import KvEvents, KvSnapshot
+from router.handles import DecodeHandle
 from router.policy import Candidate, LeastLoaded, PrefixAware, RoundRobin, make_policy
 from router.prefix_index import PrefixIndex
 from router.worker_table import WorkerState, WorkerTable
@@ -65,7 +66,7 @@ def test_round_robin_and_least_loaded() -> None:
 
 
 def two_decoders() -> tuple[WorkerTable, WorkerState, WorkerState]:
-    table = WorkerTable([], [object(), object()], call_timeout=1.0)
+    table = WorkerTable([], [DecodeHandle(object()), DecodeHandle(object())], call_timeout=1.0)
     table.index = PrefixIndex(block_size=4, seed=ROOT_SEED)
     a, b = table.decode
     a.worker_id, b.worker_id = "d0", "d1"

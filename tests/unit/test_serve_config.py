@@ -6,8 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from cli.config_file import ConfigError, describe, load_config, parse_with_config, subparser
+from cli.config_file import ConfigError, load_config, parse_with_config, subparser
 from cli.main import build_parser, main
+from cli.serve_config import serve_config_from_args
+from cluster.config import describe
 from cluster.placement import Placement, parse_labels, parse_resources
 
 CONFIG = """
@@ -31,14 +33,17 @@ def write(tmp_path: Path, text: str) -> str:
 
 def test_file_then_flags_override(tmp_path: Path) -> None:
     path = write(tmp_path, CONFIG)
-    args = parse_with_config(build_parser(), ["serve", "--config", path, "--num-decode", "4"])
-    assert (args.num_decode, args.num_prefill, args.routing) == (4, 3, "round-robin")
-    assert args.prefill_resources == {"prefill_node": 1.0}
-    assert args.decode_resources == {"decode_node": 1.0, "ssd": 0.5}
-    assert args.enable_prefix_caching is False and args.kv_cache_memory == 64 * 1024**2
-    assert args.max_restarts == 5 and args.port == 8000  # untouched flags keep their defaults
-    shown = describe(args)
+    cfg = serve_config_from_args(parse_with_config(build_parser(), ["serve", "--config", path,
+                                                                    "--num-decode", "4"]))
+    assert (cfg.num_decode, cfg.num_prefill, cfg.client.routing) == (4, 3, "round-robin")
+    assert cfg.prefill.resources == {"prefill_node": 1.0}
+    assert cfg.decode.resources == {"decode_node": 1.0, "ssd": 0.5}
+    assert cfg.engine.enable_prefix_caching is False and cfg.engine.kv_cache_memory == 64 * 1024**2
+    assert cfg.prefill.max_restarts == cfg.decode.max_restarts == 5
+    assert cfg.port == 8000  # untouched flags keep their defaults
+    shown = describe(cfg)
     assert "  num-decode: 4" in shown and "  api-key: ***" in shown and "secret" not in shown
+    assert "  kv-cache-memory: 67108864" in shown and "  prefill-resources: {'prefill_node': 1.0}" in shown
 
 
 @pytest.mark.parametrize(("text", "needle"), [
@@ -92,14 +97,15 @@ def test_serve_app_args_same_conversion_as_a_config_file(tmp_path: Path) -> None
     """The Ray Serve builder's args go through the --config conversion; a ``config`` key reads a file."""
     from cluster.serve_app import build_app, serve_options
 
-    args = serve_options({"num-decode": 2, "prefill-resources": {"prefill_node": 1},
-                          "kv-cache-memory": "64M"})
-    assert args.num_decode == 2 and args.prefill_resources == {"prefill_node": 1.0}
-    assert args.kv_cache_memory == 64 * 1024**2
-    assert args.prefill_labels == {} and args.routing == "prefix"  # defaults as on the command line
+    cfg = serve_options({"num-decode": 2, "prefill-resources": {"prefill_node": 1},
+                         "kv-cache-memory": "64M"})
+    assert cfg.num_decode == 2 and cfg.prefill.resources == {"prefill_node": 1.0}
+    assert cfg.engine.kv_cache_memory == 64 * 1024**2
+    assert cfg.prefill.labels == {} and cfg.client.routing == "prefix"  # defaults as on the command line
     path = write(tmp_path, CONFIG.replace("api-key: secret\n", ""))
-    args = serve_options({"config": path, "num-decode": 4})
-    assert (args.num_decode, args.num_prefill, args.routing, args.max_restarts) == (4, 3, "round-robin", 5)
+    cfg = serve_options({"config": path, "num-decode": 4})
+    assert (cfg.num_decode, cfg.num_prefill, cfg.client.routing, cfg.decode.max_restarts) == (
+        4, 3, "round-robin", 5)
     app = build_app({"num-decode": 3, "max-queued-requests": 10, "max-num-seqs": 8})
     assert app is not None and serve_options(None).num_decode == 1
 

@@ -1,0 +1,112 @@
+"""One attempt at a request on one decode worker: prefill -> pull -> stream, with the KV failure policy.
+
+The prompt is computed on the decode worker itself (conditional
+disaggregation) when there are no prefill workers (colocated mode), when the
+part the decode worker lacks (by the router's prefix index) is under
+``disagg_min_tokens``, or while every prefill worker has more than
+``prefill_saturation_tokens`` in flight. Otherwise a prefill worker is picked
+and started, and its result's ``ObjectRef`` goes straight into the decode
+worker's ``generate`` stream: one round trip from the router to the first token.
+
+Failure policy (``kv_failure_policy``), when the stream's first item is a
+retryable ``WorkerError`` (the prefill failed, its worker died, or the pull
+failed; the decode worker keeps the reservation): ``retry`` prefills again on
+another prefill worker (each tried at most once per attempt; when none is left
+the prompt is recomputed on the decode worker), ``recompute`` computes it on
+the decode worker, ``fail`` raises ``RequestFailed``. A dead prefill worker is
+taken out of routing; after a failed pull the prefill worker's NIXL agent is
+(re)connected, since a restarted worker brings a new one.
+
+A dead decode worker surfaces as Ray's error (``router.handles.WORKER_DIED``)
+for the caller to migrate; any other ``WorkerError`` becomes ``RequestFailed``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from messages.wire import ErrorKind, GenerateRequest, TokenBatch, WorkerError
+from router.config import ClientConfig, KvFailurePolicy
+from router.errors import RequestFailed
+from router.handles import DecodeHandle, PrefillHandle, Streamed
+from router.load import Choice, Chooser
+from router.worker_table import WorkerState, WorkerTable
+
+Reconnect = Callable[[WorkerState], Awaitable[None]]
+
+
+class Attempt:
+    def __init__(self, config: ClientConfig, table: WorkerTable, chooser: Chooser,
+                 reconnect: Reconnect) -> None:
+        self.config = config
+        self.table = table
+        self.chooser = chooser
+        self.reconnect = reconnect
+
+    async def run(self, req: GenerateRequest, decode: Choice, touched: set[Any]) -> AsyncIterator[TokenBatch]:
+        """Token batches of ``req`` from ``decode``; ``touched`` collects every worker handle it used."""
+        handle = decode.worker.handle
+        assert isinstance(handle, DecodeHandle)
+        touched.add(handle)
+        prefills = self.table.live("prefill")
+        if not prefills:
+            return self._tokens(self._open(handle, req, None, 1))
+        missing = len(req.prompt_token_ids) - decode.prefix_tokens
+        saturated = all(w.inflight_tokens > self.config.prefill_saturation_tokens for w in prefills)
+        if missing < self.config.disagg_min_tokens or saturated:
+            self.chooser.count("local", "prefill_saturated" if saturated else "short")
+            return self._tokens(self._open(handle, req, None, 1))
+        return await self._disaggregated(req, handle, prefills, touched)
+
+    async def _disaggregated(self, req: GenerateRequest, decode: DecodeHandle, prefills: list[WorkerState],
+                             touched: set[Any]) -> AsyncIterator[TokenBatch]:
+        policy = self.config.kv_failure_policy
+        tried: set[int] = set()
+        last_error = ""
+        while len(tried) < len(prefills):
+            worker = self.chooser.pick("prefill", [p for p in prefills if p.index not in tried], req).worker
+            tried.add(worker.index)
+            prefill = worker.handle
+            assert isinstance(prefill, PrefillHandle)
+            touched.add(prefill)
+            stream = self._open(decode, req, prefill.prefill(req), len(tried))
+            first: Streamed | None = None
+            try:
+                first = await anext(stream, None)
+            finally:
+                self.chooser.release(worker, req.request_id, isinstance(first, TokenBatch))
+            if not isinstance(first, WorkerError):
+                return self._tokens(stream, first)
+            if not first.retryable:
+                raise RequestFailed(first.kind, first.message)
+            last_error = f"{first.kind}: {first.message}"
+            if first.kind is ErrorKind.PREFILL_DIED:
+                self.table.mark_dead(worker)
+            elif first.kind is ErrorKind.TRANSFER:
+                await self.reconnect(worker)
+            if policy is not KvFailurePolicy.RETRY:
+                break
+        if policy is KvFailurePolicy.FAIL:
+            raise RequestFailed(ErrorKind.TRANSFER,
+                                f"request {req.request_id} failed under policy 'fail': {last_error}")
+        self.chooser.count("local", "recompute")
+        return self._tokens(self._open(decode, req, None, len(tried) + 1))
+
+    def _open(self, decode: DecodeHandle, req: GenerateRequest, prefill_ref: Any | None,
+              attempt: int) -> AsyncIterator[Streamed]:
+        return decode.generate(req, prefill_ref, attempt, self.config.prefill_timeout,
+                               self.config.stream_timeout)
+
+    async def _tokens(self, stream: AsyncIterator[Streamed],
+                      first: Streamed | None = None) -> AsyncIterator[TokenBatch]:
+        """The stream's token batches up to the finished one; a ``WorkerError`` raises ``RequestFailed``."""
+        item = first if first is not None else await anext(stream, None)
+        while item is not None:
+            if isinstance(item, WorkerError):
+                raise RequestFailed(item.kind, item.message)
+            yield item
+            if item.finished:
+                return
+            item = await anext(stream, None)
+        raise RequestFailed(ErrorKind.ABORTED, "the decode worker ended the stream before the last token")

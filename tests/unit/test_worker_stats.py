@@ -1,0 +1,96 @@
+"""A worker's stats are read between engine steps, never while a step runs in its thread.
+
+The engine steps in a worker thread (``AsyncEngine``); ``stats`` is called from the
+event loop (the router polls it every 100 ms). A read straight from the loop walks
+dicts the step thread is changing. Here a real ``DecodeWorker`` (tiny model, real
+NIXL agent) decodes 16 requests while ``stats`` is called in a tight loop; every
+engine read made during a step is recorded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from decode.worker import DecodeWorker
+from engine.config import EngineConfig
+from engine.sampling_params import SamplingParams
+from messages.codec import pack, unpack
+from messages.wire import GenerateRequest, TokenBatch, WorkerError, WorkerStats
+
+
+def _instrument(worker: DecodeWorker) -> list[str]:
+    """Make each step hold its thread a little longer (as a large model's would) and record every
+    engine read that happens while a step runs."""
+    engine = worker.engine
+    stepping = threading.Event()
+    touched: list[str] = []
+    real_step = engine.step
+
+    def step() -> Any:
+        stepping.set()
+        try:
+            time.sleep(0.002)
+            return real_step()
+        finally:
+            stepping.clear()
+
+    def watch(owner: Any, name: str) -> None:
+        real = getattr(owner, name)
+
+        def read(*args: Any, **kwargs: Any) -> Any:
+            if stepping.is_set() and threading.current_thread() is threading.main_thread():
+                touched.append(name)
+            return real(*args, **kwargs)
+
+        setattr(owner, name, read)
+
+    engine.step = step  # type: ignore[method-assign]
+    watch(engine, "stats")
+    watch(engine.kv, "num_stored_tokens")
+    watch(engine.kv, "blocks_of")
+    return touched
+
+
+def test_stats_in_a_tight_loop_never_read_the_engine_mid_step(tiny_model_dir: Path) -> None:
+    config = EngineConfig(num_kv_blocks=128, block_size=16, max_num_seqs=16)
+    worker = DecodeWorker("decode-t", str(tiny_model_dir), pack(config))
+    touched = _instrument(worker)
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    prompts = [[(7 * i + j) % 250 + 1 for j in range(40)] for i in range(16)]
+    requests = [GenerateRequest(request_id=f"r{i}", prompt_token_ids=p, sampling=params)
+                for i, p in enumerate(prompts)]
+
+    async def consume(req: GenerateRequest) -> int:
+        n = 0
+        async for data in worker.generate(pack(req), None):
+            item = unpack(data, TokenBatch | WorkerError)
+            assert isinstance(item, TokenBatch), item
+            n += len(item.token_ids)
+        return n
+
+    async def main() -> tuple[int, list[BaseException], list[int], WorkerStats]:
+        await worker.ready()
+        tasks = [asyncio.create_task(consume(r)) for r in requests]
+        calls, errors = 0, list[BaseException]()
+        while not all(t.done() for t in tasks):
+            try:
+                unpack(await worker.stats(), WorkerStats)
+                calls += 1
+            except Exception as exc:  # a dict changing size under the read, for one
+                errors.append(exc)
+            await asyncio.sleep(0)
+        produced = await asyncio.gather(*tasks)
+        final = unpack(await worker.stats(), WorkerStats)
+        await worker.aengine.stop()
+        return calls, errors, produced, final
+
+    calls, errors, produced, final = asyncio.run(main())
+    assert produced == [48] * 16
+    assert calls >= 20, calls
+    assert errors == []
+    assert touched == [], f"{len(touched)} engine reads during a step, e.g. {touched[:3]}"
+    assert final.num_used_blocks == 0 and final.num_running == 0
