@@ -25,8 +25,17 @@ def default_model_path() -> Path:
     return path
 
 
+# fixtures that start Ray: the session's Ray in this process, a `pdserve serve` subprocess (its own local
+# Ray), or a multi-node Ray cluster
+RAY_FIXTURES = frozenset({"ray_session", "pdserve_factory", "ray_cluster"})
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip ``@pytest.mark.gpu`` tests when no CUDA device is present."""
+    """Mark every test that uses a Ray-starting fixture ``ray``; skip ``@pytest.mark.gpu`` tests when no
+    CUDA device is present."""
+    for item in items:
+        if RAY_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.ray)
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_items:
         return

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -11,9 +12,14 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
+
+if TYPE_CHECKING:
+    from cluster.workers import WorkerGroup
+    from engine.config import EngineConfig
 
 
 @pytest.fixture(scope="session")
@@ -38,6 +44,18 @@ class PdserveServer:
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
+    def kill_group(self) -> None:
+        """SIGTERM to the server's process group (it and the local Ray it started), SIGKILL 30 s later."""
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(self.process.pid, sig)
+                self.process.wait(30)
+                return
+            except ProcessLookupError:
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
     def stop(self, timeout: float = 30.0) -> int:
         """SIGTERM, then the exit code; fails when the process is still alive after ``timeout``."""
         if self.process.poll() is None:
@@ -56,48 +74,94 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+# a server's start (its own local Ray, two or three worker processes loading the model) has taken over
+# 180 s on a loaded 2-core machine
+HEALTHY_WITHIN_S = 240
 SERVER_FLAGS = ("--num-prefill", "1", "--num-decode", "1", "--worker-cpus", "0.5", "--torch-threads", "1",
                 "--kv-cache-memory", "256M")
 
 
-@pytest.fixture(scope="module")
-def pdserve_factory(default_model_path: Path,
-                    tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., PdserveServer]]:
-    """Start ``pdserve serve`` with extra flags and wait for /health 200 (180 s); all stop at module end,
-    each asserted to exit 0 within 30 s of SIGTERM."""
-    servers: list[PdserveServer] = []
+def _start_server(model: Path, tmp_path_factory: pytest.TempPathFactory, *extra: str) -> PdserveServer:
+    """Start ``pdserve serve`` with extra flags and wait for /health 200 (``HEALTHY_WITHIN_S``)."""
     root = Path(__file__).resolve().parents[2]
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("pdserve") / "serve.log"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    cmd = [sys.executable, "-m", "cli.main", "serve", "--model", str(model),
+           "--port", str(port), *SERVER_FLAGS, *extra]
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # its own process group, as in a terminal
+    server = PdserveServer(f"http://127.0.0.1:{port}", proc, log_path)
+    deadline = time.monotonic() + HEALTHY_WITHIN_S
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"pdserve serve exited with {proc.returncode}\n{server.log_tail()}")
+        try:
+            if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            server.kill_group()
+            pytest.fail(f"pdserve serve not healthy within {HEALTHY_WITHIN_S} s\n{server.log_tail()}")
+        time.sleep(0.5)
 
-    def start(*extra: str) -> PdserveServer:
-        port = _free_port()
-        log_path = tmp_path_factory.mktemp("pdserve") / "serve.log"
-        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-        cmd = [sys.executable, "-m", "cli.main", "serve", "--model", str(default_model_path),
-               "--port", str(port), *SERVER_FLAGS, *extra]
-        with log_path.open("wb") as log:
-            proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)  # its own process group, as in a terminal
-        server = PdserveServer(f"http://127.0.0.1:{port}", proc, log_path)
-        servers.append(server)
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"pdserve serve exited with {proc.returncode}\n{server.log_tail()}")
-            try:
-                if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
-                    return server
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"pdserve serve not healthy within 180 s\n{server.log_tail()}")
-            time.sleep(0.5)
 
-    yield start
+def _stop_all(servers: list[PdserveServer]) -> None:
+    """Each server asserted to exit 0 within 30 s of SIGTERM."""
     codes = [s.stop() for s in reversed(servers)]
     assert codes == [0] * len(codes), codes
 
 
 @pytest.fixture(scope="module")
-def pdserve_server(pdserve_factory: Callable[..., PdserveServer]) -> PdserveServer:
-    """One default server per test module."""
-    return pdserve_factory()
+def pdserve_factory(default_model_path: Path,
+                    tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., PdserveServer]]:
+    """Start ``pdserve serve`` with extra flags (see ``_start_server``); all stop at module end. For a
+    server the module configures or disturbs (kills its workers, fills its queues)."""
+    servers: list[PdserveServer] = []
+
+    def start(*extra: str) -> PdserveServer:
+        servers.append(_start_server(default_model_path, tmp_path_factory, *extra))
+        return servers[-1]
+
+    yield start
+    _stop_all(servers)
+
+
+@pytest.fixture(scope="session")
+def pdserve_server(default_model_path: Path,
+                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[PdserveServer]:
+    """One default server (``SERVER_FLAGS`` only) shared by every module that only sends it requests;
+    a test that needs other flags or breaks a worker uses ``pdserve_factory``."""
+    server = _start_server(default_model_path, tmp_path_factory)
+    yield server
+    _stop_all([server])
+
+
+@pytest.fixture(scope="module")
+def worker_group_factory(ray_session: None) -> Iterator[Callable[..., WorkerGroup]]:
+    """Start prefill/decode worker actors in the session's Ray on the built-in model, connected to one
+    another; every group started stops (its actors killed) at module end.
+
+    ``start(config, num_prefill=1, num_decode=1, lease_seconds=60.0, **start_workers_kwargs)``."""
+    import ray
+
+    from cluster.workers import start_workers
+    from engine.loader import default_model_path
+    from router.client import PDClient
+
+    groups: list[WorkerGroup] = []
+
+    def start(config: EngineConfig, num_prefill: int = 1, num_decode: int = 1, lease_seconds: float = 60.0,
+              **kwargs: Any) -> WorkerGroup:
+        group = start_workers(str(default_model_path()), config, num_prefill=num_prefill,
+                              num_decode=num_decode, lease_seconds=lease_seconds, **kwargs)
+        groups.append(group)
+        asyncio.run(PDClient(group.prefill, group.decode).start())
+        return group
+
+    yield start
+    for group in groups:
+        for actor in group.all():
+            ray.kill(actor)

@@ -9,14 +9,14 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 import pytest
 import ray
 
-from cluster.workers import WorkerGroup, start_workers
+from cluster.workers import WorkerGroup
 from engine.config import EngineConfig
 from engine.loader import default_model_path, load_model_source
 from engine.sampling_params import SamplingParams
@@ -55,12 +55,8 @@ def prompts(tokenizer: Any) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def group(ray_session: None) -> Iterator[WorkerGroup]:
-    g = start_workers(MODEL, CONFIG, num_prefill=2, num_decode=1, lease_seconds=60.0, transfer_timeout=20.0)
-    run(PDClient(g.prefill, g.decode).start())
-    yield g
-    for actor in g.all():
-        ray.kill(actor)
+def group(worker_group_factory: Callable[..., WorkerGroup]) -> WorkerGroup:
+    return worker_group_factory(CONFIG, num_prefill=2, num_decode=1, transfer_timeout=20.0)
 
 
 def req(tokens: list[int], max_tokens: int = 24, **kw: Any) -> GenerateRequest:
@@ -220,19 +216,39 @@ def test_abort_mid_decode_frees_both_sides(group: WorkerGroup, prompts: list[lis
 
 
 def test_killed_prefill_worker_request_completes_on_the_other(
-    group: WorkerGroup, prompts: list[list[int]]
+    group: WorkerGroup, tokenizer: Any
 ) -> None:
-    victim, survivor = group.prefill
-    reference = run(collect(PDClient([], group.decode), req(prompts[5], max_tokens=8)))
-    # round-robin: the first prompt goes to the victim, whatever its cache holds
-    config = ClientConfig(routing="round-robin", prefill_timeout=60)
-    client = PDClient([victim, survivor], group.decode, config)
+    """The prefill worker computing a request is killed while it provably holds it (its stats show the
+    request running); the request completes with the colocated greedy tokens, the other prefill worker
+    computed the whole prompt (its prefix-cache queries grew by exactly the prompt, with no hit), and no
+    block stays held. The victim is whichever worker the routing picked."""
+    prompt = tokenizer.encode(STORY * 30 + " Only the kill test sends this prompt.")  # 3 chunks of 512
+    client = PDClient(group.prefill, group.decode, ClientConfig(routing="round-robin", prefill_timeout=60))
 
-    async def kill_during() -> list[int]:
-        task = asyncio.create_task(collect(client, req(prompts[5], max_tokens=8)))
-        await asyncio.sleep(0.3)
-        ray.kill(victim, no_restart=True)
-        return await task
+    def stats(worker: Any) -> WorkerStats:
+        return unpack(ray.get(worker.stats.remote(), timeout=30), WorkerStats)
 
-    assert run(kill_during()) == reference
-    settle(PDClient([survivor], group.decode))
+    before = [stats(w) for w in group.prefill]
+    assert all(s.num_running == 0 and s.num_waiting == 0 for s in before)
+
+    async def kill_while_running() -> tuple[list[int], int]:
+        task = asyncio.create_task(collect(client, req(prompt, max_tokens=8)))
+        deadline = time.monotonic() + 60
+        while True:
+            now = await asyncio.gather(*[w.stats.remote() for w in group.prefill])
+            running = [i for i, b in enumerate(now) if unpack(b, WorkerStats).num_running]
+            if running:
+                break
+            assert not task.done() and time.monotonic() < deadline, "no prefill worker ran the request"
+            await asyncio.sleep(0.01)
+        (victim,) = running
+        ray.kill(group.prefill[victim], no_restart=True)
+        return await task, victim
+
+    tokens, victim = run(kill_while_running())
+    survivor = 1 - victim
+    after = stats(group.prefill[survivor])
+    assert after.prefix_queries - before[survivor].prefix_queries == len(prompt), "the survivor did not retry"
+    assert after.prefix_hits == before[survivor].prefix_hits  # it computed every token itself
+    assert tokens == run(collect(PDClient([], group.decode), req(prompt, max_tokens=8)))
+    settle(PDClient([group.prefill[survivor]], group.decode))

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine.sampling import SamplingParams
 
@@ -32,11 +33,11 @@ def model(client: Any) -> str:
     return client.models.list().data[0].id
 
 
-def metric(server: PdserveServer, name: str) -> float:
-    """Sum of every sample of ``name`` in /metrics."""
+def metric(server: PdserveServer, name: str, **labels: str) -> float:
+    """Sum of every sample of ``name`` in /metrics whose labels include ``labels``."""
     text = httpx.get(f"{server.url}/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") or line.startswith(name + " "))
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == name and labels.items() <= s.labels.items())
 
 
 def wait_idle(server: PdserveServer, timeout: float = 20.0) -> None:
@@ -164,6 +165,10 @@ def _sse(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
 
 
 def test_client_disconnect_aborts_backend(pdserve_server: PdserveServer, model: str) -> None:
+    answered = "pdserve:router_requests_total"
+    completed = ("pdserve:router_output_tokens_total", "pdserve:e2e_request_latency_seconds_count")
+    before = metric(pdserve_server, answered, endpoint="/v1/completions")
+    done_before = [metric(pdserve_server, n) for n in completed]
     body = {"model": model, "prompt": COLORS, "max_tokens": 2000, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=60) as http, \
             http.stream("POST", f"{pdserve_server.url}/v1/completions", json=body) as resp:
@@ -171,8 +176,15 @@ def test_client_disconnect_aborts_backend(pdserve_server: PdserveServer, model: 
         for got, _ in enumerate(_sse(resp.iter_lines()), 1):
             if got == 5:
                 break
-    assert metric(pdserve_server, "pdserve:router_output_tokens_total") >= 0
-    wait_idle(pdserve_server)
+    # 2000 tokens take well over 15 s here (a decode step reads the weights: >= 8 ms in bf16, 17 ms in
+    # fp32), so idle within 15 s means the backend stopped when the client left
+    wait_idle(pdserve_server, timeout=15)
+    deadline = time.monotonic() + 5
+    while metric(pdserve_server, answered, endpoint="/v1/completions") != before + 1:
+        assert time.monotonic() < deadline, "the abandoned request was not counted once"
+        time.sleep(0.1)
+    # an abandoned stream is not a completed request: no output tokens or latency recorded for it
+    assert [metric(pdserve_server, n) for n in completed] == done_before
 
 
 def test_wire_format_and_idle_after(pdserve_server: PdserveServer, model: str) -> None:

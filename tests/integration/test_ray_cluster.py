@@ -35,7 +35,7 @@ import pytest
 
 from cli.plan import make_plan, read_model_config
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # starts a 3-node Ray cluster, then a job
 
 ROOT = Path(__file__).resolve().parents[2]
 RAY = str(Path(sys.executable).with_name("ray"))

@@ -2,9 +2,10 @@
 a storm of client disconnects leaves no KV held anywhere, and a decode worker killed mid-stream has its
 request migrated so the client's stream completes with the undisturbed greedy text.
 
-The migration test kills a decode worker's process; Ray restarts it (``--max-restarts``) and the last
-test checks that it rejoins (a new pid, connected to the prefill agent again) and serves requests, then
-kills the prefill worker and checks that decode pulls KV from the restarted one's new NIXL agent.
+The ``migration`` fixture kills a decode worker's process once per module, whichever test asks first, and
+waits until Ray restarted it (``--max-restarts``), so the tests hold in any order. One test checks that
+the worker rejoined (a new pid, connected to the prefill agent again) and serves requests, then kills the
+prefill worker and checks that decode pulls KV from the restarted one's new NIXL agent.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 import signal
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -30,6 +32,8 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 MODEL = "tiny"
 CHAT = "/v1/chat/completions"
 HEADER = "x-pdserve-decode-worker"
+MIGRATED_TOKENS = 64
+STORM = 20  # concurrent streams, each abandoned after its third event
 BUSY_FIELDS = ("num_used_blocks", "num_running", "num_leases", "num_reserved")
 
 
@@ -101,7 +105,7 @@ def test_disconnect_storm_frees_everything(server: PdserveServer) -> None:
 
     async def storm() -> list[tuple[str, int]]:
         async with httpx.AsyncClient(headers=AUTH, timeout=120) as http:
-            return list(await asyncio.wait_for(asyncio.gather(*[one(http, i) for i in range(50)]), 180))
+            return list(await asyncio.wait_for(asyncio.gather(*[one(http, i) for i in range(STORM)]), 180))
 
     results = asyncio.run(storm())
     assert all(got == 3 for _, got in results), results
@@ -111,18 +115,36 @@ def test_disconnect_storm_frees_everything(server: PdserveServer) -> None:
     wait_drained(server, 3)
 
 
-def test_decode_worker_killed_mid_stream_migrates(server: PdserveServer) -> None:
-    prompt, max_tokens = "List the planets of the solar system and describe each one.", 64
+@dataclass(frozen=True)
+class Migration:
+    """What one decode-worker kill mid-stream showed: the stream, the worker stats around it, and the
+    restarted worker's stats once it rejoined."""
+
+    expected: str
+    text: str
+    finish: list[str]
+    usage: dict[str, Any]
+    victim: dict[str, Any]  # the killed worker's stats just before the kill
+    survivor: dict[str, Any]  # the other decode worker's stats just before the kill ...
+    survivor_after: dict[str, Any]  # ... and once the stream ended
+    rejoined: dict[str, Any]  # the victim's stats once Ray restarted it
+
+
+@pytest.fixture(scope="module")
+def migration(server: PdserveServer) -> Migration:
+    """Kill the decode worker serving a stream after its fourth event, read the stream to its end, then
+    wait for Ray to restart the worker and the client to re-register it; the server is healthy again
+    (three workers, nothing held) when this returns, whatever test asks for it first."""
+    prompt, max_tokens = "List the planets of the solar system and describe each one.", MIGRATED_TOKENS
     baseline = httpx.post(f"{server.url}{CHAT}", headers=AUTH, json=chat(prompt, max_tokens, False),
                           timeout=120)
     assert baseline.status_code == 200, baseline.text
     assert baseline.headers[HEADER] in {"decode-0", "decode-1"}
-    expected = baseline.json()["choices"][0]["message"]["content"]
 
     text: list[str] = []
     finish: list[str] = []
     usage: dict[str, Any] = {}
-    killed = ""
+    stats: dict[str, dict[str, Any]] = {}
     with httpx.Client(headers=AUTH, timeout=120) as http, \
             http.stream("POST", f"{server.url}{CHAT}", json=chat(prompt, max_tokens, True)) as resp:
         assert resp.status_code == 200
@@ -136,20 +158,23 @@ def test_decode_worker_killed_mid_stream_migrates(server: PdserveServer) -> None
             if n == 4:
                 assert not finish, "the stream ended before the kill"
                 stats = {w["worker_id"]: w for w in workers(server)}
-                survivor = next(w for w in stats.values()
-                                if w["role"] == "decode" and w["worker_id"] != victim)
                 os.kill(stats[victim]["pid"], signal.SIGKILL)
-                killed = victim
-    assert killed
-    assert finish == ["length"]
-    assert usage["completion_tokens"] == max_tokens
-    assert "".join(text) == expected
-    moved = next(w for w in workers(server) if w["worker_id"] == survivor["worker_id"])
-    assert moved["prefix_queries"] > survivor["prefix_queries"]  # the continuation ran on the survivor
-    KILLED.update(worker_id=victim, pid=stats[victim]["pid"])
+    assert stats, "the stream ended before its fourth event"
+    survivor = next(w for w in stats.values() if w["role"] == "decode" and w["worker_id"] != victim)
+    survivor_after = next(w for w in workers(server) if w["worker_id"] == survivor["worker_id"])
+    rejoined = wait_rejoined(server, victim, stats[victim]["pid"])
+    wait_drained(server, 3)
+    return Migration(expected=baseline.json()["choices"][0]["message"]["content"], text="".join(text),
+                     finish=finish, usage=usage, victim=stats[victim], survivor=survivor,
+                     survivor_after=survivor_after, rejoined=rejoined)
 
 
-KILLED: dict[str, Any] = {}
+def test_decode_worker_killed_mid_stream_migrates(migration: Migration) -> None:
+    assert migration.finish == ["length"]
+    assert migration.usage["completion_tokens"] == MIGRATED_TOKENS
+    assert migration.text == migration.expected
+    # the continuation ran on the survivor
+    assert migration.survivor_after["prefix_queries"] > migration.survivor["prefix_queries"]
 
 
 def wait_rejoined(server: PdserveServer, worker_id: str, old_pid: int) -> dict[str, Any]:
@@ -163,10 +188,8 @@ def wait_rejoined(server: PdserveServer, worker_id: str, old_pid: int) -> dict[s
         time.sleep(0.5)
 
 
-def test_killed_workers_restart_and_serve(server: PdserveServer) -> None:
-    assert KILLED, "runs after the kill above"
-    wait_rejoined(server, KILLED["worker_id"], KILLED["pid"])
-    wait_drained(server, 3)
+def test_killed_workers_restart_and_serve(server: PdserveServer, migration: Migration) -> None:
+    assert migration.rejoined["pid"] != migration.victim["pid"]
     served = set()
     for _ in range(4):  # round-robin over both decode workers: the restarted one serves too
         resp = httpx.post(f"{server.url}{CHAT}", headers=AUTH, json=chat("Count to five.", 8, False),

@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import ray
 
-from cluster.workers import WorkerGroup, start_workers
+from cluster.workers import WorkerGroup
 from engine.config import EngineConfig
 from engine.loader import default_model_path, load_model_source
 from engine.sampling_params import SamplingParams
@@ -31,12 +31,8 @@ def tokenizer() -> Any:
 
 
 @pytest.fixture(scope="module")
-def group(ray_session: None) -> Iterator[WorkerGroup]:
-    g = start_workers(MODEL, CONFIG, num_prefill=1, num_decode=2, lease_seconds=60.0)
-    asyncio.run(PDClient(g.prefill, g.decode).start())
-    yield g
-    for actor in g.all():
-        ray.kill(actor)
+def group(worker_group_factory: Callable[..., WorkerGroup]) -> WorkerGroup:
+    return worker_group_factory(CONFIG, num_prefill=1, num_decode=2)
 
 
 def req(tokens: list[int], max_tokens: int = 4, **kw: Any) -> GenerateRequest:

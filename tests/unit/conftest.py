@@ -12,6 +12,14 @@ from tokenizers.pre_tokenizers import Whitespace
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 TINY_VOCAB = 256
+UNIT_TIMEOUT_S = 120  # unit tests are CPU-only and short; the suite-wide limit (pyproject) is for Ray ones
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Give unit tests without a ``timeout`` mark of their own the tighter limit."""
+    for item in items:
+        if item.path.is_relative_to(Path(__file__).parent) and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(UNIT_TIMEOUT_S))
 
 
 @pytest.fixture(scope="session")

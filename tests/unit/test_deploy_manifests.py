@@ -136,6 +136,7 @@ def test_router_service_targets_head_port() -> None:
 
 
 def test_ray_service_matches_the_code() -> None:
+    from ray.serve import Application
     from ray.serve.schema import ServeDeploySchema
 
     from cluster.serve_app import DEPLOYMENT, build_app, serve_options
@@ -148,7 +149,10 @@ def test_ray_service_matches_the_code() -> None:
     assert getattr(importlib.import_module(module), attr) is build_app
     assert app.route_prefix == "/"
     args = serve_options(app.args)  # raises ConfigError naming the key on anything the code rejects
-    assert build_app(app.args) is not None
+    built = build_app(app.args)
+    assert isinstance(built, Application)
+    # the manifest's per-deployment overrides name the deployment the code binds (else Serve rejects them)
+    assert [d.name for d in app.deployments] == [built._bound_deployment.name] == [DEPLOYMENT]
     assert args.engine.device == "cuda" and args.prefill.resources and args.decode.resources
     cluster = spec["rayClusterConfig"]
     assert_workers_fit(args, cluster)

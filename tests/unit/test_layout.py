@@ -1,0 +1,258 @@
+"""The import graph of the project's packages: no import circle, and no import across the layout's
+forbidden pairs (DESIGN.md, "Layout: one folder per role").
+
+Imports are read with ``ast`` from every ``.py`` file of the project packages, never executed. Each edge
+is one import statement resolved to the project module it loads: ``from a.b import c`` is an edge to
+``a.b.c`` when that is a module and to ``a.b`` otherwise; relative imports are resolved against the file's
+package. Edges are of three kinds:
+
+- ``module``: executed at import time (module body, including ``try``/``if`` at module level);
+- ``type_checking``: inside an ``if TYPE_CHECKING:`` block;
+- ``function``: inside a function or method body (run later, when called).
+
+Forbidden pairs: every kind counts. A type-only or lazy import is still a dependency of the code (the
+importer is written against the other layer's names), and a lazy import is still loaded in the process
+that runs it; laziness is no licence to cross a layer.
+
+Circles: only ``module`` edges count. They are the ones that execute while the importer's module is half
+initialised; a ``TYPE_CHECKING`` import never runs, and an import inside a function runs after every
+module involved has finished loading, which is the accepted way to break a circle.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("engine", "kernels", "transfer", "messages", "telemetry", "worker", "prefill", "decode", "router",
+            "cluster", "cli", "bench")
+WORKER_SIDE = ("worker", "engine", "transfer", "messages", "telemetry")
+
+# package -> what its modules may import from the project. An entry is a package (``engine``: the package and
+# every module in it) or one module (``engine.hashing``: that module only).
+ALLOWED: dict[str, tuple[str, ...]] = {
+    "engine": ("engine", "kernels"),
+    "kernels": ("kernels",),
+    # the transfer layer may use the message codec (pack/unpack), not the control-plane message types
+    "transfer": ("transfer", "messages.codec"),
+    "messages": ("messages", "engine.sampling_params", "transfer.wire"),
+    "telemetry": ("telemetry",),
+    "worker": WORKER_SIDE,
+    "prefill": ("prefill", *WORKER_SIDE),
+    "decode": ("decode", *WORKER_SIDE),
+    # the router process holds no tensors and no model: message and KV wire types, tracing, and from the
+    # engine only the prompt hashing, the tokenizer and the sampling parameters it shares with the workers
+    "router": ("router", "messages", "transfer.wire", "telemetry", "engine.hashing", "engine.tokenizer",
+               "engine.sampling_params"),
+    "cluster": tuple(p for p in PACKAGES if p not in ("cli", "bench")),
+    "cli": PACKAGES,
+    # the load generator talks to a server over HTTP only; in-process benchmarks are listed below
+    "bench": ("bench",),
+}
+
+# bench modules that measure one layer in process (no server in between), each with the layers it may
+# load. Every other bench module (client, workloads, stats, report, compare, cli, tracing, ...) is the load
+# generator or its reporting, and follows ALLOWED["bench"].
+IN_PROCESS_BENCHMARKS: dict[str, tuple[str, ...]] = {
+    "bench.offline": ("engine",),
+    "bench.preemption": ("engine",),
+    "bench.kv_offload": ("engine",),
+    "bench.kv_window": ("engine",),
+    "bench.kv_quant": ("engine", "kernels"),
+    "bench.gemm_floor": ("engine",),
+    "bench.export_hf": ("engine",),
+    "bench.transfer": ("transfer", "messages.codec"),
+    "bench.routing": ("router", "cluster.workers", "engine", "messages"),
+    "bench.disagg": ("router", "cluster.workers", "engine", "messages"),
+    "bench.router_overhead": ("router", "cluster", "engine", "messages"),
+}
+
+# Imports that cross a forbidden pair in the tree today, each to be removed by the change that moves the
+# code to its layer. An edge not listed here fails ``test_no_import_across_forbidden_pairs``; an edge listed
+# here that no longer exists fails ``test_known_violations_are_still_present`` (delete it from this set).
+KNOWN_VIOLATIONS: frozenset[tuple[str, str]] = frozenset({
+    ("messages.wire", "telemetry.histogram"),
+    ("cluster.serve_app", "cli.config_file"),
+    ("cluster.serve_app", "cli.main"),
+    ("cluster.serve_app", "cli.serve_config"),
+    ("bench.cli", "cli.argtypes"),
+    ("bench.cli", "engine.loader"),
+})
+
+
+@dataclass(frozen=True)
+class Edge:
+    importer: str
+    imported: str
+    kind: str  # "module", "type_checking" or "function"
+    path: Path
+    line: int
+
+    def __str__(self) -> str:
+        where = f"{self.path.relative_to(ROOT)}:{self.line}"
+        return f"{self.importer} -> {self.imported} ({self.kind} import, {where})"
+
+
+@cache
+def project_modules() -> dict[str, Path]:
+    modules: dict[str, Path] = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            modules[".".join(parts)] = path
+    return modules
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports(node: ast.AST, kind: str) -> Iterator[tuple[ast.Import | ast.ImportFrom, str]]:
+    """Every import statement under ``node`` with its kind, without entering nested scopes twice."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.Import | ast.ImportFrom):
+            yield child, kind
+        elif isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            yield from _imports(child, "function")
+        elif isinstance(child, ast.If) and _is_type_checking(child.test):
+            for stmt in child.body:
+                yield from _imports(ast.Module(body=[stmt], type_ignores=[]), "type_checking")
+            for stmt in child.orelse:
+                yield from _imports(ast.Module(body=[stmt], type_ignores=[]), kind)
+        else:
+            yield from _imports(child, kind)
+
+
+def _targets(stmt: ast.Import | ast.ImportFrom, module: str, is_package: bool) -> Iterator[str]:
+    modules = project_modules()
+    if isinstance(stmt, ast.Import):
+        names = [alias.name for alias in stmt.names]
+    elif stmt.level:
+        package = module.split(".") if is_package else module.split(".")[:-1]
+        base = package[: len(package) - stmt.level + 1]
+        names = [".".join([*base, stmt.module] if stmt.module else base)]
+    else:
+        names = [stmt.module or ""]
+    for name in names:
+        if name.split(".")[0] not in PACKAGES:
+            continue
+        if isinstance(stmt, ast.ImportFrom):
+            submodules = [f"{name}.{alias.name}" for alias in stmt.names if f"{name}.{alias.name}" in modules]
+            if submodules:
+                yield from submodules
+                continue
+        yield name
+
+
+@cache
+def edges() -> tuple[Edge, ...]:
+    found: list[Edge] = []
+    for module, path in project_modules().items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for stmt, kind in _imports(tree, "module"):
+            for target in _targets(stmt, module, path.name == "__init__.py"):
+                if target != module:
+                    found.append(Edge(module, target, kind, path, stmt.lineno))
+    return tuple(found)
+
+
+def _covered(target: str, entries: tuple[str, ...]) -> bool:
+    return any(target == entry or target.startswith(entry + ".") for entry in entries)
+
+
+def allowed(importer: str, imported: str) -> bool:
+    package = importer.split(".")[0]
+    if _covered(imported, ALLOWED[package]):
+        return True
+    return _covered(imported, IN_PROCESS_BENCHMARKS.get(importer, ()))
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle in ``graph`` as ``[a, b, ..., a]``, or None (iterative depth-first search)."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: finished
+    for root in sorted(graph):
+        if root in state:
+            continue
+        path = [root]
+        stack = [iter(sorted(graph[root]))]
+        state[root] = 1
+        while stack:
+            nxt = next(stack[-1], None)
+            if nxt is None:
+                state[path.pop()] = 2
+                stack.pop()
+            elif state.get(nxt) == 1:
+                return [*path[path.index(nxt):], nxt]
+            elif nxt not in state:
+                state[nxt] = 1
+                path.append(nxt)
+                stack.append(iter(sorted(graph.get(nxt, ()))))
+    return None
+
+
+def test_every_package_has_a_rule_and_every_benchmark_exists() -> None:
+    modules = project_modules()
+    assert set(ALLOWED) == set(PACKAGES)
+    assert all(p in modules for p in PACKAGES)  # the walk found the tree (a wrong ROOT would find nothing)
+    missing = [m for m in IN_PROCESS_BENCHMARKS if m not in modules]
+    assert not missing, f"IN_PROCESS_BENCHMARKS names modules that do not exist: {missing}"
+
+
+def test_import_walk_sees_every_kind() -> None:
+    """The walker resolves the three kinds of import that the rules rely on (checked on the tree itself)."""
+    kinds = {(e.importer, e.imported): e.kind for e in edges()}
+    assert kinds[("engine", "engine.config")] == "type_checking"
+    assert kinds[("bench.cli", "engine.loader")] == "function"
+    assert kinds[("decode.worker", "worker.base")] == "module"
+
+
+def test_no_import_circle() -> None:
+    graph: dict[str, set[str]] = {m: set() for m in project_modules()}
+    for edge in edges():
+        if edge.kind == "module":
+            graph[edge.importer].add(edge.imported)
+    cycle = find_cycle(graph)
+    assert cycle is None, "import circle among module-level imports: " + " -> ".join(cycle or [])
+
+
+def test_find_cycle_finds_one() -> None:
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set(), "d": {"a", "c"}}) is None
+
+
+def test_no_import_across_forbidden_pairs() -> None:
+    bad = [e for e in edges() if not allowed(e.importer, e.imported)
+           and (e.importer, e.imported) not in KNOWN_VIOLATIONS]
+    assert not bad, "imports across the layout's forbidden pairs:\n" + "\n".join(map(str, bad))
+
+
+def test_known_violations_are_still_present() -> None:
+    present = {(e.importer, e.imported) for e in edges() if not allowed(e.importer, e.imported)}
+    fixed = sorted(KNOWN_VIOLATIONS - present)
+    assert not fixed, f"fixed, so remove them from KNOWN_VIOLATIONS: {fixed}"
+
+
+@pytest.mark.parametrize(("importer", "imported", "ok"), [
+    ("engine.model", "router.client", False),
+    ("engine.model", "kernels.rope", True),
+    ("router.client", "engine.hashing", True),
+    ("router.client", "engine.model", False),
+    ("router.app", "transfer.nixl_sink", False),
+    ("prefill.worker", "decode.worker", False),
+    ("cluster.workers", "cli.main", False),
+    ("cli.main", "bench.cli", True),
+    ("bench.client", "router.client", False),
+    ("bench.routing", "router.client", True),
+    ("bench.transfer", "router.client", False),
+])
+def test_rule_table(importer: str, imported: str, ok: bool) -> None:
+    assert allowed(importer, imported) is ok
