@@ -46,6 +46,7 @@ import httpx
 from bench.client import BenchConfig, run_bench
 from bench.report import metrics_summary, plot_latency_cdfs, plot_timeline, write_json
 from bench.stats import RequestRecord, parse_slo, summarize
+from bench.tokenizer import load_tokenizer
 from bench.workloads import WordSource, describe, make_workload
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -375,8 +376,6 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m bench.compare " + shlex.join(
         [x for x in (argv if argv is not None else sys.argv[1:]) if x not in ("--quiet",)])
     started = machine()
-    from bench.cli import load_tokenizer
-
     comparer = Comparer(args, WordSource(load_tokenizer(None)))
     comparer.scenarios()
     offline = None if args.skip_offline else comparer.offline()

@@ -239,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_plan_args(plan, size, DTYPES)
 
-    from bench.cli import add_bench_parser
+    from cli.bench import add_bench_parser
 
     add_bench_parser(sub)
     return parser

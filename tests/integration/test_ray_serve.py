@@ -1,4 +1,4 @@
-"""The Ray Serve application (``cluster.serve_app:build_app``) on the test session's Ray instance.
+"""The Ray Serve application (``cli.serve_app:build_app``) on the test session's Ray instance.
 
 Serve's HTTP proxy runs on a free port; the official ``openai`` client talks to
 the router through it (a chat completion, a streamed one whose first chunk
@@ -49,7 +49,7 @@ def _groups(names: set[str]) -> dict[str, str]:
 def serve_url(ray_session: None, default_model_path: Path) -> Iterator[str]:
     from ray import serve
 
-    from cluster.serve_app import build_app
+    from cli.serve_app import build_app
 
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})

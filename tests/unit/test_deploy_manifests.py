@@ -139,7 +139,7 @@ def test_ray_service_matches_the_code() -> None:
     from ray.serve import Application
     from ray.serve.schema import ServeDeploySchema
 
-    from cluster.serve_app import DEPLOYMENT, build_app, serve_options
+    from cli.serve_app import DEPLOYMENT, build_app, serve_options
 
     (doc,) = [d for d in kuberay() if d["kind"] == "RayService"]
     spec = doc["spec"]

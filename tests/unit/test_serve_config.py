@@ -95,7 +95,7 @@ def test_placement_flags(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_serve_app_args_same_conversion_as_a_config_file(tmp_path: Path) -> None:
     """The Ray Serve builder's args go through the --config conversion; a ``config`` key reads a file."""
-    from cluster.serve_app import build_app, serve_options
+    from cli.serve_app import build_app, serve_options
 
     cfg = serve_options({"num-decode": 2, "prefill-resources": {"prefill_node": 1},
                          "kv-cache-memory": "64M"})
@@ -122,7 +122,7 @@ def test_serve_app_args_same_conversion_as_a_config_file(tmp_path: Path) -> None
     ({"dtype": "float64"}, "key 'dtype' (--dtype)"),
 ])
 def test_serve_app_bad_args_name_the_key(args: dict[str, object], message: str) -> None:
-    from cluster.serve_app import WHERE, build_app
+    from cli.serve_app import WHERE, build_app
 
     with pytest.raises(ConfigError) as exc:
         build_app(args)

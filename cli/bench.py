@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.stats import SLO, parse_slo, summarize
+from bench.tokenizer import load_tokenizer
 from bench.workloads import WORKLOADS, WordSource, Workload, describe, make_workload, parse_params
 from cli.argtypes import number, positive
 
@@ -87,14 +88,6 @@ def add_bench_parser(sub: Any) -> None:
     s.add_argument("--target", type=_positive_float, default=0.9, metavar="FRACTION",
                    help="SLO attainment a sweep rate must reach (default: 0.9)")
     p.set_defaults(handler=run_bench_command)
-
-
-@functools.cache
-def load_tokenizer(path: str | None) -> Any:
-    """The tokenizer of the model at ``path`` (default: the built-in model), loaded once per process."""
-    from engine.loader import load_model_source, resolve_model
-
-    return load_model_source(resolve_model(path)).load_tokenizer()
 
 
 @functools.cache

@@ -1,7 +1,7 @@
 """pdserve as a Ray Serve application: the router of ``pdserve serve`` behind Ray Serve's HTTP proxy.
 
 ``build_app`` is the application builder a Serve config names (``import_path:
-cluster.serve_app:build_app``, e.g. in a KubeRay RayService's ``serveConfigV2``).
+cli.serve_app:build_app``, e.g. in a KubeRay RayService's ``serveConfigV2``).
 Its ``args`` are the settings of ``pdserve serve`` keyed as in its ``--config``
 file (``num-decode: 2``, ``prefill-resources: {prefill_node: 1}``), plus
 ``config: FILE.yaml`` for a file of them that the other keys override. They go
@@ -138,7 +138,7 @@ PdserveRouter: Deployment = serve.deployment(
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:
-    """The Serve application builder (``import_path: cluster.serve_app:build_app``); see the module doc."""
+    """The Serve application builder (``import_path: cli.serve_app:build_app``); see the module doc."""
     options = serve_options(args)
     deployment = PdserveRouter.options(max_ongoing_requests=max_ongoing_requests(options))
     return deployment.bind(options)
