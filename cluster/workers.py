@@ -17,13 +17,13 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
 import ray
 
 from cluster.config import LEASE_SECONDS
 from cluster.placement import UNPLACED, WorkerOptions, release, reserve, scheduling
 from decode.worker import DecodeWorker
 from engine.config import EngineConfig
+from messages.codec import pack
 from prefill.worker import PrefillWorker
 from telemetry.tracing import TraceConfig
 
@@ -100,8 +100,8 @@ def start_workers(
     prefix = name_prefix or f"pdserve-{uuid.uuid4().hex[:6]}"
     popts = prefill_opts or UNPLACED
     dopts = decode_opts or UNPLACED
-    cfg = msgspec.msgpack.encode(engine_config)
-    trace = msgspec.msgpack.encode(tracing) if tracing is not None and tracing.endpoint else None
+    cfg = pack(engine_config)
+    trace = pack(tracing) if tracing is not None and tracing.endpoint else None
     group = WorkerGroup([], [])
 
     def place(name: str, opts: WorkerOptions) -> Any:

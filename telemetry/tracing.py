@@ -23,6 +23,8 @@ from typing import Any
 
 import msgspec
 
+from messages.codec import unpack
+
 PROTOCOLS = ("http/protobuf", "grpc")
 SCHEDULE_DELAY_MS = 200
 AttrValue = str | bool | int | float | list[str]
@@ -175,7 +177,7 @@ class TracedRole:
     tracing: Tracing
 
     def init_tracing(self, config: bytes | None) -> None:
-        cfg = msgspec.msgpack.decode(config, type=TraceConfig) if config else None
+        cfg = unpack(config, TraceConfig) if config else None
         self.tracing = Tracing(cfg, self.role)
 
     async def set_tracing(self, config: bytes | None) -> None:

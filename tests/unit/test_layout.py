@@ -43,7 +43,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "transfer": ("transfer", "messages.codec"),
     # histogram data is a part of WorkerStats
     "messages": ("messages", "engine.sampling_params", "transfer.wire", "telemetry.histogram"),
-    "telemetry": ("telemetry",),
+    "telemetry": ("telemetry", "messages.codec"),
     "worker": WORKER_SIDE,
     "prefill": ("prefill", *WORKER_SIDE),
     "decode": ("decode", *WORKER_SIDE),
