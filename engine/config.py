@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.kv_quant import is_quantized, parse_kv_cache_dtype
+from kernels.linear import LINEAR_KERNELS
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 
@@ -122,6 +123,14 @@ class EngineConfig:
     # in-flight prefix dedup (engine/scheduler.py): a waiting request waits for at least this many
     # of its next prompt tokens that a running request is computing; 0 turns it off
     prefix_wait_min_tokens: int = 128
+    # decode step speed (engine/model_runner.py, kernels/linear.py): the linear kernel ("prepacked" packs
+    # weights at load for MKL / oneDNN on CPU fp32, "plain" is torch's F.linear); compile_cpu compiles
+    # the decoder layers with inductor for decode batches padded to buckets, unless enforce_eager;
+    # num_threads sets torch's intra-op threads when the engine starts (None leaves them as they are)
+    linear_kernel: str = "prepacked"
+    enforce_eager: bool = False
+    compile_cpu: bool = False
+    num_threads: int | None = None
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
@@ -152,6 +161,10 @@ class EngineConfig:
             raise ValueError("--max-num-seqs must be at least 1")
         if self.prefix_wait_min_tokens < 0:
             raise ValueError(f"prefix_wait_min_tokens must be >= 0, got {self.prefix_wait_min_tokens}")
+        if self.linear_kernel not in LINEAR_KERNELS:
+            raise ValueError(f"linear_kernel must be one of {LINEAR_KERNELS}, got {self.linear_kernel!r}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("--max-model-len must be at least 1")
 
@@ -163,6 +176,11 @@ class EngineConfig:
     def kv_torch_dtype(self) -> torch.dtype:
         """Storage dtype of the KV cache: the model dtype for ``auto``, else fp8/int8."""
         return parse_kv_cache_dtype(self.kv_cache_dtype) or self.torch_dtype
+
+    @property
+    def compile_enabled(self) -> bool:
+        """Whether the CPU decode path runs compiled (``compile_cpu`` and not ``enforce_eager``)."""
+        return self.compile_cpu and not self.enforce_eager and self.device == "cpu"
 
     @property
     def kv_quantized(self) -> bool:
