@@ -239,19 +239,18 @@ class LLMEngine:
 
     def _output(self, request: Request, new_token_ids: list[int]) -> RequestOutput:
         finished = request.is_finished
-        text = self.tokenizer.decode(request.output_token_ids) if finished else ""
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
             token_ids=list(request.output_token_ids),
-            text=text,
             finished=finished,
             finish_reason=request.finish_reason,
             metrics=request.metrics,
             logprobs=list(request.logprobs) if request.params.logprobs is not None else None,
             stop_token_id=request.stop_token_id,
             new_token_ids=new_token_ids,
+            detokenize=self.tokenizer.decode,
         )
 
     def stats(self) -> EngineStats:
