@@ -21,7 +21,7 @@ read) / read bandwidth (a torch ``sum`` over ``--bw-bytes`` bytes, best of 5);
 (``bench.linear_kernels``) reaches at that shape and row count.
 
     python -m bench.step_profile [--configs plain,prepacked] [--batches 1,16,64]
-        [--prefill 2048] [--repeats 10] [--json out.json] [--md out.md]
+        [--prefill 2048] [--repeats 10] [--threads N] [--json out.json] [--md out.md]
 """
 
 from __future__ import annotations
@@ -171,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill", type=int, default=2048, help="prompt chunk tokens; 0 skips it")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--bw-bytes", type=int, default=2 * 1024**3)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--md", default=None)
     args = parser.parse_args(argv)
@@ -178,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     engine = LLMEngine(args.model, EngineConfig(
         enable_prefix_caching=False, max_num_seqs=max(batches), kv_cache_memory=1024**3,
-        max_num_batched_tokens=max(args.prefill, max(batches)), compile_cpu="compiled" in configs))
+        max_num_batched_tokens=max(args.prefill, max(batches)), compile_cpu="compiled" in configs,
+        num_threads=args.threads))
     bandwidth = read_bandwidth(args.bw_bytes)
     wbytes = weight_bytes(engine)
     kv_token = engine.model_config.kv_bytes_per_token(engine.config.kv_torch_dtype.itemsize)
