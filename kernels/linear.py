@@ -19,9 +19,10 @@ Kernels (``kernel=``): ``"plain"`` is ``F.linear`` (torch's default, the
   weight packed by ``_mkl_reorder_linear_weight`` for one row). torch's default
   takes a GEMV path that reads the ``[out, in]`` weight at 14 GB/s on the 49,152 x 576
   LM head here; the packed product streams it at the read-bandwidth floor (~3x faster).
-- ``rows > 1``: oneDNN's inner product (``torch.ops.mkldnn._linear_pointwise``),
-  about 2x torch's default on the LM head at 16 and 64 rows, never slower on the
-  decoder's small shapes by more than noise (``python -m bench.linear_kernels``).
+- ``rows > 1``: oneDNN's inner product (``torch.ops.mkldnn._linear_pointwise``):
+  with 2 threads about 2x torch's default on the LM head at 16 and 64 rows, with
+  1 thread the same as torch's default; on the decoder's small shapes within the
+  noise of the other candidates (``python -m bench.linear_kernels``).
 
 The packed MKL copy costs one more copy of each weight (for SmolLM2-135M fp32:
 +538 MB); MKL's packed product only serves the row count it was packed for
