@@ -89,6 +89,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Add the flags that configure an engine (model, memory, scheduler limits). Each flag's dest is
     an ``EngineConfig`` field and its default is that field's default (``engine_config_from_args``)."""
     from engine.config import ATTENTION_BACKENDS, EngineConfig
+    from kernels.linear import LINEAR_KERNELS
 
     d = EngineConfig()
     g = parser.add_argument_group("engine")
@@ -151,7 +152,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "not quantized, else Triton on CUDA; the CPU kernels on CPU), triton, flashinfer "
                         "or torch (default: auto)")
     g.add_argument("--enforce-eager", action="store_true", default=d.enforce_eager,
-                   help="run the model eagerly: no compiled forward, no CUDA graphs")
+                   help="run the model eagerly: no compiled forward (--compile-cpu), no CUDA graphs")
+    g.add_argument("--linear-kernel", choices=LINEAR_KERNELS, default=d.linear_kernel,
+                   help="matrix products on CPU: prepacked (weights packed once at load for MKL at one row "
+                        "and oneDNN above; an extra copy of the weights) or plain (torch's F.linear) "
+                        "(default: prepacked)")
+    g.add_argument("--compile-cpu", action=argparse.BooleanOptionalAction, default=d.compile_cpu,
+                   help="compile the decoder layers with torch.compile (inductor) for decode batches padded "
+                        "to buckets, cached on disk under $PDSERVE_CACHE/inductor; it did not pay on the "
+                        "CPUs measured, see docs/benchmarks.md (default: off)")
     g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization, metavar="F",
                    help="with --device cuda, the fraction of the device's memory the engine may use "
                         "(weights plus KV cache), in (0, 1] (default: 0.9)")

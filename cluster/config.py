@@ -84,7 +84,10 @@ class ServeConfig:
 
 SERVE_DEFAULTS = ServeConfig()
 # EngineConfig fields no flag sets (they keep their defaults under `pdserve serve`)
-ENGINE_WITHOUT_FLAG = frozenset({"prefix_wait_min_tokens"})
+ENGINE_WITHOUT_FLAG = frozenset({
+    "prefix_wait_min_tokens",
+    "num_threads",  # the workers take --torch-threads (pdserve serve) and torch's default (generate)
+})
 
 # Each setting (a flag's dest, and its --config / Ray Serve key) -> where it lands in ServeConfig.
 # Flags shared by both roles land in both; the prefill one is read back.

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.kv_quant import is_quantized, parse_kv_cache_dtype
+from kernels.linear import LINEAR_KERNELS
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 ATTENTION_BACKENDS = ("auto", "triton", "flashinfer", "torch")
@@ -126,8 +127,15 @@ class EngineConfig:
     # paged attention kernels: auto (flashinfer, else triton on CUDA; the native/torch kernels on CPU),
     # or one of ATTENTION_BACKENDS by name
     attention_backend: str = "auto"
-    # never capture CUDA graphs for decode steps (engine/cuda_graphs.py); no effect on CPU
+    # decode step speed (engine/model_runner.py, kernels/linear.py): the linear kernel ("prepacked" packs
+    # weights at load for MKL / oneDNN on CPU fp32, "plain" is torch's F.linear); compile_cpu compiles
+    # the decoder layers with inductor for decode batches padded to buckets; enforce_eager turns off
+    # both compilation and CUDA graphs (engine/cuda_graphs.py); num_threads sets torch's intra-op
+    # threads when the engine starts (None leaves them as they are)
+    linear_kernel: str = "prepacked"
     enforce_eager: bool = False
+    compile_cpu: bool = False
+    num_threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype.lower() != "auto":
@@ -162,6 +170,10 @@ class EngineConfig:
             raise ValueError("--max-num-seqs must be at least 1")
         if self.prefix_wait_min_tokens < 0:
             raise ValueError(f"prefix_wait_min_tokens must be >= 0, got {self.prefix_wait_min_tokens}")
+        if self.linear_kernel not in LINEAR_KERNELS:
+            raise ValueError(f"linear_kernel must be one of {LINEAR_KERNELS}, got {self.linear_kernel!r}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("--max-model-len must be at least 1")
 
@@ -176,6 +188,11 @@ class EngineConfig:
     def kv_torch_dtype(self) -> torch.dtype:
         """Storage dtype of the KV cache: the model dtype for ``auto``, else fp8/int8."""
         return parse_kv_cache_dtype(self.kv_cache_dtype) or self.torch_dtype
+
+    @property
+    def compile_enabled(self) -> bool:
+        """Whether the CPU decode path runs compiled (``compile_cpu`` and not ``enforce_eager``)."""
+        return self.compile_cpu and not self.enforce_eager and self.device == "cpu"
 
     @property
     def kv_quantized(self) -> bool:

@@ -18,6 +18,9 @@ import itertools
 import sys
 import time
 from dataclasses import dataclass
+from typing import cast
+
+import torch
 
 from engine.config import EngineConfig
 from engine.hashing import seed_for
@@ -29,10 +32,11 @@ from engine.model_runner import ModelRunner
 from engine.offload import KvOffload
 from engine.outputs import RequestOutput
 from engine.request import Request
-from engine.sampling import Sampler, SamplingParams, TokenLogprobs
-from engine.scheduler import KvWindow, Scheduler
+from engine.sampling import Sampler, SamplerOutput, SamplingParams, TokenLogprobs
+from engine.scheduler import KvWindow, Scheduler, SchedulerOutput
 from engine.swap import HostSwapSpace
 from engine.tokenizer import Tokenizer
+from kernels.linear import LinearKernel
 
 
 @dataclass(frozen=True)
@@ -76,7 +80,10 @@ class LLMEngine:
         self.source: ModelSource = load_model_source(resolve_model(model))
         self.model_config = self.source.config
         self.tokenizer: Tokenizer = self.source.load_tokenizer()
-        net = CausalLM(self.model_config, self.config.torch_dtype, self.config.device)
+        if self.config.num_threads is not None:
+            torch.set_num_threads(self.config.num_threads)
+        kernel = cast(LinearKernel, self.config.linear_kernel)
+        net = CausalLM(self.model_config, self.config.torch_dtype, self.config.device, kernel)
         net.load_weights(self.source.iter_weights())
         blocks = num_kv_blocks(self.model_config, self.config)
         self.runner = ModelRunner(net, self.model_config, self.config, blocks)
@@ -207,11 +214,19 @@ class LLMEngine:
         if not out:
             return []
         logits = self.runner.execute(out, self.kv)
+        return self.process(out, self.sample(out, logits))
+
+    def sample(self, out: SchedulerOutput, logits: torch.Tensor) -> SamplerOutput | None:
+        """One token per completing chunk of ``out`` (None when no chunk completes)."""
+        completing = [item.request.sampling for item in out.scheduled if item.completes]
+        return self.sampler.sample(logits, completing) if completing else None
+
+    def process(self, out: SchedulerOutput, sampled: SamplerOutput | None) -> list[RequestOutput]:
+        """Advance the scheduler and the requests past a step; the outputs to hand back."""
         completing = [item.request for item in out.scheduled if item.completes]
         self.scheduler.update_after_step(out)
         outputs = []
-        if completing:
-            sampled = self.sampler.sample(logits, [r.sampling for r in completing])
+        if sampled is not None:
             for request, token_id, lp in zip(completing, sampled.token_ids, sampled.logprobs, strict=True):
                 request.append_token(token_id, lp, self.max_model_len)
                 if request.is_finished:
@@ -224,19 +239,18 @@ class LLMEngine:
 
     def _output(self, request: Request, new_token_ids: list[int]) -> RequestOutput:
         finished = request.is_finished
-        text = self.tokenizer.decode(request.output_token_ids) if finished else ""
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
             token_ids=list(request.output_token_ids),
-            text=text,
             finished=finished,
             finish_reason=request.finish_reason,
             metrics=request.metrics,
             logprobs=list(request.logprobs) if request.params.logprobs is not None else None,
             stop_token_id=request.stop_token_id,
             new_token_ids=new_token_ids,
+            detokenize=self.tokenizer.decode,
         )
 
     def stats(self) -> EngineStats:

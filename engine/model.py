@@ -4,7 +4,10 @@ Weights are stored fused: per layer one ``qkv`` matrix (rows: q heads, then k
 heads, then v heads) and one ``gate_up`` matrix (rows: gate, then up), so a
 layer runs four matmuls. ``load_weights`` takes Hugging Face parameter names and
 fills the fused tensors by row slices; every parameter must arrive exactly once
-with exactly its expected shape.
+with exactly its expected shape. Once loaded, each matrix is wrapped in a
+``kernels.linear.PreparedLinear`` (packed for the model's ``linear_kernel``);
+the forward runs through those, so weights changed after ``load_weights`` must
+be followed by ``prepare_linears()``.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
+from kernels.activation import silu_mul
 from kernels.attention import AttentionBackend, AttentionMetadata
+from kernels.linear import LinearKernel, PreparedLinear
 from kernels.norm import rms_norm
 from kernels.rope import RotaryEmbedding, apply_rotary
 
@@ -62,6 +67,14 @@ class DecoderLayer(nn.Module):
         self.post_norm = _weight(c.hidden_size, dtype=dtype, device=device)
         self.gate_up = _weight(2 * c.intermediate_size, c.hidden_size, dtype=dtype, device=device)
         self.down_proj = _weight(c.hidden_size, c.intermediate_size, dtype=dtype, device=device)
+        self.prepare_linears("plain")
+
+    def prepare_linears(self, kernel: LinearKernel) -> None:
+        """(Re)build the prepared products from the current weights."""
+        self.qkv_linear = PreparedLinear(self.qkv, self.qkv_bias, kernel)
+        self.o_linear = PreparedLinear(self.o_proj, None, kernel)
+        self.gate_up_linear = PreparedLinear(self.gate_up, None, kernel)
+        self.down_linear = PreparedLinear(self.down_proj, None, kernel)
 
     def hf_targets(self, prefix: str) -> dict[str, torch.Tensor]:
         """Hugging Face name -> the (view of the) tensor it fills."""
@@ -98,22 +111,23 @@ class DecoderLayer(nn.Module):
         tokens = hidden.shape[0]
         h, kv_h = self.num_heads, self.num_kv_heads
         x = rms_norm(hidden, self.input_norm, self.eps)
-        qkv = F.linear(x, self.qkv, self.qkv_bias).view(tokens, h + 2 * kv_h, self.head_dim)
+        qkv = self.qkv_linear(x).view(tokens, h + 2 * kv_h, self.head_dim)
         qk = apply_rotary(qkv[:, : h + kv_h], cos, sin)
         attn = backend.forward(qk[:, :h], qk[:, h:], qkv[:, h + kv_h :], kv_layer, self.scale, kv_scales)
-        hidden = hidden + F.linear(attn.reshape(tokens, h * self.head_dim), self.o_proj)
+        hidden = hidden + self.o_linear(attn.reshape(tokens, h * self.head_dim))
         x = rms_norm(hidden, self.post_norm, self.eps)
-        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
-        return hidden + F.linear(F.silu(gate) * up, self.down_proj)
+        return hidden + self.down_linear(silu_mul(self.gate_up_linear(x)))
 
 
 class CausalLM(nn.Module):
     """Decoder-only LM; ``forward`` returns final-normed hidden states, ``compute_logits`` the scores."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 linear_kernel: LinearKernel = "prepacked") -> None:
         super().__init__()
         self.config = config
         self.dtype = dtype
+        self.linear_kernel: LinearKernel = linear_kernel
         self.embed_tokens = _weight(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(DecoderLayer(config, dtype, device) for _ in range(config.num_layers))
         self.norm = _weight(config.hidden_size, dtype=dtype, device=device)
@@ -123,6 +137,16 @@ class CausalLM(nn.Module):
             else _weight(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         )
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, device)
+        self.lm_head_linear = PreparedLinear(self.lm_head, None, "plain")
+
+    def prepare_linears(self, kernel: LinearKernel | None = None) -> None:
+        """Pack every matrix for ``kernel`` (default: ``linear_kernel``) from the current weights."""
+        if kernel is not None:
+            self.linear_kernel = kernel
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            layer.prepare_linears(self.linear_kernel)
+        self.lm_head_linear = PreparedLinear(self.lm_head, None, self.linear_kernel)
 
     def _hf_targets(self) -> dict[str, torch.Tensor]:
         targets = {"model.embed_tokens.weight": self.embed_tokens.data, "model.norm.weight": self.norm.data}
@@ -163,6 +187,7 @@ class CausalLM(nn.Module):
         if missing:
             shown = ", ".join(missing[:8]) + (f" (and {len(missing) - 8} more)" if len(missing) > 8 else "")
             raise ValueError(f"missing parameters: {shown}")
+        self.prepare_linears()
 
     def forward(
         self,
@@ -188,4 +213,4 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[N, vocab]`` in float32."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head_linear(hidden).float()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
 
 from engine.config import EngineConfig, ModelConfig
@@ -9,6 +12,19 @@ from engine.kv_cache import KVCacheManager
 from engine.model import CausalLM, allocate_kv_cache, allocate_kv_scales
 from engine.scheduler import SchedulerOutput
 from kernels import AttentionMetadata, get_attention_backend
+
+if TYPE_CHECKING:
+    from engine.compiled import CompiledDecoder
+
+
+@dataclass
+class StepInputs:
+    """One step's model inputs: flat token ids and positions, attention metadata, rows to sample."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor
 
 
 class ModelRunner:
@@ -25,6 +41,17 @@ class ModelRunner:
                           if engine_config.kv_quantized else None)
         self.backend = get_attention_backend(self.device, engine_config.attention_backend,
                                              engine_config.kv_quantized)
+        self._compiled: CompiledDecoder | None = None
+        self.compiled: CompiledDecoder | None = None
+        self.set_compiled(engine_config.compile_enabled)
+
+    def set_compiled(self, on: bool) -> None:
+        """Run decode steps through the compiled decoder (``engine/compiled.py``) or eagerly."""
+        if on and self._compiled is None:
+            from engine.compiled import CompiledDecoder  # torch.compile's imports only when asked for
+
+            self._compiled = CompiledDecoder(self.model, self.config.max_num_seqs)
+        self.compiled = self._compiled if on else None
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -34,9 +61,12 @@ class ModelRunner:
             total += self.kv_scales.numel() * self.kv_scales.element_size()
         return total
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> torch.Tensor:
         """Run every scheduled chunk; logits ``[num_completing, vocab]`` in scheduling order."""
+        return self.run(self.prepare(out, kv))
+
+    def prepare(self, out: SchedulerOutput, kv: KVCacheManager) -> StepInputs:
+        """Flatten the scheduled chunks into tensors and attention metadata."""
         input_ids: list[int] = []
         positions: list[int] = []
         query_lens: list[int] = []
@@ -57,13 +87,17 @@ class ModelRunner:
                 sample_rows.append(len(input_ids) - 1)
         meta = AttentionMetadata.build(self.config.block_size, query_lens, seq_lens, tables, self.device)
         self.backend.prepare(meta)
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.int64, device=self.device),
-            torch.tensor(positions, dtype=torch.int64, device=self.device),
-            self.kv_cache,
-            self.backend,
-            meta,
-            self.kv_scales,
-        )
-        rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
-        return self.model.compute_logits(hidden.index_select(0, rows))
+        return StepInputs(torch.tensor(input_ids, dtype=torch.int64, device=self.device),
+                          torch.tensor(positions, dtype=torch.int64, device=self.device), meta,
+                          torch.tensor(sample_rows, dtype=torch.int64, device=self.device))
+
+    @torch.inference_mode()
+    def run(self, inputs: StepInputs) -> torch.Tensor:
+        """The forward pass and the LM head over the rows to sample."""
+        if self.compiled is not None and self.compiled.handles(inputs.meta):
+            hidden = self.compiled.forward(inputs.input_ids, inputs.positions, self.kv_cache, self.backend,
+                                           self.kv_scales)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, self.backend, inputs.meta,
+                                self.kv_scales)
+        return self.model.compute_logits(hidden.index_select(0, inputs.sample_rows))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -48,10 +49,22 @@ class RequestOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     token_ids: list[int]
-    text: str
     finished: bool
     finish_reason: FinishReason | None
     metrics: RequestMetrics
     logprobs: list[TokenLogprobs] | None = None
     stop_token_id: int | None = None
     new_token_ids: list[int] = field(default_factory=list)
+    # turns token ids into text when ``text`` is first read, on the reader's thread: the engine's
+    # step never detokenizes (streaming callers read token ids; the router detokenizes them itself)
+    detokenize: Callable[[list[int]], str] | None = field(default=None, repr=False, compare=False)
+    _text: str | None = field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def text(self) -> str:
+        """The finished output's text (decoded once, on first read); ``""`` while unfinished."""
+        if not self.finished or self.detokenize is None:
+            return ""
+        if self._text is None:
+            self._text = self.detokenize(self.token_ids)
+        return self._text

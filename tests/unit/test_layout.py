@@ -67,6 +67,9 @@ IN_PROCESS_BENCHMARKS: dict[str, tuple[str, ...]] = {
     "bench.kv_window": ("engine",),
     "bench.kv_quant": ("engine", "kernels"),
     "bench.gemm_floor": ("engine",),
+    "bench.linear_kernels": ("engine", "kernels"),
+    "bench.step_ops": ("engine", "kernels"),
+    "bench.step_profile": ("engine", "kernels", "bench.step_ops"),
     "bench.export_hf": ("engine",),
     "bench.gpu": ("engine", "kernels", "transfer", "messages.codec"),
     "bench.tokenizer": ("engine.loader",),  # the client's tokenizer, from the model's local files

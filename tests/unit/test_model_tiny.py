@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -18,6 +18,9 @@ from engine.config import ModelConfig, RopeScaling
 from engine.model import CausalLM, allocate_kv_cache
 from kernels import AttentionBackend, get_attention_backend
 from kernels.attention import AttentionMetadata
+
+if TYPE_CHECKING:
+    from engine.compiled import CompiledDecoder
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 40
@@ -93,6 +96,7 @@ class PagedRunner:
         self.free = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(1)).tolist()
         self.tables: dict[int, list[int]] = {}
         self.lens: dict[int, int] = {}
+        self.compiled: CompiledDecoder | None = None  # decode steps through engine/compiled.py when set
 
     @torch.inference_mode()
     def step(self, work: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
@@ -115,7 +119,10 @@ class PagedRunner:
             self.lens[seq] = start + len(tokens)
         meta = AttentionMetadata.build(BLOCK_SIZE, query_lens, seq_lens, tables)
         self.backend.prepare(meta)
-        hidden = self.model(torch.tensor(ids), torch.tensor(positions), self.kv, self.backend, meta)
+        if self.compiled is not None and self.compiled.handles(meta):
+            hidden = self.compiled.forward(torch.tensor(ids), torch.tensor(positions), self.kv, self.backend)
+        else:
+            hidden = self.model(torch.tensor(ids), torch.tensor(positions), self.kv, self.backend, meta)
         return list(self.model.compute_logits(hidden).split(query_lens))
 
 

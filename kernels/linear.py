@@ -1,0 +1,117 @@
+"""Linear layers with weights prepared once at load for the fastest CPU product.
+
+``PreparedLinear(weight, bias, kernel)`` computes ``x @ weight.T + bias`` for
+``x`` of shape ``[rows, in]``. Contract:
+
+- the weight is read when the object is built (and packed then); changing the
+  weight afterwards is not seen: whoever reloads weights builds a new one
+  (``CausalLM.load_weights`` does);
+- the result has ``x``'s dtype and shape ``[rows, out]`` and equals
+  ``F.linear(x, weight, bias)`` up to float rounding (the kernels sum in a
+  different order; they are not bitwise equal to each other);
+- the kernel used depends only on ``rows``, never on timing, so a run is
+  deterministic for a given batch shape.
+
+Kernels (``kernel=``): ``"plain"`` is ``F.linear`` (torch's default, the
+"before" configuration); ``"prepacked"`` (the default on CPU fp32) is:
+
+- ``rows == 1``: MKL's packed SGEMM (``torch.ops.mkl._mkl_linear`` on a
+  weight packed by ``_mkl_reorder_linear_weight`` for one row). torch's default
+  takes a GEMV path that reads the ``[out, in]`` weight at 14 GB/s on the 49,152 x 576
+  LM head here; the packed product streams it at the read-bandwidth floor (~3x faster).
+- ``rows > 1``: oneDNN's inner product (``torch.ops.mkldnn._linear_pointwise``):
+  with 2 threads about 2x torch's default on the LM head at 16 and 64 rows, with
+  1 thread the same as torch's default; on the decoder's small shapes within the
+  noise of the other candidates (``python -m bench.linear_kernels``).
+
+The packed MKL copy costs one more copy of each weight (for SmolLM2-135M fp32:
++538 MB); MKL's packed product only serves the row count it was packed for
+(other row counts fall back to torch's default), so only the single-row pack is
+kept. Other dtypes and devices use ``"plain"``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+LinearKernel = Literal["plain", "prepacked"]
+LINEAR_KERNELS: tuple[LinearKernel, ...] = ("plain", "prepacked")
+
+
+def prepacked_available(weight: torch.Tensor) -> bool:
+    """Whether this build and ``weight`` (fp32, CPU) can use the prepacked kernels."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32
+            and torch.backends.mkl.is_available() and torch.backends.mkldnn.is_available())
+
+
+def mkl_pack(weight: torch.Tensor, rows: int = 1) -> torch.Tensor:
+    """MKL's packed form of ``weight`` for products of exactly ``rows`` rows."""
+    return torch.ops.mkl._mkl_reorder_linear_weight(weight.contiguous(), rows)
+
+
+def mkl_linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None, rows: int) -> torch.Tensor:
+    """Packed SGEMM; ``x`` must have ``rows`` rows or torch falls back to ``F.linear``."""
+    return torch.ops.mkl._mkl_linear(x, packed, weight, bias, rows)
+
+
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN inner product on a dense ``[out, in]`` weight (primitives cached by oneDNN)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def prepared_linear(x: torch.Tensor, weight: torch.Tensor, packed_row: torch.Tensor | None,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+    """The prepacked product as a plain function of tensors (``packed_row`` None: ``F.linear``).
+
+    Traceable by torch.compile: the kernel depends on ``x``'s static row count only.
+    """
+    if packed_row is None or x.dim() != 2 or x.dtype != torch.float32 or not x.shape[0]:
+        return F.linear(x, weight, bias)
+    if x.shape[0] == 1:
+        return mkl_linear(x, packed_row, weight, bias, 1)
+    return onednn_linear(x, weight, bias)
+
+
+class PreparedLinear:
+    """``x @ weight.T + bias`` with the weight prepared for ``kernel``; see the module docstring."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 kernel: LinearKernel = "prepacked") -> None:
+        if kernel not in LINEAR_KERNELS:
+            raise ValueError(f"unknown linear kernel {kernel!r}; choose one of {LINEAR_KERNELS}")
+        self.weight = weight.detach()
+        self.bias = bias.detach() if bias is not None else None
+        self.out_features, self.in_features = weight.shape
+        self.kernel: LinearKernel = kernel if prepacked_available(weight) else "plain"
+        self.packed_row = mkl_pack(self.weight, 1) if self.kernel == "prepacked" else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return prepared_linear(x, self.weight, self.packed_row, self.bias)
+
+    @property
+    def extra_bytes(self) -> int:
+        """Bytes held beyond the weight itself (the packed copy)."""
+        p = self.packed_row
+        return 0 if p is None else p.numel() * p.element_size()
+
+
+@torch.library.custom_op("pdserve::prepared_linear", mutates_args=())
+def prepared_linear_op(x: torch.Tensor, weight: torch.Tensor, packed_row: torch.Tensor | None,
+                       bias: torch.Tensor | None) -> torch.Tensor:
+    """``prepared_linear`` as one opaque op for torch.compile.
+
+    Inductor lowers MKL's and oneDNN's linear ops only for weights frozen into the
+    graph as constants; compiled code that takes the weights as arguments calls
+    this op instead and runs the same kernels as eager.
+    """
+    return prepared_linear(x, weight, packed_row, bias)
+
+
+@prepared_linear_op.register_fake
+def _prepared_linear_fake(x: torch.Tensor, weight: torch.Tensor, packed_row: torch.Tensor | None,
+                          bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
