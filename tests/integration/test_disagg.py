@@ -222,7 +222,9 @@ def test_killed_prefill_worker_request_completes_on_the_other(
     request running); the request completes with the colocated greedy tokens, the other prefill worker
     computed the whole prompt (its prefix-cache queries grew by exactly the prompt, with no hit), and no
     block stays held. The victim is whichever worker the routing picked."""
-    prompt = tokenizer.encode(STORY * 30 + " Only the kill test sends this prompt.")  # 3 chunks of 512
+    # no other test's prompt starts like this one, so no block of it is cached anywhere: every chunk (3 of
+    # 512 tokens) is a step of its own, and stats (read between steps) see it running
+    prompt = tokenizer.encode("Only the kill test sends this prompt. " + STORY * 30)
     client = PDClient(group.prefill, group.decode, ClientConfig(routing="round-robin", prefill_timeout=60))
 
     def stats(worker: Any) -> WorkerStats:
