@@ -1,6 +1,7 @@
 """Read a GGUF file: ``ModelConfig`` from its metadata, float32 weights under HF names.
 
-Quantized tensors are dequantized with ``gguf.quants.dequantize`` and reshaped to
+The file is parsed by ``engine.gguf_file.GGUFFile`` (one fast pass over a memory
+map). Quantized tensors are dequantized with ``gguf.quants.dequantize`` and reshaped to
 the Hugging Face layout (GGUF lists dimensions innermost first). llama.cpp stores
 the Q and K projections of ``llama``-arch models permuted for its interleaved
 rope; ``unpermute_qk`` undoes that so the weights match the HF checkpoint.
@@ -15,10 +16,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
 from engine.config import ModelConfig, RopeScaling
+from engine.gguf_file import GGUFFile, GGUFTensor
 
 GGUF_ARCHITECTURES = ("llama", "qwen2")
 
@@ -42,13 +43,13 @@ _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GLOBAL_RE = re.compile(r"(\w+)\.(weight|bias)")
 
 
-def open_gguf(path: str | Path) -> GGUFReader:
-    """Open ``path`` with ``GGUFReader``, with clear errors for a missing or bad file."""
+def open_gguf(path: str | Path) -> GGUFFile:
+    """Open ``path``, with clear errors for a missing or bad file."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
     try:
-        return GGUFReader(path)
+        return GGUFFile(path)
     except ValueError as exc:
         raise ValueError(f"cannot read GGUF file {path}: {exc}") from None
 
@@ -74,19 +75,18 @@ def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return shaped.transpose(1, 2).reshape(weight.shape).contiguous()
 
 
-def _field(reader: GGUFReader, key: str) -> object:
-    field = reader.fields.get(key)
-    return None if field is None else field.contents()
+def _field(reader: GGUFFile, key: str) -> object:
+    return reader.fields.get(key)
 
 
-def _number(reader: GGUFReader, key: str, path: Path) -> float:
+def _number(reader: GGUFFile, key: str, path: Path) -> float:
     value = _field(reader, key)
     if not isinstance(value, (int, float)):
         raise ValueError(f"missing required metadata {key!r} in {path}")
     return value
 
 
-def _tensor(reader: GGUFReader, name: str) -> ReaderTensor | None:
+def _tensor(reader: GGUFFile, name: str) -> GGUFTensor | None:
     return next((t for t in reader.tensors if t.name == name), None)
 
 
@@ -111,7 +111,7 @@ def _llama3_factors(theta: float, head_dim: int, scaling: RopeScaling) -> torch.
     return torch.tensor(factors, dtype=torch.float64)
 
 
-def _rope_scaling(reader: GGUFReader, arch: str, theta: float, head_dim: int,
+def _rope_scaling(reader: GGUFFile, arch: str, theta: float, head_dim: int,
                   path: Path) -> RopeScaling:
     kind = _field(reader, f"{arch}.rope.scaling.type") or "none"
     original = _field(reader, f"{arch}.rope.scaling.original_context_length")
@@ -138,7 +138,7 @@ def _rope_scaling(reader: GGUFReader, arch: str, theta: float, head_dim: int,
     return guess
 
 
-def _token_ids(reader: GGUFReader, *keys: str) -> tuple[int, ...]:
+def _token_ids(reader: GGUFFile, *keys: str) -> tuple[int, ...]:
     ids: list[int] = []
     for key in keys:
         value = _field(reader, f"tokenizer.ggml.{key}")
@@ -147,7 +147,7 @@ def _token_ids(reader: GGUFReader, *keys: str) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def gguf_config(reader: GGUFReader, path: str | Path) -> ModelConfig:
+def gguf_config(reader: GGUFFile, path: str | Path) -> ModelConfig:
     """Build a ``ModelConfig`` from an open reader's metadata and tensor list."""
     path = Path(path)
     arch = _field(reader, "general.architecture")
@@ -193,10 +193,10 @@ def read_gguf_config(path: str | Path) -> ModelConfig:
     return gguf_config(open_gguf(path), path)
 
 
-def _to_torch(tensor: ReaderTensor) -> torch.Tensor:
+def _to_torch(tensor: GGUFTensor) -> torch.Tensor:
     values = dequantize(tensor.data, tensor.tensor_type)
     values = np.require(values, dtype=np.float32, requirements=["C", "W"])
-    hf_shape = [int(d) for d in reversed(tensor.shape.tolist())]
+    hf_shape = [int(d) for d in reversed(tensor.shape)]
     return torch.from_numpy(values).reshape(hf_shape)
 
 
@@ -210,7 +210,7 @@ def iter_gguf_weights(path: str | Path,
     return _iter_tensors(reader, config or gguf_config(reader, path))
 
 
-def _iter_tensors(reader: GGUFReader,
+def _iter_tensors(reader: GGUFFile,
                   config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     for tensor in reader.tensors:
         name = hf_name(tensor.name)
