@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -12,6 +13,11 @@ import torch
 # triton is first imported (transformers may import it): so here, before any test module.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# One intra-op thread in the test process, as in every worker (``--torch-threads 1``): the shapes here are
+# tiny, and a second OpenMP thread spinning beside the workers and servers this session runs on the same
+# two cores made reference generation 4x slower, not faster.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
@@ -25,9 +31,21 @@ def default_model_path() -> Path:
     return path
 
 
-# fixtures that start Ray: the session's Ray in this process, a `pdserve serve` subprocess (its own local
-# Ray), or a multi-node Ray cluster
-RAY_FIXTURES = frozenset({"ray_session", "pdserve_factory", "ray_cluster"})
+@pytest.fixture(scope="session")
+def transformers_default_model(default_model_path: Path) -> Any:
+    """The built-in GGUF loaded by transformers itself (float32, eval): the reference our loader and
+    engine are compared with. Loaded once per session (it takes seconds)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        str(default_model_path.parent), gguf_file=default_model_path.name, dtype=torch.float32,
+        local_files_only=True,
+    ).eval()
+
+
+# fixtures that start Ray: the session's Ray in this process, a `pdserve serve` subprocess (on that Ray or
+# its own), or a multi-node Ray cluster
+RAY_FIXTURES = frozenset({"ray_session", "pdserve_factory", "pdserve_server", "ray_cluster"})
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

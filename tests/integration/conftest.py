@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import pytest
 
+from tests.integration.otlp_receiver import OtlpReceiver
+
 if TYPE_CHECKING:
     from cluster.workers import WorkerGroup
     from engine.config import EngineConfig
@@ -81,14 +83,24 @@ SERVER_FLAGS = ("--num-prefill", "1", "--num-decode", "1", "--worker-cpus", "0.5
                 "--kv-cache-memory", "256M")
 
 
-def _start_server(model: Path, tmp_path_factory: pytest.TempPathFactory, *extra: str) -> PdserveServer:
-    """Start ``pdserve serve`` with extra flags and wait for /health 200 (``HEALTHY_WITHIN_S``)."""
+def session_ray_address() -> str:
+    """The GCS address of the session's Ray (``ray_session`` must be active)."""
+    import ray
+
+    return str(ray.get_runtime_context().gcs_address)
+
+
+def _start_server(model: Path, tmp_path_factory: pytest.TempPathFactory, *extra: str,
+                  address: str | None = None) -> PdserveServer:
+    """Start ``pdserve serve`` with extra flags and wait for /health 200 (``HEALTHY_WITHIN_S``). With
+    ``address`` it attaches to that Ray (``--address``); without, it starts its own local Ray."""
     root = Path(__file__).resolve().parents[2]
     port = _free_port()
     log_path = tmp_path_factory.mktemp("pdserve") / "serve.log"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    attach = ("--address", address) if address else ()
     cmd = [sys.executable, "-m", "cli.main", "serve", "--model", str(model),
-           "--port", str(port), *SERVER_FLAGS, *extra]
+           "--port", str(port), *SERVER_FLAGS, *attach, *extra]
     with log_path.open("wb") as log:
         proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)  # its own process group, as in a terminal
@@ -115,14 +127,19 @@ def _stop_all(servers: list[PdserveServer]) -> None:
 
 
 @pytest.fixture(scope="module")
-def pdserve_factory(default_model_path: Path,
+def pdserve_factory(ray_session: None, default_model_path: Path,
                     tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., PdserveServer]]:
     """Start ``pdserve serve`` with extra flags (see ``_start_server``); all stop at module end. For a
-    server the module configures or disturbs (kills its workers, fills its queues)."""
+    server the module configures or disturbs (kills its workers, fills its queues).
+
+    ``start(*flags, own_ray=False)``: servers attach to the session's Ray (``--address``), as on a
+    cluster, which spares each a Ray start; ``own_ray=True`` gives one its own local Ray, as
+    ``pdserve serve`` on a laptop runs."""
     servers: list[PdserveServer] = []
 
-    def start(*extra: str) -> PdserveServer:
-        servers.append(_start_server(default_model_path, tmp_path_factory, *extra))
+    def start(*extra: str, own_ray: bool = False) -> PdserveServer:
+        address = None if own_ray else session_ray_address()
+        servers.append(_start_server(default_model_path, tmp_path_factory, *extra, address=address))
         return servers[-1]
 
     yield start
@@ -130,11 +147,21 @@ def pdserve_factory(default_model_path: Path,
 
 
 @pytest.fixture(scope="session")
-def pdserve_server(default_model_path: Path,
+def otlp_receiver() -> Iterator[OtlpReceiver]:
+    """An OTLP/HTTP trace receiver in this process; the default server exports every span to it."""
+    receiver = OtlpReceiver()
+    yield receiver
+    receiver.close()
+
+
+@pytest.fixture(scope="session")
+def pdserve_server(ray_session: None, otlp_receiver: OtlpReceiver, default_model_path: Path,
                    tmp_path_factory: pytest.TempPathFactory) -> Iterator[PdserveServer]:
-    """One default server (``SERVER_FLAGS`` only) shared by every module that only sends it requests;
-    a test that needs other flags or breaks a worker uses ``pdserve_factory``."""
-    server = _start_server(default_model_path, tmp_path_factory)
+    """One default server (``SERVER_FLAGS``, on the session's Ray, tracing every request to
+    ``otlp_receiver``) shared by every module that only sends it requests; a test that needs other
+    flags or breaks a worker uses ``pdserve_factory``."""
+    tracing = ("--otlp-traces-endpoint", otlp_receiver.url, "--otlp-traces-sample-ratio", "1.0")
+    server = _start_server(default_model_path, tmp_path_factory, *tracing, address=session_ray_address())
     yield server
     _stop_all([server])
 

@@ -1,12 +1,11 @@
-"""``pdserve bench`` against real servers: every workload on a disaggregated pdserve, and the same
-command unchanged (plus a short sweep) against a colocated pdserve standing in for another server."""
+"""``pdserve bench`` against a real disaggregated ``pdserve serve``: every workload in closed-loop
+(concurrency) mode, one run in open-loop (rate) mode, and a short sweep."""
 
 from __future__ import annotations
 
 import csv
 import json
 import math
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -91,9 +90,8 @@ def test_every_workload_against_pdserve(pdserve_server: PdserveServer, tmp_path:
         assert summary["server_metrics"]["kv_usage_max"] is not None
 
 
-def test_same_command_against_another_server(pdserve_factory: Callable[..., PdserveServer],
-                                             tmp_path: Path) -> None:
-    other = pdserve_factory("--num-prefill", "0", "--num-decode", "1")
+def test_rate_mode_and_a_sweep(pdserve_server: PdserveServer, tmp_path: Path) -> None:
+    other = pdserve_server
     summary = _bench(other.url, tmp_path / "run", "random", "--rate", "2")
     _check_files(tmp_path / "run", summary, expect_metrics=True)
     assert summary["config"]["rate"] == 2.0

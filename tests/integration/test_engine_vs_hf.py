@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -60,11 +61,8 @@ def prompts(llm: LLM) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def hf_reference(gguf: Path, prompts: list[list[int]]) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                 dtype=torch.float32).eval()
+def hf_reference(transformers_default_model: Any, prompts: list[list[int]]) -> list[list[int]]:
+    model = transformers_default_model
     refs = []
     with torch.inference_mode():
         for ids in prompts:

@@ -1,6 +1,7 @@
 """One trace per request across router -> prefill -> KV transfer -> decode, exported over real OTLP/HTTP
-from `pdserve serve` (the router and both worker processes) to a receiver in this process; and a real
-Prometheus (Debian `prometheus`) scraping the server's /metrics answers a TTFT p50 query."""
+from the session's default `pdserve serve` (the router and both worker processes) to a receiver in this
+process; and a real Prometheus (Debian `prometheus`) scraping the server's /metrics answers a TTFT p50
+query."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import secrets
 import shutil
 import subprocess
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,7 +25,6 @@ if TYPE_CHECKING:
 
 pytestmark = pytest.mark.slow
 
-MODEL = "tiny"
 HOPS = ("router", "prefill.queue", "prefill.compute", "kv.transfer", "decode.queue", "decode")
 STORY = ("The lighthouse keeper counted the ships that passed each night and wrote their names in a "
          "leather book, noting the wind, the tide and the colour of every sail. ")
@@ -33,20 +32,23 @@ TTFT_P50 = "histogram_quantile(0.5, sum by (le) (pdserve:time_to_first_token_sec
 
 
 @pytest.fixture(scope="module")
-def receiver() -> Iterator[OtlpReceiver]:
-    r = OtlpReceiver()
-    yield r
-    r.close()
+def receiver(otlp_receiver: OtlpReceiver) -> OtlpReceiver:
+    return otlp_receiver
 
 
 @pytest.fixture(scope="module")
-def server(pdserve_factory: Callable[..., PdserveServer], receiver: OtlpReceiver) -> PdserveServer:
-    return pdserve_factory("--otlp-traces-endpoint", receiver.url, "--otlp-traces-sample-ratio", "1.0",
-                           "--served-model-name", MODEL)
+def server(pdserve_server: PdserveServer) -> PdserveServer:
+    return pdserve_server
+
+
+@pytest.fixture(scope="module")
+def model(server: PdserveServer) -> str:
+    return str(httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["id"])
 
 
 def chat(server: PdserveServer, content: str, max_tokens: int, headers: dict[str, str] | None = None) -> dict:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+    model = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["id"]
+    body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
             "temperature": 0.0, "ignore_eos": True}
     resp = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=headers or {}, timeout=120)
     assert resp.status_code == 200, resp.text
@@ -60,9 +62,10 @@ def by_name(spans: list[Span]) -> dict[str, list[Span]]:
     return out
 
 
-def test_one_trace_covers_every_hop(server: PdserveServer, receiver: OtlpReceiver) -> None:
+def test_one_trace_covers_every_hop(server: PdserveServer, receiver: OtlpReceiver, model: str) -> None:
     trace_id, parent_id = secrets.token_hex(16), secrets.token_hex(8)
-    body = chat(server, STORY * 4 + "How many ships?", 6, {"traceparent": f"00-{trace_id}-{parent_id}-01"})
+    prompt = f"Log {trace_id[:8]}. " + STORY * 4 + "How many ships?"  # no block of it is cached anywhere
+    body = chat(server, prompt, 6, {"traceparent": f"00-{trace_id}-{parent_id}-01"})
     usage = body["usage"]
     assert usage["prompt_tokens"] >= 128
     receiver.wait(lambda: {s.name for s in receiver.trace(trace_id)} >= set(HOPS))
@@ -74,7 +77,7 @@ def test_one_trace_covers_every_hop(server: PdserveServer, receiver: OtlpReceive
     assert kv.parent_id == dq.span_id
     assert {s.service for s in (router, pq, kv)} == {"pdserve"}
     a = router.attrs
-    assert a["gen_ai.operation.name"] == "chat" and a["gen_ai.request.model"] == MODEL
+    assert a["gen_ai.operation.name"] == "chat" and a["gen_ai.request.model"] == model
     assert a["gen_ai.request.max_tokens"] == 6 and a["gen_ai.request.temperature"] == 0.0
     assert a["gen_ai.usage.input_tokens"] == usage["prompt_tokens"]
     assert a["gen_ai.usage.output_tokens"] == usage["completion_tokens"] == 6

@@ -1,9 +1,9 @@
 """pdserve on a real multi-node Ray cluster, submitted as a Ray job with token authentication on.
 
 The module starts its own cluster with ``ray start`` (own temp dir, own ports,
-``RAY_AUTH_MODE=token``): a head node (the job driver and router run there) and
-two worker nodes on this machine, one offering the custom resource
-``prefill_node`` and one ``decode_node``. ``ray job submit`` runs
+``RAY_AUTH_MODE=token``), two nodes on this machine: a head node (the job driver
+and router run there) that also offers the custom resource ``prefill_node``, and
+a worker node offering ``decode_node``. ``ray job submit`` runs
 ``python -m cli.main serve --address auto`` (what the ``pdserve`` script runs)
 with ``--prefill-resources prefill_node=1 --decode-resources decode_node=1`` (and the
 decode node's label, ``--decode-labels pdserve-role=decode_node``); the
@@ -35,7 +35,7 @@ import pytest
 
 from cli.plan import make_plan, read_model_config
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # starts a 3-node Ray cluster, then a job
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # starts a 2-node Ray cluster, then a job
 
 ROOT = Path(__file__).resolve().parents[2]
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -132,7 +132,7 @@ def _worker_port_base() -> int:
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[RayCluster]:
     temp_dir = Path(tempfile.mkdtemp(prefix="pdr", dir="/tmp"))
-    gcs, dash, client, *node_ports = _free_ports(3 + 3 * 6)
+    gcs, dash, client, *node_ports = _free_ports(3 + 2 * 6)
     base = _worker_port_base()
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(16), RAY_DEDUP_LOGS="0",
@@ -142,24 +142,22 @@ def ray_cluster() -> Iterator[RayCluster]:
         head = cluster.run(
             RAY, "start", "--head", "--temp-dir", str(temp_dir), "--port", str(gcs),
             "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash), "--ray-client-server-port",
-            str(client), "--num-cpus", "1", "--resources", json.dumps({"ingress": 1}),
-            *_node_args([*node_ports[0:6], base]))
+            str(client), "--num-cpus", "1", "--resources", json.dumps({"ingress": 1, "prefill_node": 1}),
+            "--labels", "pdserve-role=prefill_node", *_node_args([*node_ports[0:6], base]))
         assert head.returncode == 0, head.stdout[-2000:] + head.stderr[-2000:]
-        outputs = []
-        for i, resource in ((1, "prefill_node"), (2, "decode_node")):  # one at a time: 2 cores
-            node = cluster.run(RAY, "start", "--address", f"127.0.0.1:{gcs}", "--num-cpus", "1",
-                               "--resources", json.dumps({resource: 1}),
-                               "--labels", f"pdserve-role={resource}",
-                               *_node_args([*node_ports[6 * i:6 * i + 6], base + 50 * i]))
-            outputs.append(node.stdout[-1500:] + node.stderr[-1500:])
+        node = cluster.run(RAY, "start", "--address", f"127.0.0.1:{gcs}", "--num-cpus", "1",
+                           "--resources", json.dumps({"decode_node": 1}),
+                           "--labels", "pdserve-role=decode_node",
+                           *_node_args([*node_ports[6:12], base + 50]))
+        output = node.stdout[-1500:] + node.stderr[-1500:]
         # `ray start` gives a raylet 30 s to register; on a loaded machine it may register later
         deadline = time.monotonic() + 120
         while True:
             alive = [n for n in cluster.state()["nodes"] if n["state"] == "ALIVE"]
             offered = {r for n in alive for r in n["resources"]}
-            if len(alive) == 3 and {"prefill_node", "decode_node"} <= offered:
+            if len(alive) == 2 and {"prefill_node", "decode_node"} <= offered:
                 break
-            assert time.monotonic() < deadline, (alive, outputs)
+            assert time.monotonic() < deadline, (alive, output)
             time.sleep(2.0)
         yield cluster
     finally:

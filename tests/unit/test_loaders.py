@@ -16,7 +16,6 @@ from tokenizers import Tokenizer as RawTokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 from transformers import (
-    AutoModelForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -296,18 +295,9 @@ def test_written_gguf_round_trip(tmp_path: Path, arch: str) -> None:
     _assert_weights_equal(source.iter_weights(), model, cfg.tie_word_embeddings)
 
 
-@pytest.fixture(scope="module")
-def transformers_gguf_model() -> PreTrainedModel:
-    if not DEFAULT_GGUF.is_file():
-        pytest.skip(f"default model {DEFAULT_GGUF} absent (run scripts/setup.sh)")
-    return AutoModelForCausalLM.from_pretrained(
-        str(DEFAULT_GGUF.parent), gguf_file=DEFAULT_GGUF.name, dtype=torch.float32,
-        local_files_only=True,
-    )
-
-
 @needs_default_gguf
-def test_default_gguf_matches_transformers(transformers_gguf_model: PreTrainedModel) -> None:
+def test_default_gguf_matches_transformers(transformers_default_model: PreTrainedModel) -> None:
+    transformers_gguf_model = transformers_default_model
     source = load_model_source(DEFAULT_GGUF)
     cfg = source.config
     _assert_config_matches(cfg, transformers_gguf_model.config)
