@@ -46,10 +46,13 @@ def model(server: PdserveServer) -> str:
     return str(httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["id"])
 
 
-def chat(server: PdserveServer, content: str, max_tokens: int, headers: dict[str, str] | None = None) -> dict:
+def chat(server: PdserveServer, content: str, max_tokens: int, headers: dict[str, str] | None = None,
+         system: str | None = None) -> dict:
     model = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]["id"]
-    body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-            "temperature": 0.0, "ignore_eos": True}
+    messages = [{"role": "system", "content": system}] if system else []
+    messages.append({"role": "user", "content": content})
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True}
     resp = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=headers or {}, timeout=120)
     assert resp.status_code == 200, resp.text
     return dict(resp.json())
@@ -64,8 +67,9 @@ def by_name(spans: list[Span]) -> dict[str, list[Span]]:
 
 def test_one_trace_covers_every_hop(server: PdserveServer, receiver: OtlpReceiver, model: str) -> None:
     trace_id, parent_id = secrets.token_hex(16), secrets.token_hex(8)
-    prompt = f"Log {trace_id[:8]}. " + STORY * 4 + "How many ships?"  # no block of it is cached anywhere
-    body = chat(server, prompt, 6, {"traceparent": f"00-{trace_id}-{parent_id}-01"})
+    # the server is shared: a system prompt of its own makes even the first block one no worker has cached
+    body = chat(server, STORY * 4 + "How many ships?", 6, {"traceparent": f"00-{trace_id}-{parent_id}-01"},
+                system=f"Log {trace_id}.")
     usage = body["usage"]
     assert usage["prompt_tokens"] >= 128
     receiver.wait(lambda: {s.name for s in receiver.trace(trace_id)} >= set(HOPS))

@@ -46,7 +46,13 @@ def _groups(names: set[str]) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def serve_url(ray_session: None, default_model_path: Path) -> Iterator[str]:
+def others(ray_session: None) -> set[str]:
+    """Workers already on the session's Ray (other servers') before the application starts."""
+    return _workers()
+
+
+@pytest.fixture(scope="module")
+def serve_url(others: set[str], default_model_path: Path) -> Iterator[str]:
     from ray import serve
 
     from cli.serve_app import build_app
@@ -118,10 +124,10 @@ def test_errors_keep_their_shape(client: openai.OpenAI) -> None:
     assert bad.value.status_code == 400 and "temperature" in str(bad.value)
 
 
-def test_delete_leaves_no_workers(serve_url: str) -> None:
+def test_delete_leaves_no_workers(serve_url: str, others: set[str]) -> None:
     from ray import serve
 
-    names = _workers()
+    names = _workers() - others
     assert len(names) == 2 and {n.rsplit("-", 2)[1] for n in names} == {"prefill", "decode"}, names
     assert set(_groups(names).values()) == {"CREATED"}
     serve.delete(APP)
