@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -48,12 +49,32 @@ def transformers_default_model(default_model_path: Path) -> Any:
 RAY_FIXTURES = frozenset({"ray_session", "pdserve_factory", "pdserve_server", "ray_cluster"})
 
 
+# `pytest -n 2 --dist loadgroup` (the default, see pyproject.toml) runs each group on one worker process,
+# in collection order, so a session fixture the group shares is built once: the first rule that matches
+# a test's fixtures names its group; tests that match none are dealt out one by one.
+XDIST_GROUPS = (
+    ("ray-servers", frozenset({"pdserve_server", "pdserve_factory"})),  # `pdserve serve` subprocesses
+    ("ray-actors", frozenset({"ray_session", "ray_cluster"})),  # actors on the session's Ray; a cluster
+    ("transformers-reference", frozenset({"transformers_default_model"})),
+)
+
+
+def xdist_group(fixturenames: Iterable[str]) -> str | None:
+    names = set(fixturenames)
+    return next((group for group, fixtures in XDIST_GROUPS if fixtures & names), None)
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark every test that uses a Ray-starting fixture ``ray``; skip ``@pytest.mark.gpu`` tests when no
-    CUDA device is present."""
+    """Mark every test that uses a Ray-starting fixture ``ray``; put tests in their ``XDIST_GROUPS``
+    group; skip ``@pytest.mark.gpu`` tests when no CUDA device is present."""
     for item in items:
-        if RAY_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+        fixturenames = getattr(item, "fixturenames", ())
+        if RAY_FIXTURES.intersection(fixturenames):
             item.add_marker(pytest.mark.ray)
+        group = xdist_group(fixturenames)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_items:
         return
