@@ -79,8 +79,10 @@ def _free_port() -> int:
 # a server's start (its own local Ray, two or three worker processes loading the model) has taken over
 # 180 s on a loaded 2-core machine
 HEALTHY_WITHIN_S = 240
+# `--linear-kernel plain`: no packed copy of the weights, so a worker holds ~1.3 GB, not ~1.9 GB (two
+# xdist workers' servers and worker groups share 24 GB); the prepacked kernels run in the in-process tests
 SERVER_FLAGS = ("--num-prefill", "1", "--num-decode", "1", "--worker-cpus", "0.5", "--torch-threads", "1",
-                "--kv-cache-memory", "256M")
+                "--kv-cache-memory", "256M", "--linear-kernel", "plain")
 
 
 def session_ray_address() -> str:

@@ -29,7 +29,8 @@ from telemetry.tracing import TraceConfig
 from tests.integration.otlp_receiver import OtlpReceiver
 
 MODEL = str(default_model_path())
-CONFIG = EngineConfig(dtype="float32", max_num_batched_tokens=512, kv_cache_memory=256 * 2**20)
+CONFIG = EngineConfig(dtype="float32", max_num_batched_tokens=512, kv_cache_memory=256 * 2**20,
+                      linear_kernel="plain")  # see SERVER_FLAGS
 CHATS = ["What is the capital of France?", "Write a haiku about the sea.",
          "List three prime numbers greater than 100."]
 RAW = ["def fibonacci(n):\n    ", "The three primary colors are"]

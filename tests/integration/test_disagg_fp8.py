@@ -21,7 +21,8 @@ from router.client import PDClient
 
 MODEL = str(default_model_path())
 CONFIG = EngineConfig(dtype="float32", kv_cache_dtype="fp8", max_num_batched_tokens=512,
-                      kv_cache_memory=32 * 2**20, kv_offload_bytes=4 * 2**20)
+                      kv_cache_memory=32 * 2**20, kv_offload_bytes=4 * 2**20,
+                      linear_kernel="plain")  # see SERVER_FLAGS
 STORY = ("The lighthouse keeper counted the ships that passed each night and wrote their names in a "
          "leather book, noting the wind, the tide and the colour of every sail. ")
 

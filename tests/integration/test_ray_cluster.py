@@ -182,7 +182,7 @@ def job(ray_cluster: RayCluster, default_model_path: Path) -> Iterator[Job]:
         "--host", "127.0.0.1", "--port", str(port), "--num-prefill", "1", "--num-decode", "1",
         "--prefill-resources", "prefill_node=1", "--decode-resources", "decode_node=1",
         "--decode-labels", "pdserve-role=decode_node",
-        "--worker-cpus", "1", "--torch-threads", "1", "--kv-cache-memory", "64M",
+        "--worker-cpus", "1", "--torch-threads", "1", "--kv-cache-memory", "64M", "--linear-kernel", "plain",
         "--served-model-name", "tiny")
     assert submit.returncode == 0, submit.stdout[-2000:] + submit.stderr[-2000:]
     url = f"http://127.0.0.1:{port}"

@@ -62,7 +62,7 @@ def serve_url(others: set[str], default_model_path: Path) -> Iterator[str]:
     try:
         app = build_app({"model": str(default_model_path), "num-prefill": 1, "num-decode": 1,
                          "worker-cpus": 0.5, "torch-threads": 1, "kv-cache-memory": "256M",
-                         "routing": "prefix"})
+                         "linear-kernel": "plain", "routing": "prefix"})
         serve.run(app, name=APP, route_prefix="/")  # returns once the replica (and the workers) is up
         yield f"http://127.0.0.1:{port}"
     finally:

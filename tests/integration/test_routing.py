@@ -20,7 +20,8 @@ from router.client import PDClient
 from router.config import ClientConfig
 
 MODEL = str(default_model_path())
-CONFIG = EngineConfig(dtype="float32", max_num_batched_tokens=512, kv_cache_memory=128 * 2**20)
+CONFIG = EngineConfig(dtype="float32", max_num_batched_tokens=512, kv_cache_memory=128 * 2**20,
+                      linear_kernel="plain")  # see SERVER_FLAGS
 SYSTEM = ("You are the archivist of a harbour town. You answer questions about ships, tides, storms and "
           "the lighthouse, always citing the logbook page. ")
 
