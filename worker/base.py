@@ -17,6 +17,7 @@ Methods called over Ray never raise for a request's sake: they answer a
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 import torch
@@ -27,6 +28,7 @@ from engine.engine import LLMEngine
 from engine.kv_digest import kv_digest
 from engine.kv_events import KvEventPublisher
 from engine.kv_sizing import kv_dtype_name
+from engine.sampling_params import SamplingParams
 from messages.codec import pack
 from messages.wire import KvEvents, KvSnapshot, KvTierStats, WorkerStats
 from telemetry.histogram import Histogram
@@ -45,6 +47,13 @@ class WorkerBase(TracedRole):
         self.events = KvEventPublisher(self.engine.kv)
         self.queue_time = Histogram()
         self.init_tracing(tracing)
+
+    async def prepare_grammar(self, params: SamplingParams) -> None:
+        """Compile a constrained request's grammar in the engine's grammar thread (cached), before the
+        request takes the engine lock, so a slow grammar never holds up other requests' steps; a bad
+        grammar raises ``engine.grammar.GrammarError`` (a ValueError)."""
+        if params.structured is not None:
+            await asyncio.wrap_future(self.engine.grammars.prepare(params.structured))
 
     async def abort(self, request_id: str) -> None:
         await self.aengine.mutate(lambda e: e.abort_request(request_id))
