@@ -70,7 +70,7 @@ class WorkerBase(TracedRole):
         return pack(await self.aengine.read(self._stats))
 
     def _stats(self, e: LLMEngine) -> WorkerStats:
-        s = e.stats()
+        s, g = e.stats(), e.grammars.stats
         common = WorkerStats(
             worker_id=self.worker_id, role=self.role, pid=os.getpid(),
             num_running=s.num_running, num_waiting=s.num_waiting,
@@ -82,6 +82,9 @@ class WorkerBase(TracedRole):
             kv_cache_dtype=kv_dtype_name(e.config.kv_torch_dtype),
             kv_tiers=[KvTierStats(tier=t.tier, capacity_blocks=t.capacity_blocks, used_blocks=t.used_blocks,
                                   block_bytes=t.block_bytes, hits=t.hits) for t in s.kv_tiers],
+            structured_requests=g.constrained_requests, grammar_compiles=g.compiles,
+            grammar_cache_hits=g.cache_hits, grammar_compile_seconds=g.compile_seconds,
+            grammar_mask_steps=g.mask_steps, grammar_mask_seconds=g.mask_seconds,
         )
         return self.role_stats(common)
 

@@ -50,7 +50,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     # the router process holds no tensors and no model: message and KV wire types, tracing, and from the
     # engine only the prompt hashing, the tokenizer and the sampling parameters it shares with the workers
     "router": ("router", "messages", "transfer.wire", "telemetry", "engine.hashing", "engine.tokenizer",
-               "engine.sampling_params"),
+               "engine.sampling_params", "engine.grammar"),
     "cluster": tuple(p for p in PACKAGES if p not in ("cli", "bench")),
     "cli": PACKAGES,
     # the load generator talks to a server over HTTP only; in-process benchmarks are listed below
