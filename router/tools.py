@@ -18,7 +18,8 @@ content in the format above, and a ``tool`` message's content is wrapped in
 unparsed; ``auto`` (the default when tools are given) renders them and parses
 whatever calls the model writes; ``required`` and a named function also
 constrain the output with a Lark grammar (``%json`` per function: the name as
-a constant, the arguments by the function's ``parameters`` schema) to one call,
+a constant, the arguments by the function's ``parameters`` schema; compact JSON
+as ``engine.grammar.JSON_OPTIONS`` writes it) to one call,
 or one or more when ``parallel_tool_calls`` is true (the default).
 """
 
@@ -30,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.grammar import JSON_OPTIONS
 from engine.sampling_params import StructuredOutput
 from router.errors import invalid
 from router.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, Tool
@@ -104,7 +106,7 @@ def mode_of(req: ChatCompletionRequest) -> ToolMode:
 def _call_schema(tool: Tool) -> dict[str, object]:
     params = tool.function.parameters or {"type": "object", "properties": {}}
     return {"type": "object", "properties": {"name": {"const": tool.function.name}, "arguments": params},
-            "required": ["name", "arguments"], "additionalProperties": False}
+            "required": ["name", "arguments"], "additionalProperties": False, "x-guidance": JSON_OPTIONS}
 
 
 def call_grammar(tools: Sequence[Tool], many: bool) -> StructuredOutput:
