@@ -63,6 +63,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
 IN_PROCESS_BENCHMARKS: dict[str, tuple[str, ...]] = {
     "bench.offline": ("engine",),
     "bench.preemption": ("engine",),
+    "bench.structured": ("engine",),
     "bench.kv_offload": ("engine",),
     "bench.kv_window": ("engine",),
     "bench.kv_quant": ("engine", "kernels"),
