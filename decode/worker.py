@@ -133,6 +133,7 @@ class DecodeWorker(WorkerBase):
         last: RequestOutput | None = None
         final = True
         try:
+            await self.prepare_grammar(req.sampling)
             if prefill is None:
                 await self.aengine.mutate(lambda e: self._start_here(e, req))
                 error = None

@@ -34,6 +34,7 @@ from engine.outputs import RequestOutput
 from engine.request import Request
 from engine.sampling import Sampler, SamplerOutput, SamplingParams, TokenLogprobs
 from engine.scheduler import KvWindow, Scheduler, SchedulerOutput
+from engine.structured import Grammars, apply_logit_bias
 from engine.swap import HostSwapSpace
 from engine.tokenizer import Tokenizer
 from kernels.linear import LinearKernel
@@ -116,6 +117,7 @@ class LLMEngine:
                                    self.config.prefix_wait_min_tokens)
         self.sampler = Sampler()
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) or self.model_config.eos_token_ids
+        self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.reserved: dict[str, Request] = {}
         self.check_integrity = check_integrity
@@ -143,8 +145,14 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests or request_id in self.reserved:
             raise ValueError(f"request id {request_id!r} is already in use")
-        return Request(request_id, token_ids, params, self.eos_token_ids, text,
-                       arrival_time or time.monotonic(), priority, hold_kv)
+        request = Request(request_id, token_ids, params, self.eos_token_ids, text,
+                          arrival_time or time.monotonic(), priority, hold_kv)
+        so = params.structured
+        if so is not None:  # compiles here unless cached: workers await ``grammars.prepare`` first
+            if so.resumed_tokens >= len(token_ids):
+                raise ValueError("structured.resumed_tokens must be fewer than the prompt's tokens")
+            request.guide = self.grammars.guide(so, token_ids[len(token_ids) - so.resumed_tokens:])
+        return request
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0,
@@ -218,8 +226,12 @@ class LLMEngine:
 
     def sample(self, out: SchedulerOutput, logits: torch.Tensor) -> SamplerOutput | None:
         """One token per completing chunk of ``out`` (None when no chunk completes)."""
-        completing = [item.request.sampling for item in out.scheduled if item.completes]
-        return self.sampler.sample(logits, completing) if completing else None
+        completing = [item.request for item in out.scheduled if item.completes]
+        if not completing:
+            return None
+        logits = apply_logit_bias(logits, [r.params for r in completing])
+        logits = self.grammars.apply(logits, [r.guide for r in completing])
+        return self.sampler.sample(logits, [r.sampling for r in completing])
 
     def process(self, out: SchedulerOutput, sampled: SamplerOutput | None) -> list[RequestOutput]:
         """Advance the scheduler and the requests past a step; the outputs to hand back."""

@@ -98,6 +98,13 @@ class WorkerStats(msgspec.Struct, frozen=True, kw_only=True):
     block_size: int = 0
     kv_cache_dtype: str = ""  # storage dtype name: float32, bfloat16, float16, fp8, fp8_e5m2, int8
     kv_tiers: list[KvTierStats] = []  # device first; host / disk only when configured
+    # grammar-constrained decoding (``engine.structured.StructuredStats``), cumulative
+    structured_requests: int = 0
+    grammar_compiles: int = 0
+    grammar_cache_hits: int = 0
+    grammar_compile_seconds: float = 0.0
+    grammar_mask_steps: int = 0
+    grammar_mask_seconds: float = 0.0
 
 
 class KvEvents(msgspec.Struct, frozen=True):
