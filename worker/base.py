@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 
+import msgspec
 import torch
 
 from engine.async_engine import AsyncEngine
@@ -74,6 +75,11 @@ class WorkerBase(TracedRole):
             kv_tiers=[KvTierStats(tier=t.tier, capacity_blocks=t.capacity_blocks, used_blocks=t.used_blocks,
                                   block_bytes=t.block_bytes, hits=t.hits) for t in s.kv_tiers],
         )
+        if s.spec is not None:
+            common = msgspec.structs.replace(
+                common, spec_num_drafts=s.spec.num_drafts, spec_num_draft_tokens=s.spec.num_draft_tokens,
+                spec_num_accepted_tokens=s.spec.num_accepted_tokens,
+                spec_accepted_per_pos=list(s.spec.accepted_per_pos))
         return self.role_stats(common)
 
     def role_stats(self, common: WorkerStats) -> WorkerStats:
