@@ -16,10 +16,11 @@ def test_spec_counters_and_per_position_acceptance() -> None:
     samples = {(s.name, s.labels.get("position")): s.value
                for f in text_string_to_metric_families(worker_metrics([stats]).decode()) for s in f.samples
                if s.name.startswith("pdserve:spec_decode")}
-    assert samples == {
+    expected: dict[tuple[str, str | None], float] = {
         ("pdserve:spec_decode_num_drafts_total", None): 5.0,
         ("pdserve:spec_decode_num_draft_tokens_total", None): 18.0,
         ("pdserve:spec_decode_num_accepted_tokens_total", None): 7.0,
         **{("pdserve:spec_decode_num_accepted_tokens_per_pos_total", str(i)): float(n)
            for i, n in enumerate([4, 2, 1, 0])},
     }
+    assert samples == expected
