@@ -105,6 +105,11 @@ class WorkerStats(msgspec.Struct, frozen=True, kw_only=True):
     grammar_compile_seconds: float = 0.0
     grammar_mask_steps: int = 0
     grammar_mask_seconds: float = 0.0
+    # speculative decoding totals (engine/spec_decode.py SpecStats); zero when it is off
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = []  # accepted tokens by position in the draft (0: first)
 
 
 class KvEvents(msgspec.Struct, frozen=True):

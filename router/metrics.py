@@ -15,8 +15,11 @@ looked up / found, as vLLM counts them), ``num_preemptions_total``, ``request_qu
 constrained decoding's ``structured_requests_total``, ``grammar_compiles_total``,
 ``grammar_cache_hits_total``, ``grammar_compile_seconds_total``,
 ``grammar_mask_steps_total`` and ``grammar_mask_seconds_total`` (masking time
-inside steps), plus the older ``worker_*`` gauges. ``routing_decisions_total{role,policy,reason}``
-counts the client's routing choices.
+inside steps), speculative decoding's ``spec_decode_num_drafts_total``,
+``spec_decode_num_draft_tokens_total``, ``spec_decode_num_accepted_tokens_total`` and
+``spec_decode_num_accepted_tokens_per_pos_total{position}`` (0 = first proposed token; decode
+workers with ``--speculative-config``), plus the older ``worker_*`` gauges.
+``routing_decisions_total{role,policy,reason}`` counts the client's routing choices.
 
 Per KV tier, labelled ``worker``, ``role``, ``tier`` (``device``, ``host``,
 ``disk``) and ``kv_cache_dtype`` (``float32``, ``bfloat16``, ``float16``,
@@ -119,6 +122,9 @@ COUNTERS: dict[str, tuple[str, Getter]] = {
     "grammar_mask_seconds": ("Seconds spent computing and applying grammar masks inside steps "
                              "(divide by grammar_mask_steps for the time per step).",
                              lambda s: s.grammar_mask_seconds),
+    "spec_decode_num_drafts": ("Number of spec decoding drafts.", lambda s: s.spec_num_drafts),
+    "spec_decode_num_draft_tokens": ("Number of draft tokens.", lambda s: s.spec_num_draft_tokens),
+    "spec_decode_num_accepted_tokens": ("Number of accepted tokens.", lambda s: s.spec_num_accepted_tokens),
 }
 TierGetter = Callable[[WorkerStats, KvTierStats], float]
 TIER_GAUGES: dict[str, tuple[str, TierGetter]] = {
@@ -164,6 +170,12 @@ class ClusterCollector(Collector):
             for s in self.stats:
                 c.add_metric([s.worker_id, s.role], get(s))
             yield c
+        c = CounterMetricFamily("pdserve:spec_decode_num_accepted_tokens_per_pos",
+                                "Accepted tokens per draft (0-based) position.", labels=[*labels, "position"])
+        for s in self.stats:
+            for pos, n in enumerate(s.spec_accepted_per_pos):
+                c.add_metric([s.worker_id, s.role, str(pos)], n)
+        yield c
         tier_labels = [*labels, "tier", "kv_cache_dtype"]
         for name, (doc, tget) in TIER_GAUGES.items():
             g = GaugeMetricFamily(f"pdserve:{name}", doc, labels=tier_labels)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import os
 
+import msgspec
 import torch
 
 from engine.async_engine import AsyncEngine
@@ -86,6 +87,11 @@ class WorkerBase(TracedRole):
             grammar_cache_hits=g.cache_hits, grammar_compile_seconds=g.compile_seconds,
             grammar_mask_steps=g.mask_steps, grammar_mask_seconds=g.mask_seconds,
         )
+        if s.spec is not None:
+            common = msgspec.structs.replace(
+                common, spec_num_drafts=s.spec.num_drafts, spec_num_draft_tokens=s.spec.num_draft_tokens,
+                spec_num_accepted_tokens=s.spec.num_accepted_tokens,
+                spec_accepted_per_pos=list(s.spec.accepted_per_pos))
         return self.role_stats(common)
 
     def role_stats(self, common: WorkerStats) -> WorkerStats:
