@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -49,32 +48,51 @@ def transformers_default_model(default_model_path: Path) -> Any:
 RAY_FIXTURES = frozenset({"ray_session", "pdserve_factory", "pdserve_server", "ray_cluster"})
 
 
-# `pytest -n 2 --dist loadgroup` (the default, see pyproject.toml) runs each group on one worker process,
-# in collection order, so a session fixture the group shares is built once: the first rule that matches
-# a test's fixtures names its group; tests that match none are dealt out one by one.
-XDIST_GROUPS = (
-    ("ray-servers", frozenset({"pdserve_server", "pdserve_factory"})),  # `pdserve serve` subprocesses
-    ("ray-actors", frozenset({"ray_session", "ray_cluster"})),  # actors on the session's Ray; a cluster
-    ("transformers-reference", frozenset({"transformers_default_model"})),
-)
+# `pytest -n 2` (the default, see pyproject.toml) runs each module on one worker process, and the modules
+# sharing a session fixture too expensive to build twice together on one, in collection order. (pytest-xdist's
+# own `--dist loadgroup` cannot tag node ids under pytest 9, so the scheduler below groups by path.)
+SHARED_SCOPES = {
+    "default-server": ("pdserve_server", (  # one `pdserve serve` on one Ray session
+        "tests/integration/test_bench.py", "tests/integration/test_observability.py",
+        "tests/integration/test_openai_api.py", "tests/integration/test_request_fields.py",
+        "tests/integration/test_structured.py")),
+    "transformers-reference": ("transformers_default_model", (  # the model transformers loads from the GGUF
+        "tests/integration/test_engine_vs_hf.py", "tests/unit/test_loaders.py")),
+}
+_SCOPE_OF_MODULE = {m: scope for scope, (_, modules) in SHARED_SCOPES.items() for m in modules}
 
 
-def xdist_group(fixturenames: Iterable[str]) -> str | None:
-    names = set(fixturenames)
-    return next((group for group, fixtures in XDIST_GROUPS if fixtures & names), None)
+def xdist_scope(nodeid: str) -> str:
+    """The unit of work a test belongs to: its shared scope, else its module."""
+    module = nodeid.split("::", 1)[0]
+    return _SCOPE_OF_MODULE.get(module, module)
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the group marks
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedScopeScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_scope(nodeid)
+
+    return SharedScopeScheduling(config, log)
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """Mark a test ``ray`` when it uses a Ray-starting fixture; refuse a test that uses a shared session
+    fixture from a module ``SHARED_SCOPES`` does not list (it would build the fixture again elsewhere)."""
+    fixturenames = getattr(item, "fixturenames", ())
+    if RAY_FIXTURES.intersection(fixturenames):
+        item.add_marker(pytest.mark.ray)
+    module = item.nodeid.split("::", 1)[0]
+    for scope, (fixture, modules) in SHARED_SCOPES.items():
+        if fixture in fixturenames and module not in modules:
+            raise pytest.UsageError(f"{item.nodeid} uses {fixture}: add {module} to SHARED_SCOPES[{scope!r}] "
+                                    "in tests/conftest.py")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark every test that uses a Ray-starting fixture ``ray``; put tests in their ``XDIST_GROUPS``
-    group; skip ``@pytest.mark.gpu`` tests when no CUDA device is present."""
-    for item in items:
-        fixturenames = getattr(item, "fixturenames", ())
-        if RAY_FIXTURES.intersection(fixturenames):
-            item.add_marker(pytest.mark.ray)
-        group = xdist_group(fixturenames)
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
+    """Skip ``@pytest.mark.gpu`` tests when no CUDA device is present."""
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_items:
         return
