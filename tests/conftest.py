@@ -55,7 +55,7 @@ SHARED_SCOPES = {
     "default-server": ("pdserve_server", (  # one `pdserve serve` on one Ray session
         "tests/integration/test_bench.py", "tests/integration/test_observability.py",
         "tests/integration/test_openai_api.py", "tests/integration/test_request_fields.py",
-        "tests/integration/test_structured.py")),
+        "tests/integration/test_structured.py", "tests/integration/test_structured_migration.py")),
     "transformers-reference": ("transformers_default_model", (  # the model transformers loads from the GGUF
         "tests/integration/test_engine_vs_hf.py", "tests/unit/test_loaders.py")),
 }
@@ -79,16 +79,24 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 
 def pytest_itemcollected(item: pytest.Item) -> None:
-    """Mark a test ``ray`` when it uses a Ray-starting fixture; refuse a test that uses a shared session
-    fixture from a module ``SHARED_SCOPES`` does not list (it would build the fixture again elsewhere)."""
+    """Mark a test ``ray`` when it uses a Ray-starting fixture; a test that uses a shared session fixture
+    from a module ``SHARED_SCOPES`` does not list fails (it would build the fixture again elsewhere)."""
     fixturenames = getattr(item, "fixturenames", ())
     if RAY_FIXTURES.intersection(fixturenames):
         item.add_marker(pytest.mark.ray)
     module = item.nodeid.split("::", 1)[0]
     for scope, (fixture, modules) in SHARED_SCOPES.items():
         if fixture in fixturenames and module not in modules:
-            raise pytest.UsageError(f"{item.nodeid} uses {fixture}: add {module} to SHARED_SCOPES[{scope!r}] "
-                                    "in tests/conftest.py")
+            item.stash[_MISPLACED] = (f"{item.nodeid} uses {fixture}: add {module} to "
+                                      f"SHARED_SCOPES[{scope!r}] in tests/conftest.py")
+
+
+_MISPLACED = pytest.StashKey[str]()
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if _MISPLACED in item.stash:
+        pytest.fail(item.stash[_MISPLACED])
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
