@@ -2,8 +2,10 @@
 
 A workload yields :class:`Session` objects forever (the runner stops taking them
 when its time is up). A session is one request (``random``, ``shared-prefix``,
-``long-context``, ``mixed``) or several chat turns sent one after the other, each
-resending the whole history with the server's earlier answers (``multi-turn``).
+``long-context``, ``mixed``, ``copy-heavy``) or several chat turns sent one after the other, each
+resending the whole history with the server's earlier answers (``multi-turn``). ``copy-heavy``
+asks for answers that repeat what the prompt supplies (a document quoted back, code returned with
+one identifier renamed), where speculative decoding's n-gram lookup pays.
 
 Prompt text is built from "word tokens": vocabulary entries that decode to a
 space and 3-10 lowercase letters and encode back to themselves, so ``n`` of them
@@ -174,6 +176,69 @@ def _mixed(words: WordSource, rng: random.Random, p: dict[str, float]) -> Iterat
             yield Session("chat", (Turn(words.text(rng, n), n_out, n),), label="chat")
 
 
+SENTENCES = (
+    "The committee approved the new budget after a long discussion about maintenance costs.",
+    "Our office will be closed on Monday, and support tickets will be answered on Tuesday morning.",
+    "The bridge was built in 1932 and repaired twice after the floods of the following decades.",
+    "Customers who ordered before the fifth of March will receive their parcels within two weeks.",
+    "The library lends laptops to students for up to seven days, with one renewal allowed.",
+    "A light rain is expected in the afternoon, clearing up by evening with a cool northern wind.",
+    "The recipe calls for two cups of flour, one egg, a pinch of salt and a spoon of honey.",
+    "Each team member should update the shared spreadsheet before the Friday review meeting.",
+    "The museum's new wing displays maps, compasses and letters from early coastal expeditions.",
+    "Passengers must show a valid ticket and an identity card before boarding the night train.",
+    "The software update fixes a crash on startup and improves the speed of large file uploads.",
+    "Volunteers planted three hundred trees along the river to protect the banks from erosion.",
+    "The contract may be cancelled by either party with thirty days of written notice.",
+    "Our quarterly report shows steady growth in the northern region and flat sales elsewhere.",
+    "The patient should take one tablet twice a day with food and avoid driving at night.",
+    "The old harbour now hosts a fish market every Saturday and a music festival in August.",
+    "Applicants need a cover letter, two references and a copy of their latest diploma.",
+    "The city council plans to add bicycle lanes to the main avenue by the end of next year.",
+    "The printer on the second floor is out of toner, so please use the one near the kitchen.",
+    "Mountain guides recommend starting the climb before sunrise to avoid afternoon storms.",
+    "The warranty covers parts and labour for two years but not damage caused by water.",
+    "Each chapter ends with a short summary and a list of questions for class discussion.",
+    "The school choir will perform at the town hall on the last evening before the holidays.",
+    "Engineers replaced the cooling pumps, and the plant returned to full power on Thursday.",
+)
+FUNCTION = """def {name}({a}, {b}):
+    \"\"\"Return the {c} of {a} and {b}.\"\"\"
+    {c} = []
+    for {item} in {a}:
+        if {item} in {b}:
+            {c}.append({item})
+        elif len({c}) > {n}:
+            break
+    return {c}
+"""
+
+
+def _copy_heavy(words: WordSource, rng: random.Random, p: dict[str, float]) -> Iterator[Session]:
+    """Answers that copy most of what the prompt supplies: quote a document back, or return a whole
+    piece of code with one identifier renamed."""
+    n_sentences, n_functions, n_out = _int(p, "sentences"), _int(p, "functions"), _int(p, "output_len")
+    code_share = float(p["code_share"])
+    names = [w.strip() for w in words.words]
+    while True:
+        if rng.random() < code_share:
+            parts = []
+            for _ in range(n_functions):
+                a, b, c, item, name = rng.sample(names, 5)
+                parts.append(FUNCTION.format(name=f"find_{name}", a=a, b=b, c=c, item=item,
+                                             n=rng.randint(2, 9)))
+            code = "\n".join(parts)
+            old = rng.choice(parts).split("(")[1].split(",")[0]
+            text = (f"Rename the variable `{old}` to `{rng.choice(names)}_list` in this code and return the "
+                    f"whole code:\n\n```python\n{code}```")
+            label = "code-edit"
+        else:
+            doc = " ".join(rng.sample(SENTENCES, min(n_sentences, len(SENTENCES))))
+            text = f"Copy the following text exactly, word for word:\n\n{doc}"
+            label = "quote"
+        yield Session("chat", (Turn(text, n_out, words.count(text)),), label=label)
+
+
 DEFAULTS: dict[str, dict[str, float]] = {
     "random": {"input_len": 256, "output_len": 64},
     "shared-prefix": {"num_prefixes": 8, "questions_per_prefix": 16, "prefix_len": 512, "question_len": 32,
@@ -182,10 +247,11 @@ DEFAULTS: dict[str, dict[str, float]] = {
     "long-context": {"context_len": 2048, "output_len": 32, "margin": 64},
     "mixed": {"rag_share": 0.2, "short_min": 16, "short_max": 128, "rag_min": 768, "rag_max": 1536,
               "rag_system_len": 64, "output_min": 16, "output_max": 128},
+    "copy-heavy": {"sentences": 8, "functions": 3, "code_share": 0.5, "output_len": 128},
 }
 MAKERS: dict[str, Callable[[WordSource, random.Random, dict[str, float]], Iterator[Session]]] = {
     "random": _random, "shared-prefix": _shared_prefix, "multi-turn": _multi_turn,
-    "long-context": _long_context, "mixed": _mixed,
+    "long-context": _long_context, "mixed": _mixed, "copy-heavy": _copy_heavy,
 }
 WORKLOADS = tuple(DEFAULTS)
 

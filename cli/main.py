@@ -89,6 +89,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Add the flags that configure an engine (model, memory, scheduler limits). Each flag's dest is
     an ``EngineConfig`` field and its default is that field's default (``engine_config_from_args``)."""
     from engine.config import ATTENTION_BACKENDS, EngineConfig
+    from engine.spec_config import parse_speculative_config
     from kernels.linear import LINEAR_KERNELS
 
     d = EngineConfig()
@@ -161,6 +162,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="compile the decoder layers with torch.compile (inductor) for decode batches padded "
                         "to buckets, cached on disk under $PDSERVE_CACHE/inductor; it did not pay on the "
                         "CPUs measured, see docs/benchmarks.md (default: off)")
+    g.add_argument("--speculative-config", type=converted(parse_speculative_config),
+                   default=d.speculative_config, metavar="JSON",
+                   help="speculative decoding, vLLM's shape: '{\"method\": \"ngram\", "
+                        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' "
+                        "proposes the tokens that followed the latest earlier match of the last tokens and "
+                        "verifies them in one forward; greedy output is unchanged, sampled output keeps "
+                        "its distribution (default: None, off)")
     g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization, metavar="F",
                    help="with --device cuda, the fraction of the device's memory the engine may use "
                         "(weights plus KV cache), in (0, 1] (default: 0.9)")

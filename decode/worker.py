@@ -27,7 +27,8 @@ Spans (for requests carrying a trace context, children of the caller's span):
 ``decode.queue`` from arrival here (the reservation) to the first schedule
 (the prompt's K/V in place), with a ``kv.transfer`` child per pull attempt
 (bytes, blocks, descriptors, backend, duration, outcome, attempt), then
-``decode`` from the first schedule to the end (output tokens, finish reason).
+``decode`` from the first schedule to the end (output tokens, finish reason, and with speculative
+decoding the proposed and accepted tokens and their ratio).
 """
 
 from __future__ import annotations
@@ -133,6 +134,7 @@ class DecodeWorker(WorkerBase):
         last: RequestOutput | None = None
         final = True
         try:
+            await self.prepare_grammar(req.sampling)
             if prefill is None:
                 await self.aengine.mutate(lambda e: self._start_here(e, req))
                 error = None
@@ -286,6 +288,10 @@ class DecodeWorker(WorkerBase):
             "pdserve.worker": self.worker_id, "gen_ai.usage.output_tokens": m.output_tokens,
             "gen_ai.response.finish_reasons": [last.finish_reason or ""],
             "pdserve.preemptions": m.num_preemptions,
+            "pdserve.spec.draft_tokens": m.spec_draft_tokens,
+            "pdserve.spec.accepted_tokens": m.spec_accepted_tokens,
+            "pdserve.spec.acceptance_rate": (m.spec_accepted_tokens / m.spec_draft_tokens
+                                             if m.spec_draft_tokens else 0.0),
         }, error=None if finished else (last.finish_reason or "not finished"))
 
     async def abort(self, request_id: str) -> None:

@@ -10,9 +10,11 @@ both live in properties so nothing is stored twice.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from engine.spec_config import SpeculativeConfig
 from kernels.kv_quant import is_quantized, parse_kv_cache_dtype
 from kernels.linear import LINEAR_KERNELS
 
@@ -136,8 +138,12 @@ class EngineConfig:
     enforce_eager: bool = False
     compile_cpu: bool = False
     num_threads: int | None = None
+    # speculative decoding (engine/spec_config.py), vLLM's dict: {"method": "ngram", ...}; None: off
+    speculative_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        if self.speculative_config is not None:
+            SpeculativeConfig.from_dict(self.speculative_config)
         if self.dtype.lower() != "auto":
             parse_dtype(self.dtype)
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -193,6 +199,13 @@ class EngineConfig:
     def compile_enabled(self) -> bool:
         """Whether the CPU decode path runs compiled (``compile_cpu`` and not ``enforce_eager``)."""
         return self.compile_cpu and not self.enforce_eager and self.device == "cpu"
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """The parsed ``speculative_config`` (None when speculation is off)."""
+        if self.speculative_config is None:
+            return None
+        return SpeculativeConfig.from_dict(self.speculative_config)
 
     @property
     def kv_quantized(self) -> bool:

@@ -31,9 +31,12 @@ from engine.model import CausalLM
 from engine.model_runner import ModelRunner
 from engine.offload import KvOffload
 from engine.outputs import RequestOutput
+from engine.rejection import Verified, verify
 from engine.request import Request
 from engine.sampling import Sampler, SamplerOutput, SamplingParams, TokenLogprobs
 from engine.scheduler import KvWindow, Scheduler, SchedulerOutput
+from engine.spec_decode import SpecDecoder, SpecStats
+from engine.structured import Grammars, apply_logit_bias
 from engine.swap import HostSwapSpace
 from engine.tokenizer import Tokenizer
 from kernels.linear import LinearKernel
@@ -62,6 +65,7 @@ class EngineStats:
     kv_offload_host_bytes: int = 0
     kv_offload_disk_bytes: int = 0
     kv_tiers: tuple[KvTier, ...] = ()  # device, then host / disk when configured
+    spec: SpecStats | None = None  # speculative decoding totals when it is on
 
 
 @dataclass(frozen=True)
@@ -115,7 +119,10 @@ class LLMEngine:
                                    self.config.preemption_mode, self.swap, self.kv_window,
                                    self.config.prefix_wait_min_tokens)
         self.sampler = Sampler()
+        spec = self.config.speculative
+        self.spec = SpecDecoder(spec, self.kv, self.max_model_len) if spec is not None else None
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) or self.model_config.eos_token_ids
+        self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.reserved: dict[str, Request] = {}
         self.check_integrity = check_integrity
@@ -143,8 +150,14 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests or request_id in self.reserved:
             raise ValueError(f"request id {request_id!r} is already in use")
-        return Request(request_id, token_ids, params, self.eos_token_ids, text,
-                       arrival_time or time.monotonic(), priority, hold_kv)
+        request = Request(request_id, token_ids, params, self.eos_token_ids, text,
+                          arrival_time or time.monotonic(), priority, hold_kv)
+        so = params.structured
+        if so is not None:  # compiles here unless cached: workers await ``grammars.prepare`` first
+            if so.resumed_tokens >= len(token_ids):
+                raise ValueError("structured.resumed_tokens must be fewer than the prompt's tokens")
+            request.guide = self.grammars.guide(so, token_ids[len(token_ids) - so.resumed_tokens:])
+        return request
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0,
@@ -210,29 +223,55 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run, sample; outputs for requests that got a token or finished."""
-        out = self.scheduler.schedule()
+        drafts = self.spec.propose(self.scheduler.running) if self.spec is not None else None
+        out = self.scheduler.schedule(drafts)
         if not out:
             return []
         logits = self.runner.execute(out, self.kv)
         return self.process(out, self.sample(out, logits))
 
-    def sample(self, out: SchedulerOutput, logits: torch.Tensor) -> SamplerOutput | None:
-        """One token per completing chunk of ``out`` (None when no chunk completes)."""
-        completing = [item.request.sampling for item in out.scheduled if item.completes]
-        return self.sampler.sample(logits, completing) if completing else None
+    def sample(self, out: SchedulerOutput, logits: torch.Tensor) -> SamplerOutput | Verified | None:
+        """One token per completing chunk of ``out`` (None when no chunk completes); with proposed
+        tokens in the step, 1 to 1 + proposals per chunk (``engine/rejection.py``). Logit bias and
+        grammar masks apply to every row; a constrained request never has proposals
+        (``SpecDecoder.propose``), so its one row is masked by its guide's current state."""
+        completing = [item for item in out.scheduled if item.completes]
+        if not completing:
+            return None
+        rows = [1 + len(item.spec_token_ids) for item in completing]
+        params = [item.request.params for item, n in zip(completing, rows, strict=True) for _ in range(n)]
+        guides = [item.request.guide for item, n in zip(completing, rows, strict=True) for _ in range(n)]
+        logits = apply_logit_bias(logits, params)
+        logits = self.grammars.apply(logits, guides)
+        states = [item.request.sampling for item in completing]
+        if any(item.spec_token_ids for item in completing):
+            return verify(self.sampler, logits, states, [item.spec_token_ids for item in completing])
+        return self.sampler.sample(logits, states)
 
-    def process(self, out: SchedulerOutput, sampled: SamplerOutput | None) -> list[RequestOutput]:
+    def process(self, out: SchedulerOutput, sampled: SamplerOutput | Verified | None) -> list[RequestOutput]:
         """Advance the scheduler and the requests past a step; the outputs to hand back."""
         completing = [item.request for item in out.scheduled if item.completes]
+        if isinstance(sampled, Verified) and self.spec is not None:
+            self.spec.settle(out, sampled)
         self.scheduler.update_after_step(out)
         outputs = []
+        if isinstance(sampled, SamplerOutput):
+            sampled = Verified([[t] for t in sampled.token_ids], [[lp] for lp in sampled.logprobs])
         if sampled is not None:
-            for request, token_id, lp in zip(completing, sampled.token_ids, sampled.logprobs, strict=True):
-                request.append_token(token_id, lp, self.max_model_len)
+            for request, token_ids, lps in zip(completing, sampled.token_ids, sampled.logprobs, strict=True):
+                new: list[int] = []
+                for token_id, lp in zip(token_ids, lps, strict=True):
+                    request.append_token(token_id, lp, self.max_model_len)
+                    new.append(token_id)
+                    if request.is_finished:
+                        break
+                if len(token_ids) > 1:  # blocks the accepted proposals filled, before a finish frees them
+                    self.kv.cache_blocks(request.request_id, request.all_token_ids,
+                                         request.num_computed_tokens)
                 if request.is_finished:
                     self.scheduler.finish(request, free_kv=not request.hold_kv)
                     del self.requests[request.request_id]
-                outputs.append(self._output(request, [token_id]))
+                outputs.append(self._output(request, new))
         if self.check_integrity:
             self.kv.check_integrity()
         return outputs
@@ -270,6 +309,7 @@ class LLMEngine:
             swap_used_bytes=self.swap.used_bytes if self.swap else 0,
             **self._offload_stats(),
             kv_tiers=self.kv_tiers(),
+            spec=self.spec.stats if self.spec is not None else None,
         )
 
     def kv_tiers(self) -> tuple[KvTier, ...]:

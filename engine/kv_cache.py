@@ -188,6 +188,22 @@ class KVCacheManager:
         self._windowed.add(owner)
         self.pool.free([block])
 
+    def shrink(self, owner: str, num_tokens: int) -> int:
+        """Free ``owner``'s trailing blocks past what its first ``num_tokens`` held tokens need (the
+        slots of rejected speculative tokens), tail first; returns blocks freed. Published (full,
+        computed) blocks are never among them."""
+        blocks = self._blocks.get(owner)
+        if not blocks:
+            return 0
+        self._num_tokens[owner] = min(self._num_tokens.get(owner, num_tokens), num_tokens)
+        keep = self.blocks_needed(num_tokens)
+        extra = blocks[keep:]
+        if not extra:
+            return 0
+        del blocks[keep:]
+        self.pool.free(reversed(extra))
+        return len(extra)
+
     def free(self, owner: str) -> int:
         """Release everything ``owner`` holds (tail blocks first). Idempotent: returns blocks freed."""
         blocks = self._blocks.pop(owner, None)

@@ -62,7 +62,8 @@ class ModelRunner:
         return total
 
     def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> torch.Tensor:
-        """Run every scheduled chunk; logits ``[num_completing, vocab]`` in scheduling order."""
+        """Run every scheduled chunk; logits in scheduling order, one row per completing chunk plus one
+        per proposed token it verifies (``ScheduledRequest.spec_token_ids``)."""
         return self.run(self.prepare(out, kv))
 
     def prepare(self, out: SchedulerOutput, kv: KVCacheManager) -> StepInputs:
@@ -77,14 +78,14 @@ class ModelRunner:
             request = item.request
             start = request.num_computed_tokens
             end = start + item.num_new_tokens
-            tokens = request.prompt_token_ids + request.output_token_ids
+            tokens = request.prompt_token_ids + request.output_token_ids + item.spec_token_ids
             input_ids.extend(tokens[start:end])
             positions.extend(range(start, end))
             query_lens.append(item.num_new_tokens)
             seq_lens.append(end - request.kv_dropped_tokens)  # positions stay absolute; the cache does not
             tables.append(kv.blocks_of(request.request_id))
-            if item.completes:
-                sample_rows.append(len(input_ids) - 1)
+            if item.completes:  # the last known token's row, then one per proposed token
+                sample_rows.extend(range(len(input_ids) - 1 - len(item.spec_token_ids), len(input_ids)))
         meta = AttentionMetadata.build(self.config.block_size, query_lens, seq_lens, tables, self.device)
         self.backend.prepare(meta)
         return StepInputs(torch.tensor(input_ids, dtype=torch.int64, device=self.device),

@@ -23,6 +23,8 @@ class RequestMetrics:
     cached_prompt_tokens: int = 0
     output_tokens: int = 0
     num_preemptions: int = 0
+    spec_draft_tokens: int = 0  # tokens proposed by speculative decoding and verified
+    spec_accepted_tokens: int = 0  # of which accepted
 
     @property
     def ttft(self) -> float | None:

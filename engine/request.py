@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 from engine.outputs import FinishReason, RequestMetrics
 from engine.sampling import SamplingParams, SamplingState, TokenLogprobs
+
+if TYPE_CHECKING:
+    from engine.structured import Guide
 
 
 class RequestStatus(enum.Enum):
@@ -56,6 +60,8 @@ class Request:
         self.finish_reason: FinishReason | None = None
         self.stop_token_id: int | None = None
         self.logprobs: list[TokenLogprobs] = []
+        # the grammar's state when the output is constrained: advanced by every appended token
+        self.guide: Guide | None = None
         self.metrics = RequestMetrics(
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             prompt_tokens=len(prompt_token_ids),
@@ -91,6 +97,9 @@ class Request:
         now = time.monotonic()
         if self.metrics.first_token_time is None:
             self.metrics.first_token_time = now
+        if self.guide is not None and not self.guide.accept(token_id):
+            self._finish("abort")  # a token the mask should have excluded: never streamed on as valid
+            return
         params = self.params
         n_out = len(self.output_token_ids)
         if n_out >= params.min_tokens:
@@ -102,6 +111,8 @@ class Request:
                 return
         if (params.max_tokens is not None and n_out >= params.max_tokens) or self.num_tokens >= max_len:
             self._finish("length")
+        elif self.guide is not None and self.guide.stopped:
+            self._finish("stop")  # the grammar is complete and nothing may follow
 
     def abort(self) -> None:
         self._finish("abort")

@@ -60,6 +60,16 @@ class SamplingState:
             self._generator.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
         return self._generator
 
+    def speculated(self, draft: Sequence[int]) -> SamplingState:
+        """This state as if ``draft`` had been generated too, drawing from the same generator
+        (speculative verification, ``engine/rejection.py``); ``self`` itself when ``draft`` is empty."""
+        if not draft:
+            return self
+        view = SamplingState(self.params, self.prompt_token_ids, self.output_token_ids + list(draft),
+                             self.eos_token_ids)
+        view._generator = self._generator
+        return view
+
     @property
     def banned_token_ids(self) -> tuple[int, ...]:
         """Ids masked while fewer than ``min_tokens`` tokens have been generated."""

@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass, fields
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "lark")
 _INT_FIELDS = frozenset({"n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs"})
 _FLOAT_FIELDS = frozenset(
     {"temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"}
@@ -22,6 +24,32 @@ def _require(ok: bool, name: str, allowed: str, value: object) -> None:
 
 
 @dataclass(frozen=True)
+class StructuredOutput:
+    """A grammar every generated token must follow (``engine.grammar`` turns it into one).
+
+    ``kind``: ``json_schema`` (``spec`` is the schema as JSON text), ``json_object`` (any JSON object;
+    ``spec`` empty), ``regex``, ``choice`` (``spec`` is a JSON list of strings) or ``lark`` (a Lark
+    grammar, llguidance's dialect). ``resumed_tokens``: the last that many prompt tokens were already
+    generated under this grammar (a migrated request's continuation); the engine replays them into the
+    grammar's state before sampling.
+    """
+
+    kind: str
+    spec: str = ""
+    resumed_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        _require(self.kind in STRUCTURED_KINDS, "structured.kind", f"one of {STRUCTURED_KINDS}", self.kind)
+        _require(type(self.resumed_tokens) is int and self.resumed_tokens >= 0, "structured.resumed_tokens",
+                 ">= 0", self.resumed_tokens)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """What a compiled grammar is cached under."""
+        return self.kind, self.spec
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens for one request (vLLM names, OpenAI ranges).
 
@@ -29,6 +57,8 @@ class SamplingParams:
     context length; ``logprobs`` is how many top alternatives to return per
     generated token (the sampled token's own logprob is always returned when it
     is not None). The engine runs ``n == 1`` only; the router fans out ``n``.
+    ``structured`` constrains every token to a grammar (``engine.structured``);
+    ``logit_bias`` adds ``bias`` to token ``id``'s logit before anything else.
     """
 
     n: int = 1
@@ -45,9 +75,16 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    structured: StructuredOutput | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", tuple((t, b) for t, b in self.logit_bias))
+        bias_ok = all(type(t) is int and t >= 0 and isinstance(b, (int, float)) and not isinstance(b, bool)
+                      and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for t, b in self.logit_bias)
+        _require(bias_ok, "logit_bias", f"token ids >= 0 with biases in [-{MAX_LOGIT_BIAS:g}, "
+                 f"{MAX_LOGIT_BIAS:g}]", self.logit_bias)
         for f in fields(self):
             value = getattr(self, f.name)
             if f.name in _INT_FIELDS and value is not None:

@@ -5,7 +5,9 @@ One unified rule (no separate prefill and decode phases): every request has
 token budget (``max_num_batched_tokens``) over running requests first (a decode
 costs one token; an unfinished prefill continues with its next chunk), then over
 waiting requests in queue order (priority, then arrival), which begin with any
-prefix-cache hit. Running requests are never starved by new ones.
+prefix-cache hit. Running requests are never starved by new ones. A decoding request may add
+proposed tokens to verify (speculative decoding, ``engine/spec_decode.py``); they count against
+the budget and the pool like any other token.
 
 Priorities follow vLLM: a *lower* ``priority`` value is more important (default
 0). The waiting queue is ordered by priority, then arrival.
@@ -47,6 +49,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from engine.kv_cache import KVCacheManager
@@ -67,13 +70,18 @@ class KvWindow:
 
 @dataclass
 class ScheduledRequest:
+    """A request's chunk this step: ``num_new_tokens`` tokens from ``num_computed_tokens`` on, the
+    last ``len(spec_token_ids)`` of them proposed tokens to verify (``engine/spec_decode.py``)."""
+
     request: Request
     num_new_tokens: int
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def completes(self) -> bool:
         """True when this chunk reaches the end of the known tokens (a token will be sampled)."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        known = self.num_new_tokens - len(self.spec_token_ids)
+        return self.request.num_computed_tokens + known == self.request.num_tokens
 
 
 @dataclass
@@ -145,7 +153,10 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, drafts: Mapping[str, list[int]] | None = None) -> SchedulerOutput:
+        """This step's chunks. ``drafts`` (request id -> proposed tokens) adds a decoding request's
+        proposals to its chunk when the budget and the pool have room for them all; otherwise they are
+        dropped before anything is preempted for them."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         for request in list(self.running):
@@ -157,7 +168,16 @@ class Scheduler:
             if n <= 0:
                 continue
             self._slide(request)
+            draft = drafts.get(request.request_id) if drafts and n == 1 else None
+            if draft and budget > 1:
+                draft = draft[: budget - 1]
+                if self.kv.allocate(request.request_id, request.kv_tokens + 1 + len(draft)):
+                    out.scheduled.append(ScheduledRequest(request, 1 + len(draft), list(draft)))
+                    budget -= 1 + len(draft)
+                    continue
             while not self.kv.allocate(request.request_id, request.kv_tokens + n):
+                if self._drop_proposals(out):
+                    continue
                 victim = self._preemption_victim()
                 self._preempt(victim, out)
                 if victim is request:
@@ -200,6 +220,17 @@ class Scheduler:
             budget -= n
         self.num_prefix_waits += waited
         return out
+
+    def _drop_proposals(self, out: SchedulerOutput) -> bool:
+        """Take back the proposed tokens of the last chunk that has some, and their blocks; False if
+        none has (only then may a request be preempted)."""
+        for item in reversed(out.scheduled):
+            if item.spec_token_ids:
+                item.num_new_tokens -= len(item.spec_token_ids)
+                item.spec_token_ids = []
+                self.kv.shrink(item.request.request_id, item.request.kv_tokens + item.num_new_tokens)
+                return True
+        return False
 
     def _slide(self, request: Request) -> None:
         """Free the blocks the window has passed (see the module docstring)."""

@@ -11,6 +11,7 @@ import os
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -91,22 +92,28 @@ class Tokenizer:
                               clean_up_tokenization_spaces=False)
         return str(text)
 
-    def render_chat(self, messages: list[dict[str, str]],
-                    add_generation_prompt: bool = True) -> str:
-        """The chat template applied to ``messages``, as text."""
+    @property
+    def template_has_tools(self) -> bool:
+        """Whether the chat template renders tool definitions itself (it reads a ``tools`` variable)."""
+        return "tools" in str(self.hf.chat_template or "")
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> str:
+        """The chat template applied to ``messages`` (and ``tools``, for a template that reads them), as
+        text."""
         if not self.has_chat_template:
             raise ValueError(
                 "this model has no chat template; use the completions API with a plain prompt"
             )
         text = self.hf.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=False
+            messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False  # type: ignore[arg-type]
         )
         return str(text)
 
-    def apply_chat_template(self, messages: list[dict[str, str]],
-                            add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of the rendered chat; the template supplies any special tokens."""
-        return self.encode(self.render_chat(messages, add_generation_prompt))
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools))
 
 
 class IncrementalDetokenizer:

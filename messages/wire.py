@@ -98,6 +98,18 @@ class WorkerStats(msgspec.Struct, frozen=True, kw_only=True):
     block_size: int = 0
     kv_cache_dtype: str = ""  # storage dtype name: float32, bfloat16, float16, fp8, fp8_e5m2, int8
     kv_tiers: list[KvTierStats] = []  # device first; host / disk only when configured
+    # grammar-constrained decoding (``engine.structured.StructuredStats``), cumulative
+    structured_requests: int = 0
+    grammar_compiles: int = 0
+    grammar_cache_hits: int = 0
+    grammar_compile_seconds: float = 0.0
+    grammar_mask_steps: int = 0
+    grammar_mask_seconds: float = 0.0
+    # speculative decoding totals (engine/spec_decode.py SpecStats); zero when it is off
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = []  # accepted tokens by position in the draft (0: first)
 
 
 class KvEvents(msgspec.Struct, frozen=True):

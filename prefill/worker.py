@@ -90,6 +90,7 @@ class PrefillWorker(WorkerBase):
             e.add_request(req.prompt_token_ids, first, request_id=rid, priority=req.priority, hold_kv=True)
             self.aengine.open_stream(rid)
 
+        await self.prepare_grammar(params)
         await self.aengine.mutate(add)
         last = None
         async for batch in self.aengine.stream(rid, self.request_timeout):

@@ -27,6 +27,8 @@ from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
 
+from engine.grammar import GrammarError, check
+from engine.sampling_params import StructuredOutput
 from engine.tokenizer import Tokenizer
 from messages.wire import GenerateRequest
 from router.admission import AdmissionGate, Ticket
@@ -52,6 +54,7 @@ from router.protocol import (
     check_common,
     completion_prompts,
     decode_body,
+    logit_bias_of,
     openapi_components,
     sampling_for,
     stop_strings,
@@ -66,7 +69,10 @@ from router.streaming import (
     merge_choices,
     sse,
 )
+from router.structured import structured_of
 from router.telemetry import RequestTelemetry
+from router.tokenize import DetokenizeRequest, TokenizeRequest
+from router.tools import ToolMode, ToolStream, call_chunks, conversation, mode_of, parse
 from telemetry.tracing import Tracing
 
 WORKER_STATS_TIMEOUT = 5.0
@@ -93,6 +99,14 @@ class _Job:
     requests: list[GenerateRequest]
     decoders: list[ChoiceDecoder]
     formatters: list[LogprobFormatter]
+    tools: ToolMode | None = None  # parse tool calls out of the output
+    echo: list[str] | None = None  # completions ``echo``: each prompt's text, ahead of its choices' text
+
+    def echoed(self, index: int) -> str:
+        return self.echo[index // self.req.choices] if self.echo else ""
+
+    def finish_reason(self, reason: str | None, calls: int) -> str | None:
+        return "tool_calls" if calls and reason == "stop" else reason
 
     def finish(self, tel: RequestTelemetry, error: BaseException | None = None) -> None:
         """Record usage and end the request's span (a second call does nothing)."""
@@ -129,8 +143,10 @@ class _Front:
             raise unavailable("The server is starting; retry shortly.", code="not_ready")
         return req
 
-    def build_job(self, req: CompletionParams, chat: bool, prompts: list[list[int]], param: str) -> _Job:
+    def build_job(self, req: CompletionParams, chat: bool, prompts: list[list[int]], param: str,
+                  structured: StructuredOutput | None = None) -> _Job:
         config, n = self.config, req.choices
+        bias = logit_bias_of(req, self.tokenizer.vocab_size)
         requests: list[GenerateRequest] = []
         prefix = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         for p_index, prompt in enumerate(prompts):
@@ -146,10 +162,11 @@ class _Front:
             for i in range(n):
                 requests.append(GenerateRequest(
                     request_id=f"{prefix}-{p_index * n + i}", prompt_token_ids=prompt,
-                    sampling=sampling_for(req, max_tokens, i), priority=req.priority or 0))
+                    sampling=sampling_for(req, max_tokens, i, structured, bias), priority=req.priority or 0))
         stops = stop_strings(req)
+        tier = "default" if getattr(req, "service_tier", None) is not None else None
         return _Job(
-            req, chat, Envelope(prefix, int(time.time()), config.model_name, chat), prompts, requests,
+            req, chat, Envelope(prefix, int(time.time()), config.model_name, chat, tier), prompts, requests,
             [ChoiceDecoder(i, self.tokenizer, stops) for i in range(len(requests))],
             [LogprobFormatter(chat, self.token_text) for _ in requests])
 
@@ -197,8 +214,16 @@ class _Front:
             raise _as_api_error(exc, self.config.request_timeout) from None
         job.finish(tel)
         want_lps = job.req.num_logprobs() is not None
-        choices = [choice(i, "".join(texts[i]), job.chat, merge_logprobs(lps[i], job.chat) if want_lps
-                          else None, d.finish_reason, chunk=False) for i, d in enumerate(job.decoders)]
+        choices = []
+        for i, d in enumerate(job.decoders):
+            text: str | None = job.echoed(i) + "".join(texts[i])
+            calls: list[Json] = []
+            if job.tools is not None and job.tools.parse and text is not None:
+                text, parsed = parse(text, job.tools.names)
+                calls = [c.openai() for c in parsed]
+            lp = merge_logprobs(lps[i], job.chat) if want_lps else None
+            choices.append(choice(i, text, job.chat, lp, job.finish_reason(d.finish_reason, len(calls)),
+                                  chunk=False, tool_calls=calls))
         self.metrics.output_tokens.inc(sum(d.num_tokens for d in job.decoders))
         body = job.envelope.wrap(choices, chunk=False, usage=job.usage())
         return Response(msgspec.json.encode(body), media_type="application/json", headers=headers)
@@ -209,15 +234,25 @@ class _Front:
         env, include_usage = job.envelope, job.req.include_usage
         want_lps = job.req.num_logprobs() is not None
         ended: BaseException | None = GeneratorExit("stream closed")
+        parsing = job.tools is not None and job.tools.parse
+        parsers = [ToolStream(job.tools.names if job.tools else set()) for _ in job.requests]
+        echoed = [False] * len(job.requests)
         try:
             if job.chat:
                 roles = [role_chunk(i) for i in range(len(job.requests))]
                 yield sse(env.wrap(roles, chunk=True, with_usage=include_usage))
             delta: ChoiceDelta | None = first
             while delta is not None:
-                if delta.text or delta.finish_reason is not None or (delta.logprobs and want_lps):
+                text = delta.text
+                if not echoed[delta.index]:
+                    echoed[delta.index] = True
+                    text = job.echoed(delta.index) + text
+                if parsing:
+                    for ch in self._tool_chunks(job, parsers[delta.index], delta, text):
+                        yield sse(env.wrap([ch], chunk=True, with_usage=include_usage))
+                elif text or delta.finish_reason is not None or (delta.logprobs and want_lps):
                     lp = job.formatters[delta.index].format(delta.logprobs) if want_lps else None
-                    ch = choice(delta.index, delta.text, job.chat, lp, delta.finish_reason, chunk=True)
+                    ch = choice(delta.index, text, job.chat, lp, delta.finish_reason, chunk=True)
                     yield sse(env.wrap([ch], chunk=True, with_usage=include_usage))
                 delta = await anext(deltas, None)
                 if delta is not None:
@@ -241,6 +276,26 @@ class _Front:
         yield DONE
 
 
+    @staticmethod
+    def _tool_chunks(job: _Job, parser: ToolStream, delta: ChoiceDelta, text: str) -> list[Json]:
+        """A chat delta's chunks once tool calls are parsed out: content pieces, and per complete call
+        its id and name, then its arguments in pieces; the finish reason last."""
+        events = parser.feed(text)
+        if delta.finish_reason is not None:
+            events += parser.flush()
+        chunks: list[Json] = []
+        for event in events:
+            if isinstance(event, str):
+                chunks.append(choice(delta.index, event, True, None, None, chunk=True))
+            else:
+                chunks += [choice(delta.index, None, True, None, None, chunk=True, tool_calls=[entry])
+                           for entry in call_chunks(event, parser.calls - 1)]
+        if delta.finish_reason is not None:
+            reason = job.finish_reason(delta.finish_reason, parser.calls)
+            chunks.append(choice(delta.index, None, True, None, reason, chunk=True))
+        return chunks
+
+
 def create_app(backend: Backend, tokenizer: Tokenizer, config: RouterConfig,
                tracing: Tracing | None = None) -> FastAPI:
     """Build the app; it holds no global state (metrics live in the app's own registry). With
@@ -261,11 +316,21 @@ def create_app(backend: Backend, tokenizer: Tokenizer, config: RouterConfig,
         assert isinstance(req, ChatCompletionRequest)
         if not tokenizer.has_chat_template:
             raise invalid("This model has no chat template; use /v1/completions.", "messages")
+        mode = mode_of(req)
+        structured = structured_of(req)
+        if mode.grammar is not None:
+            if structured is not None:
+                raise invalid("An output constraint cannot be combined with a required tool call.",
+                              "tool_choice")
+            structured = checked_tools(mode.grammar)
+        messages, tools = conversation(req, mode, tokenizer.template_has_tools)
         try:
-            prompt = await asyncio.to_thread(tokenizer.apply_chat_template, req.conversation())
+            prompt = await asyncio.to_thread(tokenizer.apply_chat_template, messages, True, tools)
         except Exception as exc:  # the template rejects the conversation (e.g. role order)
             raise invalid(f"Cannot apply the chat template: {exc}", "messages") from None
-        return await front.run(front.build_job(req, True, [prompt], "messages"), request)
+        job = front.build_job(req, True, [prompt], "messages", structured)
+        job.tools = mode if mode.parse else None
+        return await front.run(job, request)
 
     @app.post("/v1/completions", openapi_extra=body_schema("CompletionRequest"))
     async def completions(request: Request) -> Response:
@@ -275,7 +340,39 @@ def create_app(backend: Backend, tokenizer: Tokenizer, config: RouterConfig,
         ids = [p if isinstance(p, list) else await asyncio.to_thread(tokenizer.encode, p) for p in prompts]
         if any(not p for p in ids):
             raise invalid("'prompt' encodes to no tokens.", "prompt")
-        return await front.run(front.build_job(req, False, ids, "prompt"), request)
+        job = front.build_job(req, False, ids, "prompt", structured_of(req))
+        if req.echo:
+            job.echo = [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts]
+        return await front.run(job, request)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        req = decode_body(await read_body(request, config.max_request_bytes), TokenizeRequest)
+        if req.model != config.model_name:
+            raise model_not_found(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise invalid("Give exactly one of 'prompt' and 'messages'.", "prompt")
+        if req.messages is not None:
+            convo = [{"role": m.role, "content": m.text()} for m in req.messages]
+            try:
+                ids = await asyncio.to_thread(tokenizer.apply_chat_template, convo, req.add_generation_prompt)
+            except Exception as exc:
+                raise invalid(f"Cannot apply the chat template: {exc}", "messages") from None
+        else:
+            assert req.prompt is not None
+            ids = await asyncio.to_thread(tokenizer.encode, req.prompt, req.add_special_tokens)
+        body = {"count": len(ids), "max_model_len": config.max_model_len, "tokens": ids}
+        return Response(msgspec.json.encode(body), media_type="application/json")
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        req = decode_body(await read_body(request, config.max_request_bytes), DetokenizeRequest)
+        if req.model != config.model_name:
+            raise model_not_found(req.model)
+        if any(t >= tokenizer.vocab_size for t in req.tokens):
+            raise invalid(f"'tokens' must be token ids in [0, {tokenizer.vocab_size}).", "tokens")
+        text = tokenizer.decode(req.tokens)
+        return Response(msgspec.json.encode({"prompt": text}), media_type="application/json")
 
     @app.get("/v1/models")
     async def models() -> Json:
@@ -320,6 +417,16 @@ def create_app(backend: Backend, tokenizer: Tokenizer, config: RouterConfig,
 
     app.openapi = openapi  # type: ignore[method-assign]
     return app
+
+
+def checked_tools(grammar: StructuredOutput) -> StructuredOutput:
+    """The tool-call grammar, checked: a function's ``parameters`` that are no valid schema is a 400."""
+    try:
+        check(grammar)
+    except GrammarError as exc:
+        raise invalid(f"Invalid function parameters in 'tools': {exc}", "tools",
+                      code="invalid_grammar") from None
+    return grammar
 
 
 def _as_api_error(exc: BaseException, request_timeout: float) -> APIError:

@@ -186,12 +186,17 @@ def _decode(worker: WorkerState) -> DecodeHandle:
 
 
 def _continuation(req: GenerateRequest, produced: list[int], attempt: int) -> GenerateRequest:
-    """The same request resumed: its prompt now ends with the tokens already streamed."""
+    """The same request resumed: its prompt now ends with the tokens already streamed (a constrained
+    request's grammar replays them: ``StructuredOutput.resumed_tokens``)."""
     s = req.sampling
+    so = s.structured  # the grammar's state is replayed over the streamed tokens
+    if so is not None:
+        so = dataclasses.replace(so, resumed_tokens=so.resumed_tokens + len(produced))
     sampling = dataclasses.replace(
         s,
         max_tokens=None if s.max_tokens is None else s.max_tokens - len(produced),
         min_tokens=max(0, s.min_tokens - len(produced)),
+        structured=so,
     )
     return msgspec.structs.replace(req, request_id=f"{req.request_id}.m{attempt}",
                                    prompt_token_ids=req.prompt_token_ids + produced, sampling=sampling)

@@ -11,9 +11,15 @@ deltas of a request; one per decode step batch), ``e2e_request_latency_seconds``
 looked up / found, as vLLM counts them), ``num_preemptions_total``, ``request_queue_time_seconds``
 (engine arrival to first schedule), ``kv_transfer_seconds`` (per pull, decode),
 ``kv_transfer_bytes_total``, ``kv_transfer_blocks_total``,
-``kv_transfer_failures_total``, ``kv_lease_expired_total`` (prefill), plus the
-older ``worker_*`` gauges. ``routing_decisions_total{role,policy,reason}``
-counts the client's routing choices.
+``kv_transfer_failures_total``, ``kv_lease_expired_total`` (prefill),
+constrained decoding's ``structured_requests_total``, ``grammar_compiles_total``,
+``grammar_cache_hits_total``, ``grammar_compile_seconds_total``,
+``grammar_mask_steps_total`` and ``grammar_mask_seconds_total`` (masking time
+inside steps), speculative decoding's ``spec_decode_num_drafts_total``,
+``spec_decode_num_draft_tokens_total``, ``spec_decode_num_accepted_tokens_total`` and
+``spec_decode_num_accepted_tokens_per_pos_total{position}`` (0 = first proposed token; decode
+workers with ``--speculative-config``), plus the older ``worker_*`` gauges.
+``routing_decisions_total{role,policy,reason}`` counts the client's routing choices.
 
 Per KV tier, labelled ``worker``, ``role``, ``tier`` (``device``, ``host``,
 ``disk``) and ``kv_cache_dtype`` (``float32``, ``bfloat16``, ``float16``,
@@ -106,6 +112,19 @@ COUNTERS: dict[str, tuple[str, Getter]] = {
     "kv_transfer_blocks": ("KV blocks pulled from prefill workers.", lambda s: s.transfer_blocks),
     "kv_transfer_failures": ("KV pulls that failed.", lambda s: s.transfer_failures),
     "kv_lease_expired": ("KV leases that expired before decode pulled them.", lambda s: s.leases_expired),
+    "structured_requests": ("Requests decoded under a grammar (structured outputs, required tool calls).",
+                            lambda s: s.structured_requests),
+    "grammar_compiles": ("Grammars compiled (cache misses).", lambda s: s.grammar_compiles),
+    "grammar_cache_hits": ("Grammar compile cache hits.", lambda s: s.grammar_cache_hits),
+    "grammar_compile_seconds": ("Seconds spent compiling grammars (off the step loop).",
+                                lambda s: s.grammar_compile_seconds),
+    "grammar_mask_steps": ("Engine steps that masked logits with a grammar.", lambda s: s.grammar_mask_steps),
+    "grammar_mask_seconds": ("Seconds spent computing and applying grammar masks inside steps "
+                             "(divide by grammar_mask_steps for the time per step).",
+                             lambda s: s.grammar_mask_seconds),
+    "spec_decode_num_drafts": ("Number of spec decoding drafts.", lambda s: s.spec_num_drafts),
+    "spec_decode_num_draft_tokens": ("Number of draft tokens.", lambda s: s.spec_num_draft_tokens),
+    "spec_decode_num_accepted_tokens": ("Number of accepted tokens.", lambda s: s.spec_num_accepted_tokens),
 }
 TierGetter = Callable[[WorkerStats, KvTierStats], float]
 TIER_GAUGES: dict[str, tuple[str, TierGetter]] = {
@@ -151,6 +170,12 @@ class ClusterCollector(Collector):
             for s in self.stats:
                 c.add_metric([s.worker_id, s.role], get(s))
             yield c
+        c = CounterMetricFamily("pdserve:spec_decode_num_accepted_tokens_per_pos",
+                                "Accepted tokens per draft (0-based) position.", labels=[*labels, "position"])
+        for s in self.stats:
+            for pos, n in enumerate(s.spec_accepted_per_pos):
+                c.add_metric([s.worker_id, s.role, str(pos)], n)
+        yield c
         tier_labels = [*labels, "tier", "kv_cache_dtype"]
         for name, (doc, tget) in TIER_GAUGES.items():
             g = GaugeMetricFamily(f"pdserve:{name}", doc, labels=tier_labels)

@@ -2,20 +2,25 @@
 
 ``decode_body`` turns any malformed body into a 400 naming the parameter: bytes
 that are not UTF-8, text that is not JSON, JSON that is not an object, a field of
-the wrong type or out of range. Unknown fields are ignored (as OpenAI does).
-Ranges match ``engine.sampling.SamplingParams``; the engine checks them again.
-The same structs give ``/openapi.json`` its request schemas.
+the wrong type or out of range, and a top-level field neither OpenAI nor the
+vLLM extras below define (refused, as OpenAI does: nothing is silently ignored;
+keys inside a message object that only describe a past response, such as
+``refusal`` or ``annotations``, are ignored). Every declared field is honoured
+or refused by ``check_common`` (see ``UNSUPPORTED``). Ranges match
+``engine.sampling.SamplingParams``; the engine checks them again. The same
+structs give ``/openapi.json`` its request schemas.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal, TypeVar
+from collections.abc import Callable
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 from msgspec import Meta
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutput
 from router.errors import invalid
 
 MAX_N = 16
@@ -34,10 +39,69 @@ class TextPart(msgspec.Struct, frozen=True):
     text: str
 
 
+class FunctionCall(msgspec.Struct, frozen=True):
+    name: str
+    arguments: str
+
+
+class ToolCall(msgspec.Struct, frozen=True):
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
+
+
+class FunctionDef(msgspec.Struct, frozen=True):
+    name: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct, frozen=True):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(msgspec.Struct, frozen=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, frozen=True):
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class JsonSchemaFormat(msgspec.Struct, frozen=True, kw_only=True):
+    name: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, frozen=True, kw_only=True):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's ``structured_outputs`` object: exactly one of its fields."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class ChatMessage(msgspec.Struct, frozen=True):
     role: Role
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -51,7 +115,7 @@ class StreamOptions(msgspec.Struct, frozen=True):
     include_usage: bool = False
 
 
-class CompletionParams(msgspec.Struct, frozen=True, kw_only=True):
+class CompletionParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Fields shared by both endpoints (OpenAI's, then vLLM-style extras)."""
 
     model: str
@@ -72,6 +136,13 @@ class CompletionParams(msgspec.Struct, frozen=True, kw_only=True):
     priority: Annotated[int, Meta(ge=-(2**31), le=2**31 - 1)] | None = None
     min_tokens: Annotated[int, Meta(ge=0)] | None = None
     repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] | None = None
+    logit_bias: dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]] | None = None
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @property
     def choices(self) -> int:
@@ -92,11 +163,31 @@ class CompletionParams(msgspec.Struct, frozen=True, kw_only=True):
         return None
 
 
-class ChatCompletionRequest(CompletionParams, frozen=True, kw_only=True):
+class ChatCompletionRequest(CompletionParams, frozen=True, kw_only=True, forbid_unknown_fields=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    # OpenAI fields that are refused unless they ask for what the server does anyway (see UNSUPPORTED)
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    service_tier: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    web_search_options: dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    moderation: dict[str, Any] | None = None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -108,10 +199,12 @@ class ChatCompletionRequest(CompletionParams, frozen=True, kw_only=True):
         return [{"role": m.role, "content": m.text()} for m in self.messages]
 
 
-class CompletionRequest(CompletionParams, frozen=True, kw_only=True):
+class CompletionRequest(CompletionParams, frozen=True, kw_only=True, forbid_unknown_fields=True):
     prompt: str | list[str | int | list[int]]
     logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool | None = None
+    best_of: Annotated[int, Meta(ge=1, le=MAX_N)] | None = None
+    suffix: str | None = None
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
@@ -120,7 +213,7 @@ class CompletionRequest(CompletionParams, frozen=True, kw_only=True):
 Prompt = str | list[int]
 
 _AT = re.compile(r" - at `\$\.?(.*)`$")
-_MISSING = re.compile(r"missing required field `([^`]+)`")
+_MISSING = re.compile(r"(?:missing required|unknown) field `([^`]+)`")
 
 
 def _param_of(message: str) -> str | None:
@@ -166,8 +259,55 @@ def check_common(req: CompletionParams) -> None:
         raise invalid("'stream_options' is only allowed when 'stream' is true.", "stream_options")
     if isinstance(req, ChatCompletionRequest) and req.top_logprobs is not None and not req.logprobs:
         raise invalid("'top_logprobs' requires 'logprobs' to be true.", "top_logprobs")
-    if isinstance(req, CompletionRequest) and req.echo:
-        raise invalid("'echo' is not supported.", "echo")
+    for name, refused in UNSUPPORTED.items():
+        reason = refused(req)
+        if reason:
+            raise invalid(f"'{name}' {reason}.", name, code="unsupported_parameter")
+
+
+def _when(cond: object, reason: str) -> str | None:
+    return reason if cond else None
+
+
+def _field(req: CompletionParams, name: str) -> object:
+    return getattr(req, name, None)
+
+
+# Declared fields this server refuses (a 400 naming the field, code ``unsupported_parameter``), each with
+# the condition under which it is refused; a value that asks for what the server does anyway is accepted.
+UNSUPPORTED: dict[str, Callable[[CompletionParams], str | None]] = {
+    "modalities": lambda r: _when(_field(r, "modalities") not in (None, ["text"]),
+                                  "may only be [\"text\"]: this model produces text only"),
+    "audio": lambda r: _when(_field(r, "audio") is not None,
+                             "is not supported: this model produces text only"),
+    "prediction": lambda r: _when(_field(r, "prediction") is not None,
+                                  "(predicted outputs) is not supported"),
+    "service_tier": lambda r: _when(_field(r, "service_tier") not in (None, "auto", "default"),
+                                    "must be 'auto' or 'default': this server has one tier"),
+    "store": lambda r: _when(_field(r, "store"), "must be false: this server stores no completions"),
+    "metadata": lambda r: _when(_field(r, "metadata") is not None,
+                                "is only kept with stored completions, which this server does not store"),
+    "reasoning_effort": lambda r: _when(_field(r, "reasoning_effort") is not None,
+                                        "is not supported: this model does not reason"),
+    "verbosity": lambda r: _when(_field(r, "verbosity") is not None, "is not supported"),
+    "web_search_options": lambda r: _when(_field(r, "web_search_options") is not None,
+                                          "is not supported: this server has no web search"),
+    "functions": lambda r: _when(_field(r, "functions") is not None,
+                                 "is deprecated and not supported; use 'tools'"),
+    "function_call": lambda r: _when(_field(r, "function_call") is not None,
+                                     "is deprecated and not supported; use 'tool_choice'"),
+    "prompt_cache_retention": lambda r: _when(_field(r, "prompt_cache_retention") not in (None, "in_memory"),
+                                              "must be 'in_memory': the prefix cache lives in memory"),
+    "prompt_cache_options": lambda r: _when(_field(r, "prompt_cache_options") is not None,
+                                            "is not supported: prefix caching is automatic"),
+    "moderation": lambda r: _when(_field(r, "moderation") is not None,
+                                  "is not supported: this server runs no moderation"),
+    "best_of": lambda r: _when((b := _field(r, "best_of")) is not None and b != r.choices,
+                               "must equal n: candidates are not ranked on this server"),
+    "suffix": lambda r: _when(_field(r, "suffix") is not None, "(insertion) is not supported"),
+    "echo": lambda r: _when(_field(r, "echo") and r.num_logprobs() is not None,
+                            "cannot be combined with 'logprobs': prompt logprobs are not computed"),
+}
 
 
 def stop_strings(req: CompletionParams) -> list[str]:
@@ -200,17 +340,31 @@ def completion_prompts(req: CompletionRequest, vocab_size: int) -> list[Prompt]:
     return prompts
 
 
-def sampling_for(req: CompletionParams, max_tokens: int, index: int) -> SamplingParams:
+def logit_bias_of(req: CompletionParams, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` as (token id, bias) pairs; a key that is not a token id of this model is a 400."""
+    pairs = []
+    for key, bias in (req.logit_bias or {}).items():
+        if not key.isdigit() or int(key) >= vocab_size:
+            raise invalid(f"'logit_bias' keys must be token ids in [0, {vocab_size}), got {key!r}.",
+                          "logit_bias")
+        pairs.append((int(key), float(bias)))
+    return tuple(sorted(pairs))
+
+
+def sampling_for(req: CompletionParams, max_tokens: int, index: int,
+                 structured: StructuredOutput | None = None,
+                 logit_bias: tuple[tuple[int, float], ...] = ()) -> SamplingParams:
     """The engine's sampling parameters of choice ``index`` (a seeded request uses ``seed + index``);
     a value the engine refuses is a 400 naming it."""
     seed = None if req.seed is None else req.seed + index
     try:
-        return _sampling(req, max_tokens, seed)
+        return _sampling(req, max_tokens, seed, structured, logit_bias)
     except ValueError as exc:
         raise invalid(str(exc), str(exc).split(" ", 1)[0]) from None
 
 
-def _sampling(req: CompletionParams, max_tokens: int, seed: int | None) -> SamplingParams:
+def _sampling(req: CompletionParams, max_tokens: int, seed: int | None, structured: StructuredOutput | None,
+              logit_bias: tuple[tuple[int, float], ...]) -> SamplingParams:
     return SamplingParams(
         max_tokens=max_tokens,
         min_tokens=req.min_tokens or 0,
@@ -224,10 +378,12 @@ def _sampling(req: CompletionParams, max_tokens: int, seed: int | None) -> Sampl
         frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         logprobs=req.num_logprobs(),
+        structured=structured,
+        logit_bias=logit_bias,
     )
 
 
-def openapi_components() -> dict[str, object]:
+def openapi_components() -> dict[str, Any]:
     """JSON schemas of the request bodies, as OpenAPI components."""
     _, components = msgspec.json.schema_components(
         [ChatCompletionRequest, CompletionRequest], ref_template="#/components/schemas/{name}")

@@ -20,6 +20,7 @@ class Envelope:
     created: int
     model: str
     chat: bool
+    service_tier: str | None = None  # echoed when the request named one
 
     def object_name(self, chunk: bool) -> str:
         if self.chat:
@@ -32,6 +33,8 @@ class Envelope:
                      "model": self.model, "choices": choices}
         if self.chat:
             out["system_fingerprint"] = None
+        if self.service_tier is not None:
+            out["service_tier"] = self.service_tier
         if usage is not None or with_usage:
             out["usage"] = usage
         return out
@@ -86,14 +89,20 @@ def merge_logprobs(parts: Sequence[Json], chat: bool) -> Json:
     return {k: [x for p in parts for x in p[k]] for k in keys}  # type: ignore[attr-defined]
 
 
-def choice(index: int, text: str, chat: bool, logprobs: Json | None, finish_reason: str | None,
-           chunk: bool) -> Json:
+def choice(index: int, text: str | None, chat: bool, logprobs: Json | None, finish_reason: str | None,
+           chunk: bool, tool_calls: list[Json] | None = None) -> Json:
+    """One choice; for chat, ``tool_calls`` are the message's calls (whole) or the chunk's
+    ``delta.tool_calls`` entries."""
     if not chat:
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     if chunk:
         delta: Json = {"content": text} if text else {}
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     message: Json = {"role": "assistant", "content": text, "refusal": None}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
 

@@ -17,8 +17,10 @@ Methods called over Ray never raise for a request's sake: they answer a
 
 from __future__ import annotations
 
+import asyncio
 import os
 
+import msgspec
 import torch
 
 from engine.async_engine import AsyncEngine
@@ -27,6 +29,7 @@ from engine.engine import LLMEngine
 from engine.kv_digest import kv_digest
 from engine.kv_events import KvEventPublisher
 from engine.kv_sizing import kv_dtype_name
+from engine.sampling_params import SamplingParams
 from messages.codec import pack
 from messages.wire import KvEvents, KvSnapshot, KvTierStats, WorkerStats
 from telemetry.histogram import Histogram
@@ -46,6 +49,13 @@ class WorkerBase(TracedRole):
         self.queue_time = Histogram()
         self.init_tracing(tracing)
 
+    async def prepare_grammar(self, params: SamplingParams) -> None:
+        """Compile a constrained request's grammar in the engine's grammar thread (cached), before the
+        request takes the engine lock, so a slow grammar never holds up other requests' steps; a bad
+        grammar raises ``engine.grammar.GrammarError`` (a ValueError)."""
+        if params.structured is not None:
+            await asyncio.wrap_future(self.engine.grammars.prepare(params.structured))
+
     async def abort(self, request_id: str) -> None:
         await self.aengine.mutate(lambda e: e.abort_request(request_id))
 
@@ -61,7 +71,7 @@ class WorkerBase(TracedRole):
         return pack(await self.aengine.read(self._stats))
 
     def _stats(self, e: LLMEngine) -> WorkerStats:
-        s = e.stats()
+        s, g = e.stats(), e.grammars.stats
         common = WorkerStats(
             worker_id=self.worker_id, role=self.role, pid=os.getpid(),
             num_running=s.num_running, num_waiting=s.num_waiting,
@@ -73,7 +83,15 @@ class WorkerBase(TracedRole):
             kv_cache_dtype=kv_dtype_name(e.config.kv_torch_dtype),
             kv_tiers=[KvTierStats(tier=t.tier, capacity_blocks=t.capacity_blocks, used_blocks=t.used_blocks,
                                   block_bytes=t.block_bytes, hits=t.hits) for t in s.kv_tiers],
+            structured_requests=g.constrained_requests, grammar_compiles=g.compiles,
+            grammar_cache_hits=g.cache_hits, grammar_compile_seconds=g.compile_seconds,
+            grammar_mask_steps=g.mask_steps, grammar_mask_seconds=g.mask_seconds,
         )
+        if s.spec is not None:
+            common = msgspec.structs.replace(
+                common, spec_num_drafts=s.spec.num_drafts, spec_num_draft_tokens=s.spec.num_draft_tokens,
+                spec_num_accepted_tokens=s.spec.num_accepted_tokens,
+                spec_accepted_per_pos=list(s.spec.accepted_per_pos))
         return self.role_stats(common)
 
     def role_stats(self, common: WorkerStats) -> WorkerStats:

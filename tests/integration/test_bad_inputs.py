@@ -105,7 +105,6 @@ CASES: list[tuple[str, str, str, bytes, dict[str, str], int, str, str | None]] =
      "max_tokens"),
     ("chat-too-long", "POST", CHAT, chat(messages=[{"role": "user", "content": "word " * 1200}]), AUTH,
      400, BAD, "messages"),
-    ("echo-unsupported", "POST", COMP, comp(echo=True), AUTH, 400, BAD, "echo"),
     ("unknown-model", "POST", CHAT, chat(model="gpt-4"), AUTH, 404, BAD, "model"),
     ("missing-key", "POST", CHAT, chat(), {}, 401, BAD, None),
     ("wrong-key", "POST", COMP, comp(), {"Authorization": "Bearer nope"}, 401, BAD, None),

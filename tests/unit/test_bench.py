@@ -22,6 +22,7 @@ SMALL: dict[str, dict[str, float]] = {
     "long-context": {"context_len": 300, "output_len": 8, "margin": 16},
     "mixed": {"rag_share": 0.3, "short_min": 8, "short_max": 24, "rag_min": 100, "rag_max": 160,
               "rag_system_len": 16, "output_min": 4, "output_max": 12},
+    "copy-heavy": {"sentences": 3, "functions": 1, "code_share": 0.5, "output_len": 16},
 }
 
 
@@ -56,6 +57,9 @@ def test_workload_is_seeded_and_counts_tokens(words: WordSource, name: str) -> N
             assert s.turns[0].text_tokens == p["question_len"]
         elif name == "multi-turn":
             assert len(s.turns) == p["turns"] and all(t.text_tokens == p["user_len"] for t in s.turns)
+        elif name == "copy-heavy":  # the answer repeats what the prompt supplies
+            assert s.kind == "chat" and s.label in ("quote", "code-edit") and t.max_tokens == p["output_len"]
+            assert ("```python" in t.text) == (s.label == "code-edit")
         elif name == "long-context":
             total = s.turns[0].text_tokens + s.turns[0].max_tokens
             assert p["context_len"] - p["margin"] - 8 <= total <= p["context_len"]

@@ -50,7 +50,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     # the router process holds no tensors and no model: message and KV wire types, tracing, and from the
     # engine only the prompt hashing, the tokenizer and the sampling parameters it shares with the workers
     "router": ("router", "messages", "transfer.wire", "telemetry", "engine.hashing", "engine.tokenizer",
-               "engine.sampling_params"),
+               "engine.sampling_params", "engine.grammar"),
     "cluster": tuple(p for p in PACKAGES if p not in ("cli", "bench")),
     "cli": PACKAGES,
     # the load generator talks to a server over HTTP only; in-process benchmarks are listed below
@@ -63,6 +63,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
 IN_PROCESS_BENCHMARKS: dict[str, tuple[str, ...]] = {
     "bench.offline": ("engine",),
     "bench.preemption": ("engine",),
+    "bench.structured": ("engine",),
     "bench.kv_offload": ("engine",),
     "bench.kv_window": ("engine",),
     "bench.kv_quant": ("engine", "kernels"),

@@ -59,7 +59,9 @@ def test_dashboard_queries_only_exposed_metrics() -> None:
               "pdserve:num_requests_waiting", "pdserve:num_preemptions_total",
               "pdserve:generation_tokens_total", "pdserve:kv_cache_capacity_tokens",
               "pdserve:kv_cache_used_blocks", "pdserve:kv_cache_capacity_blocks",
-              "pdserve:kv_offload_hits_total"}
+              "pdserve:kv_offload_hits_total", "pdserve:spec_decode_num_accepted_tokens_total",
+              "pdserve:spec_decode_num_draft_tokens_total", "pdserve:spec_decode_num_drafts_total",
+              "pdserve:spec_decode_num_accepted_tokens_per_pos_total"}
     assert wanted <= used
 
 

@@ -1,0 +1,123 @@
+"""Speculative verification keeps the sampling distribution: chi-square tests at temperature 1, on
+fixed logits (``engine.rejection.verify``) and end to end on the tiny model with n-gram proposals."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Hashable
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+import torch
+from tokenizers import Tokenizer as RawTokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import Whitespace
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from engine import LLM, SamplingParams
+from engine.rejection import verify
+from engine.sampling import Sampler, SamplingState
+
+Z_999 = 3.090  # standard normal quantile 0.999: each test fails by chance once in a thousand seedings
+
+
+def chi2_critical(df: int) -> float:
+    """The 0.999 quantile of chi-square with ``df`` degrees of freedom (Wilson-Hilferty)."""
+    a = 2.0 / (9.0 * df)
+    return df * (1.0 - a + Z_999 * math.sqrt(a)) ** 3
+
+
+K = TypeVar("K", bound=Hashable)
+
+
+def chi2(counts: Counter[K], expected: dict[K, float]) -> tuple[float, int]:
+    """Pearson's statistic over ``expected``'s cells (each >= 5; the rest pooled) and its df."""
+    n = sum(counts.values())
+    big = {c: e for c, e in expected.items() if e >= 5.0}
+    rest_e = n - sum(big.values())
+    rest_o = n - sum(counts[c] for c in big)
+    stat = sum((counts[c] - e) ** 2 / e for c, e in big.items())
+    cells = len(big)
+    if rest_e >= 5.0:
+        stat += (rest_o - rest_e) ** 2 / rest_e
+        cells += 1
+    else:
+        assert rest_o <= 3 * max(rest_e, 1.0), "too many samples outside the expected cells"
+    return stat, cells - 1
+
+
+def test_verify_samples_from_the_target_at_every_position() -> None:
+    vocab, n = 8, 6000
+    torch.manual_seed(0)
+    rows = torch.randn(3, vocab) * 1.5
+    draft = [int(rows[0].argsort()[-2]), int(rows[1].argmax())]  # a likely, not the likeliest, token first
+    p = rows.softmax(-1)
+    logits = rows.repeat(n, 1)
+    states = [SamplingState(SamplingParams(temperature=1.0, seed=s), [1, 2]) for s in range(n)]
+    out = verify(Sampler(), logits, states, [draft] * n)
+    first = Counter(t[0] for t in out.token_ids)
+    stat, df = chi2(first, {t: n * float(p[0, t]) for t in range(vocab)})
+    assert stat < chi2_critical(df)
+    accepted = [t for t in out.token_ids if t[0] == draft[0]]
+    assert all(len(t) >= 2 for t in accepted) and all(len(t) == 1 for t in out.token_ids if t[0] != draft[0])
+    second = Counter(t[1] for t in accepted)
+    stat, df = chi2(second, {t: len(accepted) * float(p[1, t]) for t in range(vocab)})
+    assert stat < chi2_critical(df)
+    both = [t for t in accepted if t[1] == draft[1]]
+    assert all(len(t) == 3 for t in both)
+    third = Counter(t[2] for t in both)
+    stat, df = chi2(third, {t: len(both) * float(p[2, t]) for t in range(vocab)})
+    assert stat < chi2_critical(df)
+
+
+SMALL_VOCAB = 16
+
+
+@pytest.fixture(scope="module")
+def small_vocab_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A seeded random 2-layer Llama over 16 tokens with large weights: its next-token distributions are
+    peaked enough for a chi-square over pairs of tokens with a thousand samples."""
+    folder = tmp_path_factory.mktemp("small-vocab-llama")
+    words = ["[UNK]"] + [f"w{i}" for i in range(1, SMALL_VOCAB)]
+    raw = RawTokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    raw.pre_tokenizer = Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="[UNK]").save_pretrained(str(folder))
+    config = LlamaConfig(vocab_size=SMALL_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+                         bos_token_id=None, eos_token_id=None, pad_token_id=None, initializer_range=0.3)
+    torch.manual_seed(1)
+    LlamaForCausalLM(config).eval().save_pretrained(str(folder), safe_serialization=True)
+    return folder
+
+
+def test_engine_with_ngram_samples_from_the_model(small_vocab_model: Path) -> None:
+    """Over many seeds, (first, second) output tokens follow the model's joint distribution at
+    temperature 1; the second is verified against a one-token n-gram proposal, accepted often enough
+    that both branches (accepted, resampled) carry weight."""
+    n = 1000
+    model = LlamaForCausalLM.from_pretrained(str(small_vocab_model)).eval()
+    # every token once, then three rounds of "x y" pairs, y the model's likeliest token after x (as seen
+    # from the prompt so far): each first token x finds a proposal, often a likely one
+    prompt = [int(t) + 1 for t in torch.randperm(SMALL_VOCAB - 1, generator=torch.Generator().manual_seed(4))]
+    with torch.no_grad():
+        for _ in range(3):
+            p1 = model(torch.tensor([[*prompt, t] for t in range(SMALL_VOCAB)])).logits[:, -1].softmax(-1)
+            for x in sorted(range(SMALL_VOCAB), key=lambda t: float(p1[t].max())):
+                prompt += [x, int(p1[x].argmax())]
+    llm = LLM(str(small_vocab_model), block_size=16, num_kv_blocks=2000, max_num_seqs=256,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1,
+                                  "prompt_lookup_max": 2, "min_acceptance": 0.0})
+    params = [SamplingParams(max_tokens=3, temperature=1.0, seed=s, ignore_eos=True) for s in range(n)]
+    outs = llm.generate([prompt] * n, params)
+    pairs = Counter((o.token_ids[0], o.token_ids[1]) for o in outs)
+    spec = llm.engine.stats().spec
+    assert spec is not None and spec.num_drafts > 0.9 * n and spec.num_accepted_tokens > 0.05 * n
+
+    with torch.no_grad():
+        p0 = model(torch.tensor([prompt])).logits[0, -1].softmax(-1)
+        p1 = model(torch.tensor([[*prompt, t] for t in range(SMALL_VOCAB)])).logits[:, -1].softmax(-1)
+    expected = {(x, y): n * float(p0[x] * p1[x, y]) for x in range(SMALL_VOCAB) for y in range(SMALL_VOCAB)}
+    stat, df = chi2(pairs, expected)
+    assert df > 10 and stat < chi2_critical(df)
