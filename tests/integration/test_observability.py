@@ -134,8 +134,9 @@ def test_prometheus_scrapes_ttft(server: PdserveServer, tmp_path: Path) -> None:
             assert proc.poll() is None, (tmp_path / "prometheus.log").read_text()[-2000:]
             assert time.monotonic() < deadline, "Prometheus never answered a TTFT p50"
             try:
-                got = httpx.get(f"{url}/api/v1/query", params={"query": TTFT_P50}, timeout=5).json()
-                result = got["data"]["result"]
+                resp = httpx.get(f"{url}/api/v1/query", params={"query": TTFT_P50}, timeout=5)
+                # while it starts, Prometheus answers in plain text ("Service Unavailable")
+                result = resp.json()["data"]["result"] if resp.status_code == 200 else []
                 if result and result[0]["value"][1] not in ("NaN", "+Inf"):
                     value = float(result[0]["value"][1])
             except httpx.HTTPError:
