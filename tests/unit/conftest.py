@@ -22,6 +22,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.timeout(UNIT_TIMEOUT_S))
 
 
+def save_word_tokenizer(folder: Path, vocab: int) -> None:
+    """A word-level tokenizer over ``[UNK]``, ``w1`` ... ``w{vocab-1}`` saved into ``folder``."""
+    words = ["[UNK]"] + [f"w{i}" for i in range(1, vocab)]
+    raw = RawTokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    raw.pre_tokenizer = Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="[UNK]").save_pretrained(str(folder))
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A seeded random 2-layer Llama (GQA, head_dim 16, vocab 256) with a word-level tokenizer.
@@ -30,10 +38,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     Prompts are passed as token id lists; the model never emits EOS on its own (none is set).
     """
     folder = tmp_path_factory.mktemp("tiny-llama")
-    words = ["[UNK]"] + [f"w{i}" for i in range(1, TINY_VOCAB)]
-    raw = RawTokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
-    raw.pre_tokenizer = Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="[UNK]").save_pretrained(str(folder))
+    save_word_tokenizer(folder, TINY_VOCAB)
     config = LlamaConfig(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
                          bos_token_id=None, eos_token_id=None, pad_token_id=None, initializer_range=0.2)

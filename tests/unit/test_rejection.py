@@ -11,14 +11,12 @@ from typing import TypeVar
 
 import pytest
 import torch
-from tokenizers import Tokenizer as RawTokenizer
-from tokenizers.models import WordLevel
-from tokenizers.pre_tokenizers import Whitespace
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from engine import LLM, SamplingParams
 from engine.rejection import verify
 from engine.sampling import Sampler, SamplingState
+from tests.unit.conftest import save_word_tokenizer
 
 Z_999 = 3.090  # standard normal quantile 0.999: each test fails by chance once in a thousand seedings
 
@@ -80,10 +78,7 @@ def small_vocab_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A seeded random 2-layer Llama over 16 tokens with large weights: its next-token distributions are
     peaked enough for a chi-square over pairs of tokens with a thousand samples."""
     folder = tmp_path_factory.mktemp("small-vocab-llama")
-    words = ["[UNK]"] + [f"w{i}" for i in range(1, SMALL_VOCAB)]
-    raw = RawTokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
-    raw.pre_tokenizer = Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="[UNK]").save_pretrained(str(folder))
+    save_word_tokenizer(folder, SMALL_VOCAB)
     config = LlamaConfig(vocab_size=SMALL_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
                          bos_token_id=None, eos_token_id=None, pad_token_id=None, initializer_range=0.3)
