@@ -167,7 +167,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="speculative decoding, vLLM's shape: '{\"method\": \"ngram\", "
                         "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' "
                         "proposes the tokens that followed the latest earlier match of the last tokens and "
-                        "verifies them in one forward; greedy output is unchanged, sampled output keeps "
+                        "verifies them in one forward; '{\"method\": \"draft_model\", \"model\": PATH, "
+                        "\"num_speculative_tokens\": 4}' proposes with a smaller local model of the same "
+                        "vocabulary on the decode worker; greedy output is unchanged, sampled output keeps "
                         "its distribution (default: None, off)")
     g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization, metavar="F",
                    help="with --device cuda, the fraction of the device's memory the engine may use "

@@ -23,6 +23,7 @@ from typing import cast
 import torch
 
 from engine.config import EngineConfig
+from engine.draft import DraftModel
 from engine.hashing import seed_for
 from engine.kv_cache import KVCacheManager
 from engine.kv_sizing import KvTier, kv_block_bytes, num_kv_blocks
@@ -120,7 +121,9 @@ class LLMEngine:
                                    self.config.prefix_wait_min_tokens)
         self.sampler = Sampler()
         spec = self.config.speculative
-        self.spec = SpecDecoder(spec, self.kv, self.max_model_len) if spec is not None else None
+        draft = (DraftModel(spec.model, self.model_config, self.config, blocks)
+                 if spec is not None and spec.method == "draft_model" and spec.model else None)
+        self.spec = SpecDecoder(spec, self.kv, self.max_model_len, draft) if spec is not None else None
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) or self.model_config.eos_token_ids
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
@@ -175,6 +178,8 @@ class LLMEngine:
             return None
         request.abort()
         self.scheduler.finish(request)
+        if self.spec is not None:
+            self.spec.forget(request_id)
         return self._output(request, [])
 
     def release_kv(self, request_id: str) -> int:
@@ -271,6 +276,8 @@ class LLMEngine:
                 if request.is_finished:
                     self.scheduler.finish(request, free_kv=not request.hold_kv)
                     del self.requests[request.request_id]
+                    if self.spec is not None:
+                        self.spec.forget(request.request_id)
                 outputs.append(self._output(request, new))
         if self.check_integrity:
             self.kv.check_integrity()

@@ -6,7 +6,9 @@ Two methods:
 * ``{"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": N, "prompt_lookup_min": M}``:
   prompt lookup (``engine/ngram.py``); no extra model.
 * ``{"method": "draft_model", "model": PATH, "num_speculative_tokens": K}``: a smaller model with
-  the same tokenizer proposes (not implemented yet: rejected with a clear error).
+  the target's vocabulary (a Hugging Face folder or a GGUF file) proposes greedily
+  (``engine/draft.py``); it runs where decoding runs, on its own paged KV of as many blocks as the
+  target's pool.
 
 Adaptive speculation (``engine/spec_decode.py``), with pdserve's own keys: a request whose
 recent acceptance (an exponential average of accepted / proposed, weight ``acceptance_decay``
@@ -56,8 +58,9 @@ class SpeculativeConfig:
             raise ValueError(f"max_pause_steps must be at least 1, got {self.max_pause_steps}")
         if self.method == "draft_model":
             if not self.model:
-                raise ValueError("speculative method draft_model needs a 'model'")
-            raise ValueError("speculative method draft_model is not implemented yet; use ngram")
+                raise ValueError("speculative method draft_model needs a 'model' (a local path)")
+        elif self.model is not None:
+            raise ValueError("'model' goes with speculative method draft_model only")
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> SpeculativeConfig:

@@ -26,6 +26,7 @@ import math
 import weakref
 from dataclasses import dataclass, field
 
+from engine.draft import DraftModel
 from engine.kv_cache import KVCacheManager
 from engine.ngram import propose_ngram
 from engine.rejection import Verified
@@ -64,9 +65,13 @@ class _Adaptive:
 
 
 class SpecDecoder:
-    def __init__(self, config: SpeculativeConfig, kv: KVCacheManager, max_model_len: int) -> None:
+    def __init__(self, config: SpeculativeConfig, kv: KVCacheManager, max_model_len: int,
+                 draft: DraftModel | None = None) -> None:
+        if (config.method == "draft_model") != (draft is not None):
+            raise ValueError("a draft model goes with, and only with, speculative method draft_model")
         self.config = config
         self.kv = kv
+        self.draft = draft
         self.max_model_len = max_model_len
         self.stats = SpecStats(accepted_per_pos=[0] * config.num_speculative_tokens)
         self._state: weakref.WeakKeyDictionary[Request, _Adaptive] = weakref.WeakKeyDictionary()
@@ -87,21 +92,32 @@ class SpecDecoder:
         return max(0, min(k, self.max_model_len - request.num_tokens - 1))
 
     def propose(self, running: list[Request]) -> dict[str, list[int]]:
-        """Proposals for the decoding requests of ``running`` (request id -> tokens). A request under a
-        grammar gets none: its mask for each proposed position would need the grammar advanced through
-        the proposals before them (it decodes one token per step instead)."""
-        drafts: dict[str, list[int]] = {}
+        """Proposals for the decoding requests of ``running`` (request id -> tokens), from n-gram lookup
+        or the draft model (``engine/draft.py``, which also forgets requests no longer running here).
+        A request under a grammar gets none: its mask for each proposed position would need the
+        grammar advanced through the proposals before them (it decodes one token per step instead)."""
         c = self.config
+        wants: list[tuple[Request, int]] = []
         for request in running:
             if request.num_tokens - request.num_computed_tokens != 1 or request.guide is not None:
                 continue
             k = self.budget(request)
-            if k <= 0:
-                continue
+            if k > 0:
+                wants.append((request, k))
+        if self.draft is not None:
+            self.draft.release({r.request_id for r in running})
+            return self.draft.propose([(r.request_id, r.all_token_ids, k) for r, k in wants])
+        drafts: dict[str, list[int]] = {}
+        for request, k in wants:
             draft = propose_ngram(request.all_token_ids, k, c.prompt_lookup_min, c.prompt_lookup_max)
             if draft:
                 drafts[request.request_id] = draft
         return drafts
+
+    def forget(self, request_id: str) -> None:
+        """A request finished or was aborted: free its draft K/V (nothing to do for n-gram)."""
+        if self.draft is not None:
+            self.draft.forget(request_id)
 
     def settle(self, out: SchedulerOutput, verified: Verified) -> None:
         """Drop rejected proposals from ``out``'s chunks and their requests' blocks; count them."""

@@ -48,7 +48,9 @@ class PrefillWorker(WorkerBase):
     def __init__(self, worker_id: str, model: str | None, engine_config: bytes,
                  lease_seconds: float = 30.0, torch_threads: int = 1, poll_interval: float = 0.01,
                  request_timeout: float = 300.0, tracing: bytes | None = None) -> None:
-        super().__init__(worker_id, model, unpack(engine_config, EngineConfig), torch_threads, tracing)
+        # speculation is decoding's business: a prefill worker emits one token per request
+        config = dataclasses.replace(unpack(engine_config, EngineConfig), speculative_config=None)
+        super().__init__(worker_id, model, config, torch_threads, tracing)
         runner = self.engine.runner
         self.layout = KvLayout.from_tensor(runner.kv_cache, self.engine.model_config.name, runner.kv_scales)
         self.source = KvSource(runner.kv_cache, self.layout, scales=runner.kv_scales,

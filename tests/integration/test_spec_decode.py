@@ -1,7 +1,8 @@
-"""Speculative decoding (n-gram) on SmolLM2: greedy tokens equal decoding without it, in process (copy
-prompts and engine test prompts, and a request continued elsewhere as migration does) and over HTTP through a
+"""Speculative decoding on SmolLM2: greedy tokens equal decoding without it, in process (copy prompts and
+engine test prompts, and a request continued elsewhere as migration does) and over HTTP through a
 disaggregated `pdserve serve --speculative-config ...` (1 prefill, 1 decode): completions, a stop
-string, logprobs, the spec_decode metrics, and a storm of disconnects that leaves no KV held."""
+string, logprobs, the spec_decode metrics, and a storm of disconnects that leaves no KV held (n-gram);
+SmolLM2 as its own draft model accepts every proposal, in process and over HTTP."""
 
 from __future__ import annotations
 
@@ -70,6 +71,22 @@ def test_engine_greedy_equal_and_continued_after_migration(
     [rest] = llm.generate([prompts[i] + reference[i][:cut]], greedy(NEW_TOKENS - cut))
     assert reference[i][:cut] + rest.token_ids == reference[i]
     assert llm.engine.kv.pool.num_used_blocks == 0
+
+
+def draft_model(path: Path) -> dict[str, Any]:
+    return {"method": "draft_model", "model": str(path), "num_speculative_tokens": 4}
+
+
+def test_engine_smollm2_as_its_own_draft_accepts_every_proposal(
+    default_model_path: Path, prompts: list[list[int]], reference: list[list[int]]
+) -> None:
+    spec = draft_model(default_model_path)
+    llm = LLM(str(default_model_path), check_integrity=True, speculative_config=spec)
+    outs = llm.generate(prompts[:2], greedy())
+    assert [o.token_ids for o in outs] == reference[:2]
+    stats = llm.engine.stats().spec
+    assert stats is not None and stats.num_draft_tokens > 40
+    assert stats.num_accepted_tokens == stats.num_draft_tokens
 
 
 @pytest.fixture(scope="module")
@@ -146,3 +163,21 @@ def test_http_disaggregated_greedy_stop_logprobs_metrics_and_disconnects(
     assert asyncio.run(storm()) == [3] * STORM
     wait_drained(server)
     assert metric(server, "pdserve:kv_cache_usage_perc") == 0.0
+
+
+def test_http_disaggregated_draft_model(pdserve_factory: Callable[..., PdserveServer],
+                                        default_model_path: Path, plain: LLM,
+                                        reference: list[list[int]]) -> None:
+    """The draft runs on the decode worker only; every proposal of SmolLM2's own draft is accepted."""
+    server = pdserve_factory("--speculative-config", json.dumps(draft_model(default_model_path)),
+                             "--served-model-name", "m")
+    try:
+        text = plain.tokenizer.render_chat([{"role": "user", "content": QUOTE}])
+        body = complete(server, text)
+        assert body["choices"][0]["text"] == plain.tokenizer.decode(reference[0])
+        proposed = metric(server, "pdserve:spec_decode_num_draft_tokens_total", role="decode")
+        assert proposed >= 4 * (len(reference[0]) // 5)  # 4 proposed per 5 tokens, all accepted
+        assert metric(server, "pdserve:spec_decode_num_accepted_tokens_total", role="decode") == proposed
+        assert metric(server, "pdserve:spec_decode_num_drafts_total", role="prefill") == 0
+    finally:
+        server.stop()

@@ -30,23 +30,32 @@ def save_word_tokenizer(folder: Path, vocab: int) -> None:
     PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="[UNK]").save_pretrained(str(folder))
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A seeded random 2-layer Llama (GQA, head_dim 16, vocab 256) with a word-level tokenizer.
-
-    Loads in well under a second, so engine tests can build several engines on it.
-    Prompts are passed as token id lists; the model never emits EOS on its own (none is set).
-    """
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    save_word_tokenizer(folder, TINY_VOCAB)
-    config = LlamaConfig(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+def save_tiny_llama(folder: Path, seed: int = 0, vocab_size: int = TINY_VOCAB, perturb: float = 0.0) -> Path:
+    """A seeded random 2-layer Llama (GQA, head_dim 16) with a word-level tokenizer, saved into ``folder``;
+    ``perturb`` adds that much seeded noise to every weight (a model that mostly agrees with seed's)."""
+    save_word_tokenizer(folder, vocab_size)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
                          bos_token_id=None, eos_token_id=None, pad_token_id=None, initializer_range=0.2)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():
         for param in model.parameters():
             if param.ndim == 1:
                 param.add_(torch.randn_like(param) * 0.2)
+        if perturb:
+            noise = torch.Generator().manual_seed(seed + 1)
+            for param in model.parameters():
+                param.add_(torch.randn(param.shape, generator=noise) * perturb)
     model.save_pretrained(str(folder), safe_serialization=True)
     return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``save_tiny_llama`` with seed 0 (vocab 256).
+
+    Loads in well under a second, so engine tests can build several engines on it.
+    Prompts are passed as token id lists; the model never emits EOS on its own (none is set).
+    """
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))

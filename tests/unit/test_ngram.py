@@ -35,7 +35,7 @@ def test_config_checks_and_flag_forms() -> None:
     assert EngineConfig(speculative_config=spec).speculative == SpeculativeConfig(**spec)  # type: ignore[arg-type]
     assert EngineConfig().speculative is None
     for bad in ('{"method": "medusa"}', '{"num_speculative_tokens": 0}', '{"prompt_lookup_min": 5}',
-                '{"colour": 1}', "[1]", '{"method": "draft_model"}'):
+                '{"colour": 1}', "[1]", '{"method": "draft_model"}', '{"model": "/m"}'):
         with pytest.raises(ValueError):
             parse_speculative_config(bad)
     with pytest.raises(ValueError, match="unknown"):

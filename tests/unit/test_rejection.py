@@ -1,5 +1,6 @@
 """Speculative verification keeps the sampling distribution: chi-square tests at temperature 1, on
-fixed logits (``engine.rejection.verify``) and end to end on the tiny model with n-gram proposals."""
+fixed logits (``engine.rejection.verify``) and end to end on a small-vocabulary model with n-gram
+proposals and with a draft model's."""
 
 from __future__ import annotations
 
@@ -71,20 +72,39 @@ def test_verify_samples_from_the_target_at_every_position() -> None:
 
 
 SMALL_VOCAB = 16
+DRAFT_PERTURB = 0.1
 
 
-@pytest.fixture(scope="module")
-def small_vocab_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def save_small_vocab_model(folder: Path, seed: int, perturb: float = 0.0) -> Path:
     """A seeded random 2-layer Llama over 16 tokens with large weights: its next-token distributions are
-    peaked enough for a chi-square over pairs of tokens with a thousand samples."""
-    folder = tmp_path_factory.mktemp("small-vocab-llama")
+    peaked enough for a chi-square over pairs of tokens with a thousand samples. ``perturb``: seeded
+    noise of that size added to every weight."""
     save_word_tokenizer(folder, SMALL_VOCAB)
     config = LlamaConfig(vocab_size=SMALL_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
                          bos_token_id=None, eos_token_id=None, pad_token_id=None, initializer_range=0.3)
-    torch.manual_seed(1)
-    LlamaForCausalLM(config).eval().save_pretrained(str(folder), safe_serialization=True)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    noise = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=noise) * perturb)
+    model.save_pretrained(str(folder), safe_serialization=True)
     return folder
+
+
+@pytest.fixture(scope="module")
+def small_vocab_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_small_vocab_model(tmp_path_factory.mktemp("small-vocab-llama"), seed=1)
+
+
+def joint_first_two(model_dir: Path, prompt: list[int], n: int) -> dict[tuple[int, int], float]:
+    """Expected counts of (first, second) tokens over ``n`` samples at temperature 1."""
+    model = LlamaForCausalLM.from_pretrained(str(model_dir)).eval()
+    with torch.no_grad():
+        p0 = model(torch.tensor([prompt])).logits[0, -1].softmax(-1)
+        p1 = model(torch.tensor([[*prompt, t] for t in range(SMALL_VOCAB)])).logits[:, -1].softmax(-1)
+    return {(x, y): n * float(p0[x] * p1[x, y]) for x in range(SMALL_VOCAB) for y in range(SMALL_VOCAB)}
 
 
 def test_engine_with_ngram_samples_from_the_model(small_vocab_model: Path) -> None:
@@ -110,9 +130,25 @@ def test_engine_with_ngram_samples_from_the_model(small_vocab_model: Path) -> No
     spec = llm.engine.stats().spec
     assert spec is not None and spec.num_drafts > 0.9 * n and spec.num_accepted_tokens > 0.05 * n
 
-    with torch.no_grad():
-        p0 = model(torch.tensor([prompt])).logits[0, -1].softmax(-1)
-        p1 = model(torch.tensor([[*prompt, t] for t in range(SMALL_VOCAB)])).logits[:, -1].softmax(-1)
-    expected = {(x, y): n * float(p0[x] * p1[x, y]) for x in range(SMALL_VOCAB) for y in range(SMALL_VOCAB)}
-    stat, df = chi2(pairs, expected)
+    stat, df = chi2(pairs, joint_first_two(small_vocab_model, prompt, n))
+    assert df > 10 and stat < chi2_critical(df)
+
+
+def test_engine_with_a_draft_model_samples_from_the_target(small_vocab_model: Path,
+                                                           tmp_path: Path) -> None:
+    """The same joint test with the target's weights perturbed as the greedy draft: its proposals for
+    the second token are sometimes right, sometimes wrong, and the target's distribution holds."""
+    n = 1000
+    draft = save_small_vocab_model(tmp_path / "draft", seed=1, perturb=DRAFT_PERTURB)
+    prompt = [int(t) + 1 for t in torch.randperm(SMALL_VOCAB - 1, generator=torch.Generator().manual_seed(5))]
+    llm = LLM(str(small_vocab_model), block_size=16, num_kv_blocks=2000, max_num_seqs=256,
+              speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2,
+                                  "min_acceptance": 0.0})
+    params = [SamplingParams(max_tokens=3, temperature=1.0, seed=s, ignore_eos=True) for s in range(n)]
+    outs = llm.generate([prompt] * n, params)
+    pairs = Counter((o.token_ids[0], o.token_ids[1]) for o in outs)
+    spec = llm.engine.stats().spec
+    assert spec is not None and spec.num_drafts > 0.9 * n
+    assert 0.05 * spec.num_draft_tokens < spec.num_accepted_tokens < 0.95 * spec.num_draft_tokens
+    stat, df = chi2(pairs, joint_first_two(small_vocab_model, prompt, n))
     assert df > 10 and stat < chi2_critical(df)

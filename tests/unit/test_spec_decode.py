@@ -1,5 +1,6 @@
 """Speculative decoding in the engine on the tiny random model: exact tokens against decoding without
-speculation, block counts after every step, preemption and aborts, the adaptive pause, counters."""
+speculation, block counts after every step, preemption and aborts, the adaptive pause, counters; n-gram
+proposals and a draft model's."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.engine import LLMEngine
 from engine.outputs import RequestOutput
+from tests.unit.conftest import save_tiny_llama
 
 NGRAM: dict[str, Any] = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
                          "prompt_lookup_max": 3}
@@ -194,3 +196,50 @@ def test_low_acceptance_pauses_speculation(tiny_model_dir: Path) -> None:
     assert spec.stats.num_accepted_tokens == 0 and spec.stats.num_drafts > 2
     assert proposed[:2] == [4, 3] and max(proposed[2:]) <= 2
     assert proposed.count(0) > len(proposed) // 2
+
+
+PERTURB = 0.01
+
+
+def draft_spec(model: Path, k: int = 4) -> dict[str, Any]:
+    return {"method": "draft_model", "model": str(model), "num_speculative_tokens": k}
+
+
+def test_draft_model_as_its_own_draft_accepts_every_proposal(
+        tiny_model_dir: Path, greedy_reference: list[list[int]]) -> None:
+    llm = make(tiny_model_dir, draft_spec(tiny_model_dir))
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    assert [o.token_ids for o in run(llm, copy_prompts(5), params)] == greedy_reference
+    spec = llm.engine.spec
+    assert spec is not None and spec.draft is not None
+    assert spec.stats.num_draft_tokens >= 5 * 16
+    assert spec.stats.num_accepted_tokens == spec.stats.num_draft_tokens
+    assert spec.draft.kv.pool.num_used_blocks == 0  # finished requests' draft K/V freed
+
+
+def test_a_different_draft_model_keeps_greedy_tokens_and_frees_its_kv(
+        tiny_model_dir: Path, greedy_reference: list[list[int]], tmp_path: Path) -> None:
+    """A draft with perturbed weights is sometimes wrong: tokens still equal decoding without speculation,
+    blocks stay exact after every step, and aborted requests' draft K/V is freed at once."""
+    draft_dir = save_tiny_llama(tmp_path / "draft", perturb=PERTURB)
+    llm = make(tiny_model_dir, draft_spec(draft_dir, k=3) | {"min_acceptance": 0.0})
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    assert [o.token_ids for o in run(llm, copy_prompts(5), params)] == greedy_reference
+    spec = llm.engine.spec
+    assert spec is not None and spec.draft is not None
+    assert 0 < spec.stats.num_accepted_tokens < spec.stats.num_draft_tokens
+    engine = llm.engine
+    ids = [engine.add_request(p, params).request_id for p in copy_prompts(3, seed=1)]
+    for _ in range(4):
+        engine.step()
+    assert spec.draft.kv.pool.num_used_blocks > 0
+    for request_id in ids:
+        engine.abort_request(request_id)
+    assert spec.draft.kv.pool.num_used_blocks == 0 and engine.kv.pool.num_used_blocks == 0
+    spec.draft.kv.check_integrity()
+
+
+def test_draft_model_with_another_vocabulary_is_refused(tiny_model_dir: Path, tmp_path: Path) -> None:
+    draft_dir = save_tiny_llama(tmp_path / "draft", seed=7, vocab_size=300)
+    with pytest.raises(ValueError, match="vocabulary of 300 tokens"):
+        make(tiny_model_dir, draft_spec(draft_dir))
