@@ -62,7 +62,10 @@ def weighted_percentile(values: np.ndarray, weights: np.ndarray, q: float, sorte
 
 @dataclass(frozen=True)
 class SimResult:
-    """One simulated run. Times in seconds; utilisation is busy time / the run's span, per role."""
+    """One simulated run. Times in seconds. Requests sent during the warm-up are left out of every figure;
+    ``duration_s`` runs from the first measured send to the last measured end (throughputs are over it);
+    utilisation is busy time over the whole run (warm-up included), per role; the mean decode batch is
+    over the measured steps."""
 
     num_prefill: int
     num_decode: int

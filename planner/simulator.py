@@ -326,7 +326,7 @@ class Simulation:
         ok = [r for r in measured if not math.isnan(r.end)]
         ttft = np.array([r.first - r.arrival if not math.isnan(r.first) else math.inf for r in measured])
         e2e = np.array([r.end - r.arrival for r in ok])
-        first_send = min((r.arrival for r in self.reqs), default=0.0)
+        first_send = min((r.arrival for r in measured), default=0.0)
         last_end = max((r.end for r in ok), default=first_send)
         span = max(last_end - first_send, 1e-9)
         values, weights = self._itl_points()
@@ -336,16 +336,20 @@ class Simulation:
             good = sum(1 for r in ok if r.first - r.arrival <= ttft_s
                        and (r.n_out < 2 or (r.end - r.first) / (r.n_out - 1) <= itl_s))
             met = good / len(measured) if measured else math.nan
-        steps = sum(d.steps_done for d in self.decode)
-        batch_tokens = sum(n * b for _, _, n, b, _ in self.itl)
+        segments = [(n, b) for _, _, n, b, t0 in self.itl if t0 >= self.warmup_s]
+        steps = sum(n for n, _ in segments)
+        batch_tokens = sum(n * b for n, b in segments)
+        ends = [r.end for r in self.reqs if not math.isnan(r.end)]
+        start = min((r.arrival for r in self.reqs), default=0.0)
+        run_span = max(max(ends, default=start) - start, 1e-9)
         return SimResult(
             num_prefill=self.cluster.num_prefill, num_decode=self.cluster.num_decode,
             requests=len(measured), completed=len(ok), duration_s=span,
             ttft=Percentiles.of(ttft), itl=Percentiles.weighted(values, weights), e2e=Percentiles.of(e2e),
             request_throughput=len(ok) / span, output_throughput=sum(r.n_out for r in ok) / span,
             goodput=good / span if self.slo is not None else math.nan, slo_attainment=met,
-            prefill_utilisation=sum(p.busy_s for p in self.prefill) / (span * len(self.prefill)),
-            decode_utilisation=sum(d.busy_s for d in self.decode) / (span * len(self.decode)),
+            prefill_utilisation=sum(p.busy_s for p in self.prefill) / (run_span * len(self.prefill)),
+            decode_utilisation=sum(d.busy_s for d in self.decode) / (run_span * len(self.decode)),
             mean_decode_batch=batch_tokens / steps if steps else 0.0,
             events=self.n_events, wall_s=wall_s,
         )
