@@ -170,3 +170,17 @@ def test_calibration_takes_the_median_overheads_beyond_the_engine() -> None:
     assert "calibrated on a test: request overhead 30.0 ms, decode step +3.0 ms" in cal.notes
     faster = apply_calibration(prof, [(0.01, [0.01], 40)], 16, "x")  # never below the engine's own costs
     assert faster.request_overhead_s == 0.0 and faster.decode.base_s == prof.decode.base_s
+
+
+def test_simulate_command_reads_a_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    prof = tmp_path / "p.json"
+    save_profile(make_profile(), prof)
+    trace = tmp_path / "t.csv"
+    trace.write_text("arrival_s,input_tokens,output_tokens,prefix_id\n0,100,5,-1\n1.0,100,5,-1\n")
+    out = tmp_path / "out.json"
+    assert main(["simulate", "--profile", str(prof), "--trace", str(trace), "--json", str(out)]) == 0
+    assert "1P:1D: 2/2 requests done" in capsys.readouterr().out
+    result = json.loads(out.read_text())["result"]
+    assert result["ttft"]["p50"] == pytest.approx(0.125) and result["e2e"]["p50"] == pytest.approx(0.205)
+    assert main(["simulate", "--profile", str(prof), "--trace", str(trace), "--rate", "2"]) == 2
+    assert "--trace: its arrival times set the load" in capsys.readouterr().err
