@@ -9,8 +9,11 @@ compares what the client saw with what the profile's engine costs predict for an
 - decode step overhead = median gap between two tokens - the decode step of one request: the worker's
   event loop and the stream back, per step. It is added to ``DecodeCost.base_s``.
 
-Both are clipped at zero. The load is one request at a time, never the load the simulator is later
-checked against.
+Both are clipped at zero. Then, for workers sharing one host's CPU, the interference: while one
+request streams, a long prompt is sent; the median gap between its tokens during that prompt's
+prefill over the median gap before it is how much a decode step stretches with two workers busy, and
+``host_cores`` = 2 / that stretch (``planner/profile.py``). The loads are one or two requests at a
+time, never the load the simulator is later checked against.
 """
 
 from __future__ import annotations
@@ -18,19 +21,24 @@ from __future__ import annotations
 import dataclasses
 import json
 import statistics
+import threading
 import time
 
 import httpx
 
 from planner.profile import Profile
 
+BUSY_IN_PROBE = 2  # workers busy while the interference probe runs: one prefill, one decode
+INTERFERENCE_TOKENS = 64
+
 WORDS = ("apple", "river", "stone", "cloud", "paper", "glass", "music", "tiger", "light", "sugar", "ocean",
          "maple", "bread", "silver", "forest", "candle")
 
 
-def _one(client: httpx.Client, url: str, model: str, prompt: str,
-         max_tokens: int) -> tuple[float, list[float], int]:
-    """(TTFT, gaps between text chunks, prompt tokens) of one streamed completion."""
+def _one(client: httpx.Client, url: str, model: str, prompt: str, max_tokens: int,
+         stamps: list[float] | None = None) -> tuple[float, list[float], int]:
+    """(TTFT, gaps between text chunks, prompt tokens) of one streamed completion; ``stamps`` collects
+    the ``time.perf_counter()`` of every text chunk as it arrives."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0.0,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
@@ -49,6 +57,8 @@ def _one(client: httpx.Client, url: str, model: str, prompt: str,
             choices = obj.get("choices") or []
             if choices and choices[0].get("text"):
                 now = time.perf_counter()
+                if stamps is not None:
+                    stamps.append(now)
                 if ttft is None:
                     ttft = now - start
                 else:
@@ -71,7 +81,37 @@ def calibrate(profile: Profile, url: str, *, requests: int = 10, max_tokens: int
         for i in range(requests):
             prompt = f"{WORDS[i % len(WORDS)]} {i} " + "the quick brown fox jumps over the lazy dog " * 3
             samples.append(_one(client, url, model, prompt, max_tokens))
-    return apply_calibration(profile, samples, max_tokens, f"{url} ({requests} requests one at a time)")
+        stretch = _interference(client, url, model, timeout)
+    calibrated = apply_calibration(profile, samples, max_tokens, f"{url} ({requests} requests one at a time)")
+    host_cores = BUSY_IN_PROBE / stretch
+    return dataclasses.replace(calibrated, host_cores=host_cores,
+                               notes=calibrated.notes + f"; a decode step took {stretch:.2f}x as long while "
+                               f"the prefill worker computed a long prompt: {host_cores:.2f} effective cores")
+
+
+def _interference(client: httpx.Client, url: str, model: str, timeout: float) -> float:
+    """How much longer a decode step takes while a prefill worker computes: one request streams
+    (``INTERFERENCE_TOKENS`` tokens) while a long prompt is sent; the median gap between its tokens
+    during that prompt's prefill over the median gap before it."""
+    stamps: list[float] = []
+    prompt = "zebra 0 " + "the quick brown fox jumps over the lazy dog " * 3
+    stream = threading.Thread(target=_one, args=(client, url, model, prompt, INTERFERENCE_TOKENS, stamps),
+                              daemon=True)
+    stream.start()
+    deadline = time.perf_counter() + timeout
+    while len(stamps) < 8 and stream.is_alive() and time.perf_counter() < deadline:
+        time.sleep(0.01)
+    b_start = time.perf_counter()
+    ttft_b, _, _ = _one(client, url, model, "yak 1 " + "the quick brown fox jumps over the lazy dog " * 60, 1)
+    b_end = b_start + ttft_b
+    stream.join(timeout)
+    pairs = list(zip(stamps, stamps[1:], strict=False))
+    before = [b - a for a, b in pairs if b < b_start]
+    during = [b - a for a, b in pairs if a >= b_start + 0.1 * ttft_b and b <= b_end]
+    if len(before) < 3 or len(during) < 3:
+        raise RuntimeError(f"--calibrate: too few tokens to compare ({len(before)} before the long prompt, "
+                           f"{len(during)} during it)")
+    return statistics.median(during) / statistics.median(before)
 
 
 def apply_calibration(profile: Profile, samples: list[tuple[float, list[float], int]], max_tokens: int,

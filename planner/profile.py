@@ -14,6 +14,10 @@ the model it was measured with, three fitted cost models and the samples they we
 
 ``request_overhead_s`` is the fixed latency a request pays outside the engines before its first token
 (HTTP, router, the Ray calls); the simulator adds it to every time to first token.
+``host_cores`` (set by ``pdserve profile --calibrate``) is for workers that share one host's CPU: the
+effective cores they share, from how much a decode step stretches while a prefill worker computes
+(``pdserve simulate`` then stretches every step by busy workers / ``host_cores``); None: each worker
+has its own device.
 
 The contract with the live planner (``cluster/``): ``Profile``, ``load_profile`` and ``save_profile``
 keep these names and meanings; a new field gets a default, a changed meaning a new version.
@@ -153,6 +157,7 @@ class Profile:
     decode: DecodeCost
     transfer: TransferCost
     request_overhead_s: float = 0.0
+    host_cores: float | None = None
     version: int = PROFILE_VERSION
     created: str = ""
     notes: str = ""
@@ -165,6 +170,8 @@ class Profile:
             raise ValueError(f"profile version {self.version} is not supported (this pdserve reads "
                              f"version {PROFILE_VERSION}); run `pdserve profile` again")
         _check_costs("profile", request_overhead_s=self.request_overhead_s)
+        if self.host_cores is not None and not self.host_cores > 0:
+            raise ValueError(f"profile.host_cores must be > 0 or null, got {self.host_cores}")
         m = self.model
         for name in ("kv_bytes_per_token", "block_size", "kv_capacity_tokens", "max_num_batched_tokens",
                      "max_num_seqs"):

@@ -53,6 +53,15 @@ for config in $CONFIGS; do
         kill -0 "$SERVER" 2>/dev/null || { echo "server ${P}P:${D}D died; see $OUT/serve_${P}p${D}d.log"; exit 1; }
         sleep 1
     done
+    # warm every worker up (first forwards allocate and initialise kernels) with a few short requests
+    model=$(curl -sf "http://127.0.0.1:$PORT/v1/models" | "$PY" -c 'import json, sys; print(json.load(sys.stdin)["data"][0]["id"])')
+    warm=()
+    for i in $(seq $((2 * (P + D)))); do
+        curl -sf -o /dev/null "http://127.0.0.1:$PORT/v1/completions" -H "Content-Type: application/json" \
+            -d "{\"model\": \"$model\", \"prompt\": \"warm up $i the quick brown fox\", \"max_tokens\": 8}" &
+        warm+=($!)
+    done
+    wait "${warm[@]}" || true
     if [ "$calibrated" = 0 ]; then
         "${PDSERVE[@]}" profile --calibrate "http://127.0.0.1:$PORT" --output "$PROFILE"
         calibrated=1
@@ -65,9 +74,9 @@ for config in $CONFIGS; do
         "${PDSERVE[@]}" bench --url "http://127.0.0.1:$PORT" --workload "$name" --param "$params" \
             --concurrency "$CONC" --duration "$DURATION" --output "$dir" --no-progress >"$dir.bench.txt" 2>&1 || true
         "${PDSERVE[@]}" simulate --profile "$PROFILE" --workload "$name" --param "$params" --concurrency "$CONC" \
-            --duration "$DURATION" --num-prefill "$P" --num-decode "$D" --json "$dir.sim.json" >"$dir.sim.txt"
+            --duration "$DURATION" --num-prefill "$P" --num-decode "$D" --host-cores 0 --json "$dir.sim.json" >"$dir.sim.txt"
         "${PDSERVE[@]}" simulate --profile "$PROFILE" --workload "$name" --param "$params" --concurrency "$CONC" \
-            --duration "$DURATION" --num-prefill "$P" --num-decode "$D" --host-cores "$(nproc)" \
+            --duration "$DURATION" --num-prefill "$P" --num-decode "$D" \
             --json "$dir.sim_host.json" >"$dir.sim_host.txt"
     done
     stop_server
@@ -87,7 +96,7 @@ for c in configs:
         real = json.load(open(f"{base}/summary.json"))
         r50, r90 = real["ttft"]["p50_ms"], real["ttft"]["p90_ms"]
         ri50, rthr = real["itl"]["p50_ms"], real["request_throughput"]
-        for label, suffix in (("own core each", "sim"), ("sharing the host", "sim_host")):
+        for label, suffix in (("own core each", "sim"), ("sharing the host (calibrated)", "sim_host")):
             sim = json.load(open(f"{base}.{suffix}.json"))["result"]
             t50, t90 = sim["ttft"]["p50"] * 1000, sim["ttft"]["p90"] * 1000
             i50, thr = sim["itl"]["p50"] * 1000, sim["request_throughput"]

@@ -184,3 +184,23 @@ def test_simulate_command_reads_a_trace(tmp_path: Path, capsys: pytest.CaptureFi
     assert result["ttft"]["p50"] == pytest.approx(0.125) and result["e2e"]["p50"] == pytest.approx(0.205)
     assert main(["simulate", "--profile", str(prof), "--trace", str(trace), "--rate", "2"]) == 2
     assert "--trace: its arrival times set the load" in capsys.readouterr().err
+
+
+def test_simulate_uses_the_profiles_host_cores_unless_told(tmp_path: Path) -> None:
+    prof = tmp_path / "p.json"
+    save_profile(dataclasses.replace(make_profile(), host_cores=1.0), prof)
+    trace = tmp_path / "t.csv"
+    trace.write_text("arrival_s,input_tokens,output_tokens,prefix_id\n0,100,5,-1\n0,100,5,-1\n")
+    ends = []
+    for extra in ([], ["--host-cores", "0"]):
+        out = tmp_path / "out.json"
+        args = ["simulate", "--profile", str(prof), "--trace", str(trace), "--json", str(out), *extra]
+        assert main(args) == 0
+        ends.append(json.loads(out.read_text())["result"]["e2e"]["mean"])
+    # as in test_simulator: the two end at 0.285 and 0.395 sharing one core, 0.205 and 0.315 alone
+    assert ends[0] == pytest.approx(0.34) and ends[1] == pytest.approx(0.26)
+    data = json.loads(prof.read_text())
+    data["host_cores"] = 0
+    prof.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="host_cores must be > 0"):
+        load_profile(prof)
