@@ -63,7 +63,7 @@ for config in $CONFIGS; do
     done
     wait "${warm[@]}" || true
     if [ "$calibrated" = 0 ]; then
-        "${PDSERVE[@]}" profile --calibrate "http://127.0.0.1:$PORT" --output "$PROFILE"
+        "${PDSERVE[@]}" profile --calibrate "http://127.0.0.1:$PORT" --output "$PROFILE" || echo "calibration failed"
         calibrated=1
     fi
     for w in $WORKLOADS; do
