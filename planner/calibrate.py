@@ -30,6 +30,7 @@ from planner.profile import Profile
 
 BUSY_IN_PROBE = 2  # workers busy while the interference probe runs: one prefill, one decode
 INTERFERENCE_TOKENS = 64
+BATCH_STREAMS = 4  # requests decoding together in the second probe
 
 WORDS = ("apple", "river", "stone", "cloud", "paper", "glass", "music", "tiger", "light", "sugar", "ocean",
          "maple", "bread", "silver", "forest", "candle")
@@ -81,12 +82,33 @@ def calibrate(profile: Profile, url: str, *, requests: int = 10, max_tokens: int
         for i in range(requests):
             prompt = f"{WORDS[i % len(WORDS)]} {i} " + "the quick brown fox jumps over the lazy dog " * 3
             samples.append(_one(client, url, model, prompt, max_tokens))
+        batch = _concurrent(client, url, model, BATCH_STREAMS, 3 * max_tokens)
         stretch = _interference(client, url, model, timeout)
-    calibrated = apply_calibration(profile, samples, max_tokens, f"{url} ({requests} requests one at a time)")
-    host_cores = BUSY_IN_PROBE / stretch
+    calibrated = apply_calibration(profile, samples, max_tokens, f"{url} ({requests} requests one at a time, "
+                                   f"then {BATCH_STREAMS} at once)", batch)
+    host_cores = BUSY_IN_PROBE / stretch if stretch > 1.05 else None  # none measured: no sharing modelled
     return dataclasses.replace(calibrated, host_cores=host_cores,
                                notes=calibrated.notes + f"; a decode step took {stretch:.2f}x as long while "
                                f"the prefill worker computed a long prompt: {host_cores:.2f} effective cores")
+
+
+def _concurrent(client: httpx.Client, url: str, model: str, streams: int,
+                max_tokens: int) -> tuple[int, list[float], int]:
+    """(streams, their pooled token gaps, prompt tokens of one) with ``streams`` short requests at once."""
+    results: list[tuple[float, list[float], int]] = []
+
+    def one(i: int) -> None:
+        prompt = f"{WORDS[(i + 5) % len(WORDS)]} {i} " + "the quick brown fox jumps over the lazy dog " * 3
+        results.append(_one(client, url, model, prompt, max_tokens))
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(streams)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if len(results) < streams:
+        raise RuntimeError(f"--calibrate: {streams - len(results)} of {streams} concurrent requests failed")
+    return streams, [g for _, gaps, _ in results for g in gaps], results[0][2]
 
 
 def _interference(client: httpx.Client, url: str, model: str, timeout: float) -> float:
@@ -115,8 +137,10 @@ def _interference(client: httpx.Client, url: str, model: str, timeout: float) ->
 
 
 def apply_calibration(profile: Profile, samples: list[tuple[float, list[float], int]], max_tokens: int,
-                      where: str) -> Profile:
-    """``profile`` with the overheads of ``samples`` = (TTFT, gaps, prompt tokens) per request."""
+                      where: str, batch: tuple[int, list[float], int] | None = None) -> Profile:
+    """``profile`` with the overheads of ``samples`` = (TTFT, gaps, prompt tokens) per request, one at
+    a time, and ``batch`` = (streams, their pooled gaps, prompt tokens) of requests decoding together:
+    the step overhead at one request and at ``streams`` give a fixed and a per-request part."""
     overheads: list[float] = []
     gaps_all: list[float] = []
     contexts: list[int] = []
@@ -127,10 +151,17 @@ def apply_calibration(profile: Profile, samples: list[tuple[float, list[float], 
         gaps_all.extend(gaps)
         contexts.append(n + max_tokens // 2)
     step = profile.decode.step_s(1, int(statistics.median(contexts)))
-    step_overhead = max(0.0, statistics.median(gaps_all) - step) if gaps_all else 0.0
+    one = statistics.median(gaps_all) - step if gaps_all else 0.0
+    per_seq = 0.0
+    if batch is not None and batch[1] and batch[0] > 1:
+        streams, gaps, n = batch
+        many = statistics.median(gaps) - profile.decode.step_s(streams, streams * (n + max_tokens))
+        per_seq = max(0.0, (many - one) / (streams - 1))
+    step_overhead = max(0.0, one - per_seq)
     overhead = max(0.0, statistics.median(overheads))
-    decode = dataclasses.replace(profile.decode, base_s=profile.decode.base_s + step_overhead)
+    decode = dataclasses.replace(profile.decode, base_s=profile.decode.base_s + step_overhead,
+                                 per_seq_s=profile.decode.per_seq_s + per_seq)
     note = (f"; calibrated on {where}: request overhead {overhead * 1000:.1f} ms, "
-            f"decode step +{step_overhead * 1000:.1f} ms")
+            f"decode step +{step_overhead * 1000:.1f} ms +{per_seq * 1000:.1f} ms per request")
     return dataclasses.replace(profile, request_overhead_s=overhead, decode=decode,
                                notes=profile.notes + note)

@@ -167,7 +167,11 @@ def test_calibration_takes_the_median_overheads_beyond_the_engine() -> None:
     cal = apply_calibration(prof, samples, 16, "a test")
     assert cal.request_overhead_s == pytest.approx(0.030)
     assert cal.decode.base_s == pytest.approx(0.023)
-    assert "calibrated on a test: request overhead 30.0 ms, decode step +3.0 ms" in cal.notes
+    assert "request overhead 30.0 ms, decode step +3.0 ms +0.0 ms per request" in cal.notes
+    # four streams at once: 35 ms gaps around a 20 ms step = 15 ms over, of which 3 ms at one request:
+    # 4 ms per request more, none of it fixed
+    both = apply_calibration(prof, samples, 16, "a test", (4, [0.034, 0.035, 0.036], 40))
+    assert both.decode.per_seq_s == pytest.approx(0.004) and both.decode.base_s == pytest.approx(0.02)
     faster = apply_calibration(prof, [(0.01, [0.01], 40)], 16, "x")  # never below the engine's own costs
     assert faster.request_overhead_s == 0.0 and faster.decode.base_s == prof.decode.base_s
 
