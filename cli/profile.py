@@ -1,6 +1,7 @@
 """``pdserve profile``: measure one worker's prefill, decode and KV transfer costs on this machine.
 
     pdserve profile [--quick] [--torch-threads N] [--output profile.json] [engine flags]
+    pdserve profile --calibrate URL --output profile.json
 
 Builds the engine a worker would (the same engine flags as ``pdserve serve``, ``--torch-threads`` torch
 threads) in this process, measures prefill steps against prompt and cached tokens, decode steps
