@@ -1,4 +1,4 @@
-"""Fixed serving costs outside the engine, measured on a running server, one request at a time.
+"""Serving costs outside the engine, measured on a running server with one and a few requests at a time.
 
 ``pdserve profile --calibrate URL`` sends ``n`` streaming completions one after another (short prompts,
 each starting with a different word so no prefix-cache hit helps, ``max_tokens`` tokens each) and
@@ -7,13 +7,16 @@ compares what the client saw with what the profile's engine costs predict for an
 - request overhead = median over requests of (TTFT - prefill of its prompt - the KV transfer): HTTP,
   tokenization, the router, the Ray calls and the token's way back;
 - decode step overhead = median gap between two tokens - the decode step of one request: the worker's
-  event loop and the stream back, per step. It is added to ``DecodeCost.base_s``.
+  event loop and the stream back, per step; then ``BATCH_STREAMS`` requests decode together, and the
+  overhead at that batch less the one at one request, over the extra requests, is the part each
+  request in a step adds (its stream object, the router's work). They are added to
+  ``DecodeCost.base_s`` and ``per_seq_s``.
 
-Both are clipped at zero. Then, for workers sharing one host's CPU, the interference: while one
+All are clipped at zero. Then, for workers sharing one host's CPU, the interference: while one
 request streams, a long prompt is sent; the median gap between its tokens during that prompt's
 prefill over the median gap before it is how much a decode step stretches with two workers busy, and
-``host_cores`` = 2 / that stretch (``planner/profile.py``). The loads are one or two requests at a
-time, never the load the simulator is later checked against.
+``host_cores`` = 2 / that stretch (``planner/profile.py``; none when it is under 1.05). The loads are
+one to four short requests at a time, never the load the simulator is later checked against.
 """
 
 from __future__ import annotations
