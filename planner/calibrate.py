@@ -89,10 +89,17 @@ def calibrate(profile: Profile, url: str, *, requests: int = 10, max_tokens: int
         stretch = _interference(client, url, model, timeout)
     calibrated = apply_calibration(profile, samples, max_tokens, f"{url} ({requests} requests one at a time, "
                                    f"then {BATCH_STREAMS} at once)", batch)
-    host_cores = BUSY_IN_PROBE / stretch if stretch > 1.05 else None  # none measured: no sharing modelled
-    return dataclasses.replace(calibrated, host_cores=host_cores,
-                               notes=calibrated.notes + f"; a decode step took {stretch:.2f}x as long while "
-                               f"the prefill worker computed a long prompt: {host_cores:.2f} effective cores")
+    return apply_interference(calibrated, stretch)
+
+
+def apply_interference(profile: Profile, stretch: float) -> Profile:
+    """``profile`` with ``host_cores`` from the interference probe's ``stretch`` (none under 1.05: no
+    sharing is modelled then)."""
+    host_cores = BUSY_IN_PROBE / stretch if stretch > 1.05 else None
+    cores = f"{host_cores:.2f} effective cores" if host_cores is not None else "no host sharing modelled"
+    return dataclasses.replace(profile, host_cores=host_cores,
+                               notes=profile.notes + f"; a decode step took {stretch:.2f}x as long while "
+                               f"the prefill worker computed a long prompt: {cores}")
 
 
 def _concurrent(client: httpx.Client, url: str, model: str, streams: int,

@@ -11,7 +11,7 @@ import pytest
 
 from cli.main import main
 from engine.config import EngineConfig
-from planner.calibrate import apply_calibration
+from planner.calibrate import apply_calibration, apply_interference
 from planner.fit import fit_decode, fit_prefill, fit_transfer, nonnegative_lstsq
 from planner.profile import (
     DecodeSample,
@@ -208,3 +208,11 @@ def test_simulate_uses_the_profiles_host_cores_unless_told(tmp_path: Path) -> No
     prof.write_text(json.dumps(data))
     with pytest.raises(ValueError, match="host_cores must be > 0"):
         load_profile(prof)
+
+
+def test_interference_sets_host_cores_only_when_a_step_stretches() -> None:
+    # regression: a probe that measured no stretch (0.79x) crashed formatting the missing host_cores
+    none = apply_interference(make_profile(), 0.79)
+    assert none.host_cores is None and "0.79x as long" in none.notes and "no host sharing" in none.notes
+    shared = apply_interference(make_profile(), 1.6)
+    assert shared.host_cores == pytest.approx(1.25) and "1.25 effective cores" in shared.notes
