@@ -27,14 +27,14 @@ from typing import Any
 import msgspec
 
 from engine.hashing import seed_for
-from messages.wire import ErrorKind, GenerateRequest, TokenBatch, WorkerStats
+from messages.wire import ErrorKind, GenerateRequest, KvSnapshot, TokenBatch, WorkerStats
 from router.attempt import Attempt
 from router.config import ClientConfig
 from router.errors import RequestFailed
 from router.handles import WORKER_DIED, DecodeHandle, PrefillHandle, WorkerHandle
 from router.load import Chooser
 from router.policy import make_policy
-from router.prefix_index import PrefixIndex
+from router.prefix_index import IndexAgreement, PrefixIndex
 from router.worker_table import WorkerState, WorkerTable
 from transfer.wire import AgentInfo
 
@@ -169,6 +169,17 @@ class PDClient:
         replies = await asyncio.gather(*[w.handle.stats(timeout) for w in self.table.all() if w.alive],
                                        return_exceptions=True)
         return [r for r in replies if isinstance(r, WorkerStats)]
+
+    async def prefix_index_agreement(self) -> list[IndexAgreement]:
+        """The prefix index against a snapshot of each live worker's cached blocks (one that does not
+        answer within a few seconds is left out)."""
+        index = self.table.index
+        if index is None:
+            return []
+        timeout = min(self.config.call_timeout, 5.0)
+        replies = await asyncio.gather(*[w.handle.kv_snapshot(timeout) for w in self.table.all() if w.alive],
+                                       return_exceptions=True)
+        return [index.agreement(r) for r in replies if isinstance(r, KvSnapshot)]
 
     async def check_integrity(self) -> None:
         live = [w.handle for w in self.table.all() if w.alive]
