@@ -135,8 +135,14 @@ class PrefillWorker(WorkerBase):
         }, error="aborted" if aborted else None)
 
     async def release(self, request_id: str) -> int:
-        """Free a request's leased blocks now (idempotent); returns how many were freed."""
+        """Free a request's leased blocks now and end its lease (idempotent); returns how many were freed."""
+        self.source.end_lease(request_id)
         return await self.aengine.mutate(lambda e: e.release_kv(request_id))
+
+    async def abort(self, request_id: str) -> None:
+        """Stop the request and free its blocks; a lease it holds ends with them (not by its deadline)."""
+        self.source.end_lease(request_id)
+        await super().abort(request_id)
 
     def role_stats(self, common: WorkerStats) -> WorkerStats:
         return msgspec.structs.replace(common, num_leases=self.source.num_leases(),
