@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from messages.codec import pack, unpack
-from messages.wire import GenerateRequest, PrefillResult, WorkerStats
+from messages.wire import ErrorKind, GenerateRequest, PrefillResult, WorkerError, WorkerStats
 from prefill.worker import PrefillWorker
 
 
@@ -42,3 +43,36 @@ def test_release_and_abort_end_the_lease(tiny_model_dir: Path) -> None:
     assert held.num_used_blocks == 3
     for s in (released, aborted, later):
         assert (s.num_leases, s.num_used_blocks, s.leases_expired) == (0, 0, 0)
+
+
+def test_abort_after_the_last_step_takes_no_lease(tiny_model_dir: Path) -> None:
+    """The router's abort lands after the prompt's last step but before the worker leased its blocks (the
+    window in which the worker reads the block ids): the prefill answers ``aborted`` and nothing stays
+    held. Found by the chaos soak: such an abort freed the blocks, then the lease was taken anyway and
+    stayed until its deadline."""
+    config = EngineConfig(num_kv_blocks=64, block_size=16)
+    worker = PrefillWorker("prefill-t", str(tiny_model_dir), pack(config), lease_seconds=30.0)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    req = GenerateRequest(request_id="late", prompt_token_ids=list(range(1, 41)), sampling=params)
+    real_read = worker.aengine.read
+    aborted: list[str] = []
+
+    async def read_after_abort(fn: Any) -> Any:  # the first read after the last step is the block ids'
+        if not aborted:
+            aborted.append(req.request_id)
+            await worker.abort(req.request_id)
+        return await real_read(fn)
+
+    async def main() -> tuple[PrefillResult | WorkerError, WorkerStats]:
+        await worker.ready()
+        worker.aengine.read = read_after_abort  # type: ignore[method-assign]
+        answer = unpack(await worker.prefill(pack(req)), PrefillResult | WorkerError)
+        worker.aengine.read = real_read  # type: ignore[method-assign]
+        stats = unpack(await worker.stats(), WorkerStats)
+        await worker.aengine.stop()
+        return answer, stats
+
+    answer, stats = asyncio.run(main())
+    assert aborted == ["late"]
+    assert isinstance(answer, WorkerError) and answer.kind is ErrorKind.ABORTED, answer
+    assert (stats.num_leases, stats.num_used_blocks) == (0, 0)
