@@ -107,6 +107,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--placement-timeout", type=_positive(float), default=d.prefill.placement_timeout,
                    metavar="SECONDS",
                    help="fail when a worker's resources cannot be reserved within this long (default: 300)")
+    c.add_argument("--inject-transfer-failures", type=_ratio, default=d.inject_transfer_failures,
+                   metavar="RATE",
+                   help="FOR TESTING ONLY: the decode workers fail this fraction of KV pulls on purpose "
+                        "(seeded by --seed and the worker id; the client retries per --kv-failure-policy), "
+                        "as chaos runs do (default: 0, off)")
     t = parser.add_argument_group("telemetry")
     t.add_argument("--otlp-traces-endpoint", default=d.tracing.endpoint, metavar="URL",
                    help="send OpenTelemetry traces over OTLP here, e.g. http://127.0.0.1:4318/v1/traces "

@@ -40,4 +40,5 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
         prefill=workers("prefill"), decode=workers("decode"),
         tracing=TraceFlags(endpoint=args.otlp_traces_endpoint, protocol=args.otlp_traces_protocol,
                            sample_ratio=args.otlp_traces_sample_ratio),
+        inject_transfer_failures=args.inject_transfer_failures,
     )

@@ -60,10 +60,13 @@ class ServeConfig:
     prefill: WorkerOptions = field(default_factory=lambda: _role("prefill"))
     decode: WorkerOptions = field(default_factory=lambda: _role("decode"))
     tracing: TraceFlags = field(default_factory=TraceFlags)
+    inject_transfer_failures: float = 0.0  # fault injection (testing only): fraction of KV pulls failed
 
     def __post_init__(self) -> None:
         if self.num_decode < 1 or self.num_prefill < 0:
             raise ValueError("--num-decode must be >= 1 and --num-prefill >= 0")
+        if not 0.0 <= self.inject_transfer_failures <= 1.0:
+            raise ValueError("--inject-transfer-failures must be within [0, 1]")
 
     @property
     def colocated(self) -> bool:
@@ -105,6 +108,7 @@ SETTINGS: dict[str, tuple[str, ...]] = {
        for name in ("resources", "labels", "tp")},
     "otlp_traces_endpoint": ("tracing.endpoint",), "otlp_traces_protocol": ("tracing.protocol",),
     "otlp_traces_sample_ratio": ("tracing.sample_ratio",),
+    "inject_transfer_failures": ("inject_transfer_failures",),
 }
 
 

@@ -87,12 +87,14 @@ def start_workers(
     transfer_timeout: float = 30.0,
     name_prefix: str | None = None,
     tracing: TraceConfig | None = None,
+    transfer_failure_rate: float = 0.0,
 ) -> WorkerGroup:
     """Create the actors (they load the model in their own processes); call ``ready`` before use.
 
     With placement groups, raises TimeoutError naming the role's resources flag when a worker's
     reservation cannot be placed (the groups made so far are removed). With ``tracing`` (an OTLP
-    endpoint) each worker exports its spans there."""
+    endpoint) each worker exports its spans there. ``transfer_failure_rate`` > 0 makes the decode workers
+    fail that fraction of KV pulls on purpose (fault injection for tests and chaos runs)."""
     if num_decode < 1:
         raise ValueError("at least one decode worker is needed (--num-decode)")
     if num_prefill < 0:
@@ -121,7 +123,8 @@ def start_workers(
             name = f"{prefix}-decode-{i}"
             group.decode.append(_actor(DecodeWorker, name, dopts, place(name, dopts)).remote(
                 f"decode-{i}", model, cfg, transfer_timeout=transfer_timeout,
-                torch_threads=dopts.torch_threads, tracing=trace))
+                torch_threads=dopts.torch_threads, tracing=trace,
+                transfer_failure_rate=transfer_failure_rate))
     except BaseException:
         group.shutdown()
         raise

@@ -22,6 +22,9 @@ Contract (DESIGN.md steps 3, 5, 6): one streaming call per attempt,
 * Without a prefill ref the prompt is computed here: in the reservation when
   there is one (recompute), else as a new request (colocated mode).
 * ``abort`` frees everything a request holds, wherever it is.
+* ``transfer_failure_rate`` (``pdserve serve --inject-transfer-failures``, for testing only) fails
+  that fraction of pulls as ``transfer`` errors, drawn from a generator seeded with the engine's
+  seed and the worker id (``KvSink.inject_failure_rate``); a restarted worker starts the same draws.
 
 Spans (for requests carrying a trace context, children of the caller's span):
 ``decode.queue`` from arrival here (the reservation) to the first schedule
@@ -36,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+import zlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -92,7 +96,8 @@ class DecodeWorker(WorkerBase):
 
     def __init__(self, worker_id: str, model: str | None, engine_config: bytes,
                  transfer_timeout: float = 30.0, torch_threads: int = 1,
-                 request_timeout: float = 300.0, tracing: bytes | None = None) -> None:
+                 request_timeout: float = 300.0, tracing: bytes | None = None,
+                 transfer_failure_rate: float = 0.0) -> None:
         super().__init__(worker_id, model, unpack(engine_config, EngineConfig), torch_threads, tracing)
         self.transfer_time = Histogram()
         self._traces: dict[str, _Trace] = {}
@@ -101,6 +106,9 @@ class DecodeWorker(WorkerBase):
         self.layout = KvLayout.from_tensor(runner.kv_cache, self.engine.model_config.name, runner.kv_scales)
         self.sink = KvSink(runner.kv_cache, self.layout, scales=runner.kv_scales,
                            agent_name=f"{worker_id}-{uuid.uuid4().hex[:8]}")
+        if transfer_failure_rate:
+            seed = zlib.crc32(f"{self.engine.config.seed}:{worker_id}".encode())
+            self.sink.inject_failure_rate(transfer_failure_rate, seed)
         self.transfer_timeout = transfer_timeout
         self.request_timeout = request_timeout
         self.transfer_blocks = self.transfer_bytes = self.transfer_failures = 0

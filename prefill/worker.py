@@ -60,6 +60,8 @@ class PrefillWorker(WorkerBase):
         self.request_timeout = request_timeout
         self.leases_expired = 0
         self._poller: asyncio.Task[None] | None = None
+        self._computing: set[str] = set()  # requests in ``_prefill``, not leased yet
+        self._dropped: set[str] = set()  # ... of those, the ones released or aborted meanwhile
 
     async def ready(self) -> bytes:
         """Start background work; returns this worker's NIXL agent info (``transfer.wire.AgentInfo``)."""
@@ -93,17 +95,23 @@ class PrefillWorker(WorkerBase):
             self.aengine.open_stream(rid)
 
         await self.prepare_grammar(params)
-        await self.aengine.mutate(add)
-        last = None
-        async for batch in self.aengine.stream(rid, self.request_timeout):
-            last = batch[-1]
-        assert last is not None and last.finished
-        aborted = last.finish_reason == "abort"
-        self._trace(req, last.metrics, aborted)
-        if aborted:
-            return WorkerError(ErrorKind.ABORTED, f"prefill of {rid} was aborted")
+        self._computing.add(rid)
+        try:
+            await self.aengine.mutate(add)
+            last = None
+            async for batch in self.aengine.stream(rid, self.request_timeout):
+                last = batch[-1]
+            assert last is not None and last.finished
+            aborted = last.finish_reason == "abort"
+            self._trace(req, last.metrics, aborted)
+            blocks = [] if aborted else await self.aengine.read(lambda e: e.kv.blocks_of(rid))
+            if aborted or rid in self._dropped:  # a release or abort came after the last step: no lease
+                await self.aengine.mutate(lambda e: e.release_kv(rid))
+                return WorkerError(ErrorKind.ABORTED, f"prefill of {rid} was aborted")
+        finally:
+            self._computing.discard(rid)
+            self._dropped.discard(rid)
         deadline = time.time() + (self.lease_seconds if lease_seconds is None else lease_seconds)
-        blocks = await self.aengine.read(lambda e: e.kv.blocks_of(rid))
         handle = KvHandle(
             request_id=rid,
             agent_name=self.source.agent_info().agent_name,
@@ -137,8 +145,20 @@ class PrefillWorker(WorkerBase):
         }, error="aborted" if aborted else None)
 
     async def release(self, request_id: str) -> int:
-        """Free a request's leased blocks now (idempotent); returns how many were freed."""
+        """Free a request's leased blocks now and end its lease (idempotent); returns how many were freed."""
+        self._drop(request_id)
         return await self.aengine.mutate(lambda e: e.release_kv(request_id))
+
+    async def abort(self, request_id: str) -> None:
+        """Stop the request and free its blocks; a lease it holds ends with them (not by its deadline)."""
+        self._drop(request_id)
+        await super().abort(request_id)
+
+    def _drop(self, request_id: str) -> None:
+        """End the request's lease, or keep a prefill still computing it from taking one."""
+        self.source.end_lease(request_id)
+        if request_id in self._computing:
+            self._dropped.add(request_id)
 
     def role_stats(self, common: WorkerStats) -> WorkerStats:
         return msgspec.structs.replace(common, num_leases=self.source.num_leases(),

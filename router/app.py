@@ -407,6 +407,21 @@ def create_app(backend: Backend, tokenizer: Tokenizer, config: RouterConfig,
                 from None
         return Response(msgspec.json.encode({"workers": stats}), media_type="application/json")
 
+    @app.get("/v1/prefix_index")
+    async def prefix_index() -> Response:
+        """Whether the router's prefix index agrees with each live worker's cached blocks (a snapshot):
+        ``{"agrees": bool, "workers": [{"worker_id", "indexed_blocks", "cached_blocks", "missing",
+        "extra", "agrees"}]}``. Under traffic they differ by the events not folded in yet."""
+        if not backend.is_ready():
+            raise unavailable("The server is starting; retry shortly.", code="not_ready")
+        try:
+            rows = await asyncio.wait_for(backend.prefix_index_agreement(), WORKER_STATS_TIMEOUT)
+        except (TimeoutError, RequestFailed) as exc:
+            raise unavailable(f"Worker snapshots unavailable: {type(exc).__name__}",
+                              code="stats_unavailable") from None
+        body = {"agrees": bool(rows) and all(r.agrees for r in rows), "workers": rows}
+        return Response(msgspec.json.encode(body), media_type="application/json")
+
     schema_components = openapi_components()
 
     def openapi() -> dict[str, object]:

@@ -9,6 +9,7 @@ from messages.wire import GenerateRequest, TokenBatch, WorkerStats
 
 if TYPE_CHECKING:
     from router.client import PDClient
+    from router.prefix_index import IndexAgreement
 
 
 class Backend(Protocol):
@@ -30,6 +31,10 @@ class Backend(Protocol):
     async def abort(self, request_id: str) -> None: ...
 
     async def stats(self) -> list[WorkerStats]: ...
+
+    async def prefix_index_agreement(self) -> list[IndexAgreement]:
+        """The router's prefix index against each live worker's cached blocks."""
+        ...
 
     def routing_decisions(self) -> dict[tuple[str, str, str], int]:
         """Requests routed so far by ``(role, policy, reason)``."""
@@ -65,6 +70,9 @@ class ClusterBackend:
 
     async def stats(self) -> list[WorkerStats]:
         return await self.client.stats()
+
+    async def prefix_index_agreement(self) -> list[IndexAgreement]:
+        return await self.client.prefix_index_agreement()
 
     def routing_decisions(self) -> dict[tuple[str, str, str], int]:
         return dict(self.client.decisions)

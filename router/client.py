@@ -5,7 +5,8 @@ runs one ``router.attempt.Attempt`` there (prefill -> pull -> stream, with the
 KV failure policy). Migration: when the decode worker dies mid-stream, the
 request continues on another decode worker with the prompt plus the tokens
 generated so far (at most ``migration_limit`` times); the caller sees one
-unbroken stream.
+unbroken stream. The dead attempt's id is aborted and released on every other
+worker it touched first, so a prefill lease the dead worker never pulled ends now.
 
 Restarts: a worker Ray restarts (``max_restarts``) rejoins through
 ``WorkerTable`` supervision: a restarted prefill worker brings a new NIXL agent,
@@ -20,21 +21,21 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
 from engine.hashing import seed_for
-from messages.wire import ErrorKind, GenerateRequest, TokenBatch, WorkerStats
+from messages.wire import ErrorKind, GenerateRequest, KvSnapshot, TokenBatch, WorkerStats
 from router.attempt import Attempt
 from router.config import ClientConfig
 from router.errors import RequestFailed
 from router.handles import WORKER_DIED, DecodeHandle, PrefillHandle, WorkerHandle
 from router.load import Chooser
 from router.policy import make_policy
-from router.prefix_index import PrefixIndex
+from router.prefix_index import IndexAgreement, PrefixIndex
 from router.worker_table import WorkerState, WorkerTable
 from transfer.wire import AgentInfo
 
@@ -59,6 +60,7 @@ class PDClient:
         self.attempt = Attempt(self.config, self.table, self.chooser, self._refresh_agent)
         self._flights: dict[str, _Flight] = {}
         self._agents: set[str] = set()
+        self._cleanups: set[asyncio.Task[None]] = set()
 
     @property
     def decisions(self) -> dict[tuple[str, str, str], int]:
@@ -139,6 +141,9 @@ class PDClient:
                     return
                 except WORKER_DIED as exc:
                     self.table.mark_dead(decode.worker)
+                    # the dead attempt's prefill may have leased blocks the dead worker never pulled
+                    self._in_background(self._abort_on(
+                        _Flight([current.request_id], flight.touched - {decode.worker.handle})))
                     if attempt == self.config.migration_limit:
                         raise RequestFailed(ErrorKind.UNAVAILABLE, f"decode worker died: {exc}") from exc
                     current = _continuation(req, produced, attempt + 1)
@@ -149,6 +154,12 @@ class PDClient:
             self._flights.pop(req.request_id, None)
             if not finished:
                 await self._abort_on(flight)
+
+    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run cleanup without holding up the request (each call is bounded by ``call_timeout``)."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._cleanups.add(task)
+        task.add_done_callback(self._cleanups.discard)
 
     async def abort(self, request_id: str) -> None:
         flight = self._flights.get(request_id)
@@ -169,6 +180,17 @@ class PDClient:
         replies = await asyncio.gather(*[w.handle.stats(timeout) for w in self.table.all() if w.alive],
                                        return_exceptions=True)
         return [r for r in replies if isinstance(r, WorkerStats)]
+
+    async def prefix_index_agreement(self) -> list[IndexAgreement]:
+        """The prefix index against a snapshot of each live worker's cached blocks (one that does not
+        answer within a few seconds is left out)."""
+        index = self.table.index
+        if index is None:
+            return []
+        timeout = min(self.config.call_timeout, 5.0)
+        replies = await asyncio.gather(*[w.handle.kv_snapshot(timeout) for w in self.table.all() if w.alive],
+                                       return_exceptions=True)
+        return [index.agreement(r) for r in replies if isinstance(r, KvSnapshot)]
 
     async def check_integrity(self) -> None:
         live = [w.handle for w in self.table.all() if w.alive]

@@ -14,8 +14,22 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import msgspec
+
 from engine.hashing import block_hashes
 from messages.wire import KvEvents, KvSnapshot
+
+
+class IndexAgreement(msgspec.Struct, frozen=True):
+    """One worker's entry of ``GET /v1/prefix_index``: the hashes the index holds for it against the
+    ones its pool caches now (a snapshot), and how many differ each way."""
+
+    worker_id: str
+    indexed_blocks: int
+    cached_blocks: int
+    missing: int  # cached on the worker, absent from the index
+    extra: int  # in the index, no longer cached on the worker
+    agrees: bool
 
 
 class PrefixIndex:
@@ -49,6 +63,13 @@ class PrefixIndex:
 
     def held(self, worker_id: str) -> set[int]:
         return set(self._workers.get(worker_id, ()))
+
+    def agreement(self, snapshot: KvSnapshot) -> IndexAgreement:
+        """The index against a worker's snapshot. Events not folded in yet show as a difference: once
+        the worker is idle and one refresh has passed, they agree."""
+        held, cached = self.held(snapshot.worker_id), set(snapshot.hashes)
+        return IndexAgreement(snapshot.worker_id, len(held), len(cached), len(cached - held),
+                              len(held - cached), held == cached)
 
     def match(self, hashes: Sequence[int], worker_id: str) -> int:
         """How many leading blocks of ``hashes`` the worker holds."""

@@ -9,7 +9,7 @@ class TransferError(RuntimeError):
     ``outcome`` is a short, bounded label for spans and metrics: ``"timeout"`` (the
     caller's deadline passed), ``"expired"`` (the source's lease deadline passed, so the
     source may already have freed the blocks), ``"error"`` (NIXL reported an error),
-    ``"injected"`` (a fault injected by :meth:`KvSink.inject_failures`) or
+    ``"injected"`` (a fault injected by :meth:`KvSink.inject_failures` or ``inject_failure_rate``) or
     ``"unknown_agent"`` (the handle names an agent the sink never connected to).
     """
 

@@ -28,6 +28,11 @@ Contract
   ``TransferError.outcome`` is ``"timeout"`` or ``"expired"`` accordingly (a handle
   whose lease already ended is refused before posting). NIXL ``ERR`` raises
   ``"error"``. The transfer handle is released on every path.
+- Fault injection (tests and chaos runs only; off by default): ``inject_failures(n)``
+  fails the next ``n`` reads, ``inject_failure_rate(rate, seed)`` fails each read with
+  probability ``rate`` from a ``random.Random(seed)`` (the same seed fails the same
+  reads). An injected failure raises ``TransferError("injected")`` before anything is
+  posted, exactly where a refused READ would.
 - Single-threaded: call every method from one thread (the worker's event loop).
 """
 
@@ -35,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from dataclasses import dataclass
 
@@ -109,6 +115,8 @@ class KvSink:
         self._local = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", table, mem_type, backends=[backend])
         self._remotes: dict[str, _Remote] = {}
         self._failures_to_inject = 0
+        self._failure_rate = 0.0
+        self._failure_rng = random.Random(0)
 
     def connect(self, info: AgentInfo) -> None:
         known = self._remotes.get(info.agent_name)
@@ -128,6 +136,13 @@ class KvSink:
 
     def inject_failures(self, n: int) -> None:
         self._failures_to_inject = n
+
+    def inject_failure_rate(self, rate: float, seed: int = 0) -> None:
+        """Fail each later read with probability ``rate`` (0 turns it off), drawn from ``Random(seed)``."""
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError(f"failure rate must be within [0, 1], got {rate}")
+        self._failure_rate = rate
+        self._failure_rng = random.Random(seed)
 
     async def read(
         self, handle: KvHandle, remote_block_ids: list[int], local_block_ids: list[int], timeout: float
@@ -185,6 +200,9 @@ class KvSink:
         if self._failures_to_inject > 0:
             self._failures_to_inject -= 1
             raise TransferError("injected", f"injected failure reading {handle.request_id}")
+        if self._failure_rate > 0.0 and self._failure_rng.random() < self._failure_rate:
+            raise TransferError("injected", f"injected failure (rate {self._failure_rate:g}) reading "
+                                            f"{handle.request_id}")
         remote = self._remotes.get(handle.agent_name)
         if remote is None:
             raise TransferError("unknown_agent", f"source {handle.agent_name!r} is not connected")

@@ -12,7 +12,9 @@ Contract
   ``done:<request_id>`` is posted together with the sink's READ, so NIXL delivers it
   only after the READ has completed; ``release:<request_id>`` is sent when decode
   abandons a handle without (successfully) reading it (abort, failure, retry
-  elsewhere). Either one ends the lease.
+  elsewhere). Either one ends the lease, as does ``end_lease`` when the prefill worker
+  frees the blocks itself (the router's release or abort of the request): an ended
+  lease is never reported as expired.
 - ``poll(now)`` drains notifications and returns ``(released, expired)``: the request
   ids whose lease ended by notification and those whose deadline passed
   (``deadline <= now``, ``time.time()`` seconds). Each id is reported once; the
@@ -137,6 +139,10 @@ class KvSource:
 
     def num_leases(self) -> int:
         return len(self._leases)
+
+    def end_lease(self, request_id: str) -> bool:
+        """Forget a lease the owner ended itself (the caller frees the blocks); True when it was held."""
+        return self._leases.pop(request_id, None) is not None
 
     def poll(self, now: float | None = None) -> tuple[list[str], list[str]]:
         """Drain notifications; return ``(released, expired)`` request ids, each reported once."""

@@ -210,3 +210,43 @@ def test_killed_workers_restart_and_serve(server: PdserveServer, migration: Migr
     assert after["prefill-0"]["prefix_queries"] >= 1  # the fresh process computed prompts
     pulled = sum(after[d]["transfer_blocks"] - before[d]["transfer_blocks"] for d in ("decode-0", "decode-1"))
     assert pulled > 0
+
+
+def test_decode_killed_before_its_pull_leaves_no_lease(server: PdserveServer) -> None:
+    """A decode worker killed while its request's prompt is still being prefilled: the request migrates
+    and completes, and the dead attempt's prefill ends now (aborted, or its lease released by the
+    router), not when its 30 s lease runs out. Found by the chaos soak (``bench.chaos``), where such
+    leases were left to expire. Runs last: the victim is left restarting."""
+    wait_drained(server, 3)
+    ships = " ".join(f"ship {i} sailed past at dawn." for i in range(220))
+    prompt = "Only the lease test sends this. " + ships
+    before = {w["worker_id"]: w for w in workers(server)}
+
+    async def run() -> tuple[dict[str, Any], str]:
+        async with httpx.AsyncClient(headers=AUTH, timeout=120) as http:
+            task = asyncio.create_task(http.post(f"{server.url}{CHAT}", json=chat(prompt, 8, False)))
+            deadline = time.monotonic() + 60
+            while True:
+                resp = await http.get(f"{server.url}/v1/workers")  # 503 while a long step holds a worker
+                stats = {w["worker_id"]: w for w in resp.json()["workers"]} if resp.status_code == 200 else {}
+                holding = [w for w in stats.values() if w["role"] == "decode" and w["num_reserved"]]
+                if holding and stats["prefill-0"]["num_running"]:
+                    break
+                assert not task.done() and time.monotonic() < deadline, "the prefill was never seen running"
+                await asyncio.sleep(0.02)
+            os.kill(holding[0]["pid"], signal.SIGKILL)
+            resp = await task
+            assert resp.status_code == 200, resp.text
+            return resp.json(), holding[0]["worker_id"]
+
+    body, victim = asyncio.run(run())
+    assert body["usage"]["completion_tokens"] == 8
+    deadline = time.monotonic() + 5  # well inside the 30 s lease
+    while True:
+        prefill = next(w for w in workers(server) if w["worker_id"] == "prefill-0")
+        if prefill["num_leases"] == 0 and prefill["num_used_blocks"] == 0:
+            break
+        assert time.monotonic() < deadline, f"the dead attempt's lease is still held: {prefill}"
+        time.sleep(0.1)
+    assert prefill["leases_expired"] == before["prefill-0"]["leases_expired"]
+    assert victim in ("decode-0", "decode-1")

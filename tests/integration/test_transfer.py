@@ -229,6 +229,33 @@ def test_injected_failure_then_success(source: SourcePeer, sink: Any) -> None:
     source.wait_released("req-inject")
 
 
+def test_injected_failure_rate_is_seeded(source: SourcePeer, sink: Any) -> None:
+    """Each read fails with the rate's probability, drawn from Random(seed): the same reads every time."""
+    import random
+
+    draws = random.Random(7)
+    expected = [draws.random() < 0.5 for _ in range(8)]
+    assert any(expected) and not all(expected)
+    sink.inject_failure_rate(0.5, seed=7)
+    failed = []
+    try:
+        for i in range(8):
+            handle = source.lease(f"req-rate-{i}")
+            try:
+                asyncio.run(sink.read(handle, [1], [3], timeout=WAIT_S))
+                failed.append(False)
+            except TransferError as exc:
+                assert exc.outcome == "injected"
+                failed.append(True)
+                sink.release(handle)
+            source.wait_released(f"req-rate-{i}")
+    finally:
+        sink.inject_failure_rate(0.0)
+    assert failed == expected
+    with pytest.raises(ValueError, match="within"):
+        sink.inject_failure_rate(1.5)
+
+
 def test_wire_round_trip(source: SourcePeer) -> None:
     assert unpack(pack(source.info), AgentInfo) == source.info
     assert SRC_LAYOUT.region_bytes == 2 * 4 * 2 * 8 * 4

@@ -1,0 +1,41 @@
+"""The short chaos soak (``bench.chaos``) against a real ``pdserve serve`` with 2 prefill and 2 decode
+workers: worker SIGKILLs, injected KV-pull failures, client disconnects and a burst, all under load; then
+every request's outcome is judged and the cluster must come back whole (nothing held, index in
+agreement, RSS bounded, no extra Ray actor or placement group)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import pytest
+
+from bench.chaos import ChaosConfig, run_chaos
+from bench.chaos_report import render
+
+if TYPE_CHECKING:
+    from tests.integration.conftest import PdserveServer
+
+pytestmark = pytest.mark.slow
+
+KEY = "chaos-key"
+
+
+def test_short_chaos_soak(pdserve_factory: Callable[..., PdserveServer]) -> None:
+    server = pdserve_factory("--num-prefill", "2", "--num-decode", "2", "--max-restarts", "100",
+                             "--inject-transfer-failures", "0.1", "--api-key", KEY)
+    cfg = ChaosConfig(duration=30, seed=1, concurrency=3, kill_interval=12, burst_factor=6, num_specs=12,
+                      settle_timeout=150)
+    report = asyncio.run(run_chaos(cfg, server.url, KEY, server.process.pid))
+    text = render(report)
+    assert report.passed, text + "\n" + server.log_tail()
+    assert report.violations == [], text
+    assert report.faults["kill prefill worker"] + report.faults["kill decode worker"] == 2, text
+    assert report.faults["client disconnects"] > 0 and report.faults["burst requests"] == 18, text
+    assert report.faults["KV pull failures (worker stats)"] > 0, text
+    assert report.greedy_checked > 0 and report.greedy_equal == report.greedy_checked, text
+    assert len(report.end_state) == 4, text
+    held = ("num_used_blocks", "num_leases", "num_reserved")
+    assert all(w[f] == 0 for w in report.end_state for f in held), text
+    assert {c.name for c in report.checks} >= {"prefix index agrees", "ray actors and placement groups"}, text
