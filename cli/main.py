@@ -169,6 +169,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "proposes the tokens that followed the latest earlier match of the last tokens and "
                         "verifies them in one forward; greedy output is unchanged, sampled output keeps "
                         "its distribution (default: None, off)")
+    g.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size, metavar="N",
+                   help="devices one engine spans (tensor parallelism, vLLM's flag): N rank processes, each "
+                        "holding 1/N of the heads, MLP and vocabulary; `pdserve generate` starts them itself "
+                        "(gloo on CPU, NCCL on CUDA); `pdserve serve` takes only 1 so far (default: 1)")
     g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization, metavar="F",
                    help="with --device cuda, the fraction of the device's memory the engine may use "
                         "(weights plus KV cache), in (0, 1] (default: 0.9)")
