@@ -173,6 +173,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="devices one engine spans (tensor parallelism, vLLM's flag): N rank processes, each "
                         "holding 1/N of the heads, MLP and vocabulary; `pdserve generate` starts them itself "
                         "(gloo on CPU, NCCL on CUDA); `pdserve serve` takes only 1 so far (default: 1)")
+    g.add_argument("--tp-timeout", dest="tp_timeout_s", type=float, default=d.tp_timeout_s, metavar="SECONDS",
+                   help="with --tensor-parallel-size above 1, the longest any collective of the rank group "
+                        "waits: a dead or hung rank is an error after it, never a hang (default: 120)")
     g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization, metavar="F",
                    help="with --device cuda, the fraction of the device's memory the engine may use "
                         "(weights plus KV cache), in (0, 1] (default: 0.9)")
