@@ -4,6 +4,7 @@ loopback); greedy tokens equal TP=1 and transformers token for token (float32, C
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -134,6 +135,24 @@ def test_a_killed_rank_is_an_error_within_the_deadline_not_a_hang(tmp_path: Path
         assert time.monotonic() - start < ENGINE["tp_timeout_s"] + 5
     finally:
         llm.close()
+
+
+def test_a_hung_rank_is_an_error_after_the_deadline(tmp_path: Path) -> None:
+    save("llama", tmp_path)
+    llm = LLM(model=str(tmp_path), tensor_parallel_size=2, **{**ENGINE, "tp_timeout_s": 3.0})
+    assert llm.ranks is not None
+    llm.ranks.grace_s = 2.0
+    rank1 = llm.ranks.processes[0]
+    try:
+        assert rank1.pid is not None
+        os.kill(rank1.pid, signal.SIGSTOP)  # alive, holding its sockets open, answering nothing
+        start = time.monotonic()
+        with pytest.raises(TpError, match="rank 0 of 2"):
+            llm.generate([prompts()[1]], greedy())
+        assert 2.5 < time.monotonic() - start < 10
+    finally:
+        llm.close()  # a stopped process ignores terminate(): close() kills it
+    assert not rank1.is_alive()
 
 
 def test_rank_processes_end_with_the_interpreter(tmp_path: Path) -> None:
