@@ -288,6 +288,14 @@ def run_generate(args: argparse.Namespace) -> int:
 
     from engine import LLM
 
+    if config.tensor_parallel_size > 1:  # before any rank process starts, naming the flag
+        from engine.loader import load_model_source, resolve_model
+        from engine.tensor_parallel import check_tp_size
+
+        try:
+            check_tp_size(load_model_source(resolve_model(args.model)).config, config.tensor_parallel_size)
+        except ValueError as exc:
+            raise UsageError(f"--tensor-parallel-size {config.tensor_parallel_size}: {exc}") from None
     llm = LLM(args.model, **dataclasses.asdict(config))
     chat = llm.tokenizer.has_chat_template if args.chat is None else args.chat
     if chat and not llm.tokenizer.has_chat_template:

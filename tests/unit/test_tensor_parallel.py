@@ -148,3 +148,13 @@ def test_plan_at_tp1_is_unchanged(llama70b: Path) -> None:
     one = make_plan(model, device_memory=192 * 1024**3)
     assert one.kv_heads_per_device == 8 and one.weight_bytes == 2 * 70_553_706_496
     assert one.kv_bytes_per_token == 327_680 and one.tensor_parallel_size == 1
+
+
+def test_cli_sizes_that_cannot_run_name_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    """Refused before any rank process (or Ray) starts."""
+    assert main(["generate", "--tensor-parallel-size", "2", "hi"]) == 2
+    assert "--tensor-parallel-size 2: tensor_parallel_size 2 does not divide the 9 query heads" in \
+        capsys.readouterr().err
+    assert main(["serve", "--tensor-parallel-size", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--tensor-parallel-size 2: `pdserve serve` runs workers of one device so far" in err
