@@ -19,6 +19,7 @@ size is the smallest any rank's budget buys (``build_runner``).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import sys
 import time
@@ -94,6 +95,10 @@ def build_runner(source: ModelSource, config: EngineConfig, group: TpGroup | Non
     if size > 1 and (group is None or group.size != size):
         raise ValueError(f"tensor_parallel_size={size} needs a TpGroup of {size} ranks (LLM starts one)")
     shard = TpShard(source.config, group.rank if group is not None else 0, size)
+    device = torch.device(config.device)
+    if size > 1 and device.type == "cuda" and device.index is None:  # one device per rank (never run yet)
+        config = dataclasses.replace(config, device=f"cuda:{shard.rank}")
+        torch.cuda.set_device(shard.rank)
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     kernel = cast(LinearKernel, config.linear_kernel)
