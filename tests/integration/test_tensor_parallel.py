@@ -140,7 +140,7 @@ def test_a_hung_rank_is_an_error_after_the_deadline(tmp_path: Path) -> None:
     save("llama", tmp_path)
     llm = LLM(model=str(tmp_path), tensor_parallel_size=2, **{**ENGINE, "tp_timeout_s": 3.0})
     assert llm.ranks is not None
-    llm.ranks.grace_s = 2.0
+    llm.ranks.grace_s = 0.5
     rank1 = llm.ranks.processes[0]
     try:
         assert rank1.pid is not None
