@@ -73,6 +73,6 @@ class RankProcesses:
             if proc.is_alive():
                 proc.terminate()
                 proc.join(timeout=self.grace_s)
-            if proc.is_alive():
+            if proc.is_alive():  # a stopped process ignores SIGTERM; SIGKILL always ends it
                 proc.kill()
-                proc.join(timeout=self.grace_s)
+                proc.join(timeout=max(self.grace_s, 5.0))
