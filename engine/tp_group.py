@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_TP_TIMEOUT_S = 120.0
+START_TIMEOUT_S = 300.0  # joining the group: the other ranks are still starting and loading weights
 
 
 class StepPlan(msgspec.Struct, tag="step", frozen=True):
@@ -85,9 +86,10 @@ class TpGroup:
         self.steps = 0
 
     def connect(self) -> None:
-        """Join the process groups (waits for every rank, at most ``timeout_s``)."""
+        """Join the process groups (waits for every rank, at most ``START_TIMEOUT_S`` or ``timeout_s``)."""
         try:
-            self._plans = _gloo(dist.PrefixStore("plans/", self.store), self.rank, self.size, self.timeout)
+            start = timedelta(seconds=max(self.timeout_s, START_TIMEOUT_S))  # each op passes its own deadline
+            self._plans = _gloo(dist.PrefixStore("plans/", self.store), self.rank, self.size, start)
             if self._device.type == "cuda":
                 opts = dist.ProcessGroupNCCL.Options()
                 opts._timeout = self.timeout
@@ -97,7 +99,7 @@ class TpGroup:
                 self._tensors = self._plans
         except RuntimeError as exc:
             raise TpError(f"tensor-parallel rank {self.rank} could not join its group of {self.size} "
-                          f"within {self.timeout_s:g} s: {exc}") from exc
+                          f"in time: {exc}") from exc
         if self.rank == 0 and self.size > 1:
             self._keepalive = threading.Thread(target=self._keep_alive, name="tp-keepalive", daemon=True)
             self._keepalive.start()
@@ -195,5 +197,5 @@ class TpGroup:
 
 def open_store(rank: int, size: int, port: int, timeout_s: float) -> dist.TCPStore:
     """Rank 0 hosts the rendezvous store (``port`` 0: any free port); the others connect to it."""
-    return dist.TCPStore(TpGroup.host, port, size, rank == 0, timedelta(seconds=timeout_s),
-                         wait_for_workers=False)
+    return dist.TCPStore(TpGroup.host, port, size, rank == 0,
+                         timedelta(seconds=max(timeout_s, START_TIMEOUT_S)), wait_for_workers=False)
