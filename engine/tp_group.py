@@ -6,7 +6,8 @@ Contract (every rank of one worker, all on one host):
   one: ``port``); the other ranks join with that port. The group is its own process group object (no
   global ``init_process_group``), so a process may hold several, one per engine;
 - backends: gloo on CPU; on CUDA the tensors go over NCCL and the plans over gloo (vLLM's split);
-- deadlines: every collective waits at most ``timeout_s``; a rank whose peer died or hung raises
+- deadlines: joining the group waits up to ``START_TIMEOUT_S`` (ranks are still loading); every
+  collective after that waits at most ``timeout_s``; a rank whose peer died or hung raises
   ``TpError`` within it, never blocks for ever. While rank 0 is idle a keep-alive plan goes out every
   ``timeout_s / 3`` (a thread) so the others' wait for the next plan stays bounded too;
 - order: rank 0 holds ``lock`` around every use (a step's plan and its forward's collectives, a
