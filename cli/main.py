@@ -171,6 +171,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "\"num_speculative_tokens\": 4}' proposes with a smaller local model of the same "
                         "vocabulary on the decode worker; greedy output is unchanged, sampled output keeps "
                         "its distribution (default: None, off)")
+    g.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size, metavar="N",
+                   help="devices one engine spans (tensor parallelism, vLLM's flag): N rank processes, each "
+                        "holding 1/N of the heads, MLP and vocabulary; `pdserve generate` starts them itself "
+                        "(gloo on CPU, NCCL on CUDA); `pdserve serve` takes only 1 so far (default: 1)")
+    g.add_argument("--tp-timeout", dest="tp_timeout_s", type=float, default=d.tp_timeout_s, metavar="SECONDS",
+                   help="with --tensor-parallel-size above 1, the longest any collective of the rank group "
+                        "waits: a dead or hung rank is an error after it, never a hang (default: 120)")
     g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization, metavar="F",
                    help="with --device cuda, the fraction of the device's memory the engine may use "
                         "(weights plus KV cache), in (0, 1] (default: 0.9)")
@@ -288,6 +295,14 @@ def run_generate(args: argparse.Namespace) -> int:
 
     from engine import LLM
 
+    if config.tensor_parallel_size > 1:  # before any rank process starts, naming the flag
+        from engine.loader import load_model_source, resolve_model
+        from engine.tensor_parallel import check_tp_size
+
+        try:
+            check_tp_size(load_model_source(resolve_model(args.model)).config, config.tensor_parallel_size)
+        except ValueError as exc:
+            raise UsageError(f"--tensor-parallel-size {config.tensor_parallel_size}: {exc}") from None
     llm = LLM(args.model, **dataclasses.asdict(config))
     chat = llm.tokenizer.has_chat_template if args.chat is None else args.chat
     if chat and not llm.tokenizer.has_chat_template:

@@ -18,6 +18,14 @@ tokens, blocks, tokens and sequences at ``--max-model-len``; with
 ``--kv-offload-bytes`` (and ``--kv-offload-disk-bytes``) also the whole blocks
 the host (and disk) offload tier holds, ``bytes // block bytes`` as
 ``engine/offload.py`` keeps them.
+
+With ``--tensor-parallel-size N`` every figure is per device: the weights of one
+rank's shard (``engine.tensor_parallel.TpShard.parameter_count``: its heads, its
+MLP columns, ceil(vocab / N) rows of the embedding and head; norms replicated),
+and its KV heads (KV heads / N, at least one: replicated past that), so the
+blocks are those one rank's budget buys, as the engine allocates them; a sequence
+takes the same block ids on every rank, so the concurrent sequences are one
+device's. ``--prefill-tp`` / ``--decode-tp`` print one plan per role.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from pathlib import Path
 import torch
 
 from engine.config import ModelConfig, parse_dtype
+from engine.tensor_parallel import TpShard
 
 DEFAULT_DEVICE_MEMORY = 80 * 1024**3
 CONTEXT_LENGTHS = (2048, 8192, 32768, 131072)
@@ -113,14 +122,18 @@ class Plan:
     kv_offload_bytes: int | None = None
     kv_offload_disk_bytes: int | None = None
     by_kv_dtype: list[DtypeCapacity] | None = None
+    tensor_parallel_size: int = 1
+    kv_heads_per_device: int = 0  # one rank's KV heads (replicated when N exceeds the model's)
+    role: str | None = None  # prefill / decode for a per-role plan
 
 
 def make_plan(model: ModelConfig, *, dtype: str = "bfloat16", kv_cache_dtype: str = "auto",
               block_size: int = 16, device_memory: int = DEFAULT_DEVICE_MEMORY,
               gpu_memory_utilization: float = 0.9, kv_cache_memory: int | None = None,
               max_model_len: int | None = None, weight_memory: int | None = None,
-              kv_offload_bytes: int | None = None, kv_offload_disk_bytes: int | None = None) -> Plan:
-    """Size the KV cache with ``engine.kv_sizing`` (the functions the engine itself calls)."""
+              kv_offload_bytes: int | None = None, kv_offload_disk_bytes: int | None = None,
+              tensor_parallel_size: int = 1, role: str | None = None) -> Plan:
+    """Size the KV cache with ``engine.kv_sizing`` (the functions the engine itself calls), per device."""
     from engine.kv_sizing import (
         KV_CACHE_DTYPES,
         blocks_for_budget,
@@ -134,7 +147,10 @@ def make_plan(model: ModelConfig, *, dtype: str = "bfloat16", kv_cache_dtype: st
     kv_name = dtype if kv_cache_dtype == "auto" else kv_cache_dtype
     kv_dtype = KV_CACHE_DTYPES.get(kv_name) or parse_dtype(kv_name)
     params = parameter_count(model)
-    weights = weight_memory if weight_memory is not None else params * element_bytes(weights_dtype)
+    shard = TpShard(model, 0, tensor_parallel_size)
+    full_model, model = model, shard.kv_config  # KV sized by one device's heads
+    per_device = shard.parameter_count() * element_bytes(weights_dtype)
+    weights = weight_memory // tensor_parallel_size if weight_memory is not None else per_device
     if kv_cache_memory is not None:
         budget = kv_cache_memory
     else:
@@ -151,7 +167,7 @@ def make_plan(model: ModelConfig, *, dtype: str = "bfloat16", kv_cache_dtype: st
                                                    kv_offload_bytes, kv_offload_disk_bytes),
                                     selected=n == chosen) for n in names]
     return Plan(
-        model=model.name, num_layers=model.num_layers, num_kv_heads=model.num_kv_heads,
+        model=model.name, num_layers=model.num_layers, num_kv_heads=full_model.num_kv_heads,
         head_dim=model.head_dim, parameters=params, weight_bytes=weights, dtype=str(weights_dtype)[6:],
         kv_cache_dtype=str(kv_dtype)[6:],
         kv_bytes_per_token=model.kv_bytes_per_token(element_bytes(kv_dtype)),
@@ -162,6 +178,7 @@ def make_plan(model: ModelConfig, *, dtype: str = "bfloat16", kv_cache_dtype: st
         max_model_len=length, blocks_per_sequence=per_seq, concurrent_sequences=blocks // per_seq,
         sequences_at={n: blocks // math.ceil(n / block_size) for n in lengths},
         kv_offload_bytes=kv_offload_bytes, kv_offload_disk_bytes=kv_offload_disk_bytes, by_kv_dtype=by_dtype,
+        tensor_parallel_size=tensor_parallel_size, kv_heads_per_device=model.num_kv_heads, role=role,
     )
 
 
@@ -201,23 +218,28 @@ def format_plan(plan: Plan) -> str:
         budget_how = (f"{_gib(plan.device_memory)} x {plan.gpu_memory_utilization} - weights")
     else:
         budget_how = "--kv-cache-memory"
+    tp = plan.tensor_parallel_size
+    per = " per device" if tp > 1 else ""
     rows = [
         ("model", f"{plan.model} ({plan.num_layers} layers, {plan.num_kv_heads} KV heads x {plan.head_dim})"),
         ("parameters", f"{plan.parameters / 1e9:,.2f} B"),
-        ("weights", f"{_gib(plan.weight_bytes)} ({plan.dtype})"),
+        ("tensor parallel", f"{tp} devices, {plan.kv_heads_per_device} KV heads per device"
+                            + (" (replicated)" if plan.kv_heads_per_device * tp > plan.num_kv_heads else "")),
+        (f"weights{per}", f"{_gib(plan.weight_bytes)} ({plan.dtype})"),
         ("KV cache dtype", plan.kv_cache_dtype),
-        ("KV bytes per token", f"{plan.kv_bytes_per_token:,}"),
+        (f"KV bytes per token{per}", f"{plan.kv_bytes_per_token:,}"),
         ("KV block", f"{plan.block_size} tokens = {plan.kv_block_bytes:,} bytes"
                      + (f" (incl. {scales:,} bytes of scales)" if (scales := plan.kv_block_bytes
                         - plan.block_size * plan.kv_bytes_per_token) else "")),
-        ("KV budget", f"{_gib(plan.kv_budget_bytes)} ({plan.kv_budget_bytes:,} bytes; {budget_how})"),
+        (f"KV budget{per}", f"{_gib(plan.kv_budget_bytes)} ({plan.kv_budget_bytes:,} bytes; {budget_how})"),
         ("KV blocks", f"{plan.num_kv_blocks:,}"),
         ("KV tokens", f"{plan.kv_tokens:,}"),
         ("max model len", f"{plan.max_model_len:,} tokens = {plan.blocks_per_sequence:,} blocks"),
         ("concurrent sequences", f"{plan.concurrent_sequences:,} at {plan.max_model_len:,} tokens"),
     ]
     width = max(len(k) for k, _ in rows)
-    lines = [f"{k:<{width}}  {v}" for k, v in rows]
+    lines = [f"{plan.role} workers (tensor parallel {tp})", ""] if plan.role else []
+    lines += [f"{k:<{width}}  {v}" for k, v in rows]
     lines += ["", f"{'context length':>14}  {'sequences':>10}"]
     lines += [f"{n:>14,}  {s:>10,}" for n, s in plan.sequences_at.items()]
     if plan.by_kv_dtype:
@@ -282,7 +304,9 @@ def add_plan_args(parser: argparse.ArgumentParser, size: Callable[[str], int],
                         help="a KV budget in bytes instead of device memory minus weights (as the CPU "
                              "engine's --kv-cache-memory)")
     parser.add_argument("--weight-memory", type=size, default=None, metavar="SIZE",
-                        help="bytes the weights take (default: parameters x --dtype bytes)")
+                        help="bytes the weights take, all devices together (split evenly over "
+                             "tensor-parallel devices; default: one shard's parameters x --dtype bytes, "
+                             "per device)")
     parser.add_argument("--max-model-len", type=int, default=None, metavar="N",
                         help="context length of one sequence (default: the model's)")
     parser.add_argument("--block-size", type=int, default=16, metavar="N",
@@ -293,6 +317,13 @@ def add_plan_args(parser: argparse.ArgumentParser, size: Callable[[str], int],
     parser.add_argument("--kv-offload-disk-bytes", type=size, default=None, metavar="SIZE",
                         help="also size a disk offload tier of SIZE bytes (as serve's "
                              "--kv-offload-disk-bytes with --kv-offload-dir)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                        help="devices one worker spans (tensor parallelism): weights, KV and blocks per "
+                             "device (default: 1)")
+    parser.add_argument("--prefill-tp", type=int, default=None, metavar="N",
+                        help="plan prefill workers at tensor parallelism N (one plan per role)")
+    parser.add_argument("--decode-tp", type=int, default=None, metavar="N",
+                        help="plan decode workers at tensor parallelism N (one plan per role)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -306,10 +337,24 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.max_model_len is not None and args.max_model_len < 1:
         raise ValueError("--max-model-len must be at least 1")
     model = read_model_config(resolve_model(args.model))
-    plan = make_plan(model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
-                     device_memory=args.device_memory, gpu_memory_utilization=args.gpu_memory_utilization,
-                     kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
-                     weight_memory=args.weight_memory, kv_offload_bytes=args.kv_offload_bytes,
-                     kv_offload_disk_bytes=args.kv_offload_disk_bytes)
-    print(json.dumps(asdict(plan)) if args.json else format_plan(plan))
+    sizes: dict[str | None, int] = {None: args.tensor_parallel_size}
+    if args.prefill_tp is not None or args.decode_tp is not None:
+        sizes = {"prefill": args.prefill_tp or 1, "decode": args.decode_tp or 1}
+    plans: dict[str | None, Plan] = {}
+    for role, tp in sizes.items():
+        flag = f"--{role}-tp" if role else "--tensor-parallel-size"
+        try:
+            plans[role] = make_plan(
+                model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
+                device_memory=args.device_memory, gpu_memory_utilization=args.gpu_memory_utilization,
+                kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
+                weight_memory=args.weight_memory, kv_offload_bytes=args.kv_offload_bytes,
+                kv_offload_disk_bytes=args.kv_offload_disk_bytes, tensor_parallel_size=tp, role=role)
+        except ValueError as exc:
+            raise ValueError(f"{flag} {tp}: {exc}") from None
+    if args.json:
+        out = {role: asdict(p) for role, p in plans.items()}
+        print(json.dumps(out.get(None) or out))
+    else:
+        print("\n\n".join(format_plan(p) for p in plans.values()))
     return 0

@@ -15,6 +15,9 @@ from router.config import ClientConfig, KvFailurePolicy, RouterSettings
 def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
     """Build the ``ServeConfig``; raises ValueError naming the flag on a value argparse let through."""
     engine = engine_config_from_args(args)
+    if engine.tensor_parallel_size != 1:  # Ray workers spanning devices are not built yet
+        raise ValueError(f"--tensor-parallel-size {engine.tensor_parallel_size}: `pdserve serve` runs "
+                         "workers of one device so far; `pdserve generate` and LLM(...) take it")
     gpus = 1 if engine.device.startswith("cuda") else 0
 
     def workers(role: str) -> WorkerOptions:

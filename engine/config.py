@@ -140,6 +140,10 @@ class EngineConfig:
     num_threads: int | None = None
     # speculative decoding (engine/spec_config.py), vLLM's dict: {"method": "ngram", ...}; None: off
     speculative_config: dict[str, Any] | None = None
+    # tensor parallelism (engine/tensor_parallel.py): ranks (devices) one engine spans, vLLM's name; every
+    # collective of the group waits at most tp_timeout_s (a dead or hung rank is an error, not a hang)
+    tensor_parallel_size: int = 1
+    tp_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         if self.speculative_config is not None:
@@ -182,6 +186,22 @@ class EngineConfig:
             raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("--max-model-len must be at least 1")
+        self._check_tensor_parallel()
+
+    def _check_tensor_parallel(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"--tensor-parallel-size must be at least 1, got {self.tensor_parallel_size}")
+        if self.tp_timeout_s <= 0:
+            raise ValueError(f"tp_timeout_s must be positive, got {self.tp_timeout_s}")
+        if self.tensor_parallel_size == 1:
+            return
+        offload = bool(self.kv_offload_bytes or self.kv_offload_dir)
+        unsupported = {"--preemption-mode swap": self.preemption_mode == "swap",
+                       "--kv-offload-bytes / --kv-offload-dir": offload, "compile_cpu": self.compile_cpu}
+        named = [flag for flag, on in unsupported.items() if on]
+        if named:
+            raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size} does not combine with "
+                             f"{', '.join(named)} yet")
 
     @property
     def torch_dtype(self) -> torch.dtype:

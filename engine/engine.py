@@ -10,10 +10,16 @@ Disaggregation hooks (used by ``prefill/`` and ``decode/``; colocated use needs 
   ``start_prefilled(...)`` then runs the request from the first token on, once
   the missing blocks have been written by a transfer; ``cancel_reservation``
   gives the blocks back.
+
+Tensor parallelism: with ``tensor_parallel_size`` N the engine is rank 0 of a ``TpGroup`` whose other
+ranks run ``ModelRunner.follow`` (``engine/tp_ranks.py`` starts them for ``LLM``). Rank 0 alone
+schedules, owns the one block pool (its block ids index every rank's KV shard) and samples; the pool's
+size is the smallest any rank's budget buys (``build_runner``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import sys
 import time
@@ -39,7 +45,9 @@ from engine.scheduler import KvWindow, Scheduler, SchedulerOutput
 from engine.spec_decode import SpecDecoder, SpecStats
 from engine.structured import Grammars, apply_logit_bias
 from engine.swap import HostSwapSpace
+from engine.tensor_parallel import TpShard
 from engine.tokenizer import Tokenizer
+from engine.tp_group import TpGroup
 from kernels.linear import LinearKernel
 
 
@@ -78,20 +86,41 @@ class Reservation:
     num_cached_blocks: int
 
 
+def build_runner(source: ModelSource, config: EngineConfig, group: TpGroup | None = None) -> ModelRunner:
+    """Load this rank's shard of the weights, join the group, size and allocate its KV cache.
+
+    Every rank of a group calls this; the block count is the minimum over the ranks, so block ids
+    mean the same slots everywhere.
+    """
+    size = config.tensor_parallel_size
+    if size > 1 and (group is None or group.size != size):
+        raise ValueError(f"tensor_parallel_size={size} needs a TpGroup of {size} ranks (LLM starts one)")
+    shard = TpShard(source.config, group.rank if group is not None else 0, size)
+    device = torch.device(config.device)
+    if size > 1 and device.type == "cuda" and device.index is None:  # one device per rank (never run yet)
+        config = dataclasses.replace(config, device=f"cuda:{shard.rank}")
+        torch.cuda.set_device(shard.rank)
+    if config.num_threads is not None:
+        torch.set_num_threads(config.num_threads)
+    kernel = cast(LinearKernel, config.linear_kernel)
+    net = CausalLM(source.config, config.torch_dtype, config.device, kernel, shard, group)
+    net.load_weights(source.iter_weights(shard))
+    blocks = num_kv_blocks(shard.kv_config, config)
+    if group is not None and size > 1:
+        group.connect()
+        blocks = group.min_int(blocks)
+    return ModelRunner(net, source.config, config, blocks)
+
+
 class LLMEngine:
     def __init__(self, model: str | None = None, config: EngineConfig | None = None,
-                 check_integrity: bool = False) -> None:
+                 check_integrity: bool = False, group: TpGroup | None = None) -> None:
         self.config = config or EngineConfig()
         self.source: ModelSource = load_model_source(resolve_model(model))
         self.model_config = self.source.config
         self.tokenizer: Tokenizer = self.source.load_tokenizer()
-        if self.config.num_threads is not None:
-            torch.set_num_threads(self.config.num_threads)
-        kernel = cast(LinearKernel, self.config.linear_kernel)
-        net = CausalLM(self.model_config, self.config.torch_dtype, self.config.device, kernel)
-        net.load_weights(self.source.iter_weights())
-        blocks = num_kv_blocks(self.model_config, self.config)
-        self.runner = ModelRunner(net, self.model_config, self.config, blocks)
+        self.runner = build_runner(self.source, self.config, group)
+        blocks = self.runner.kv_cache.shape[1]
         self.kv = KVCacheManager(blocks, self.config.block_size, self.config.enable_prefix_caching,
                                  hash_seed=seed_for(self.model_config.name))
         window = self.config.kv_window or self.model_config.sliding_window
@@ -322,7 +351,8 @@ class LLMEngine:
     def kv_tiers(self) -> tuple[KvTier, ...]:
         """Capacity and use per KV tier: the device cache, then the host and disk offload tiers when
         configured (a tier holding no whole block is left out)."""
-        block = kv_block_bytes(self.model_config, self.config.block_size, self.config.kv_torch_dtype)
+        shard = self.runner.model.shard.kv_config  # one rank's bytes per block
+        block = kv_block_bytes(shard, self.config.block_size, self.config.kv_torch_dtype)
         tiers = [KvTier("device", self.kv.num_blocks, self.kv.pool.num_used_blocks, block)]
         if self.offload is not None:
             off, t = self.offload, self.offload.stats

@@ -5,6 +5,8 @@ map). Quantized tensors are dequantized with ``gguf.quants.dequantize`` and resh
 the Hugging Face layout (GGUF lists dimensions innermost first). llama.cpp stores
 the Q and K projections of ``llama``-arch models permuted for its interleaved
 rope; ``unpermute_qk`` undoes that so the weights match the HF checkpoint.
+Given a tensor-parallel ``TpShard``, a tensor split by rows is cut before it is
+dequantized (GGUF rows are whole quantization blocks), one split by columns after.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from gguf.quants import dequantize
 
 from engine.config import ModelConfig, RopeScaling
 from engine.gguf_file import GGUFFile, GGUFTensor
+from engine.tensor_parallel import TpShard, WeightSlice
 
 GGUF_ARCHITECTURES = ("llama", "qwen2")
 
@@ -193,31 +196,38 @@ def read_gguf_config(path: str | Path) -> ModelConfig:
     return gguf_config(open_gguf(path), path)
 
 
-def _to_torch(tensor: GGUFTensor) -> torch.Tensor:
-    values = dequantize(tensor.data, tensor.tensor_type)
-    values = np.require(values, dtype=np.float32, requirements=["C", "W"])
+def _to_torch(tensor: GGUFTensor, cut: WeightSlice | None = None) -> torch.Tensor:
     hf_shape = [int(d) for d in reversed(tensor.shape)]
-    return torch.from_numpy(values).reshape(hf_shape)
+    data = tensor.data
+    if cut is not None and cut.dim == 0:  # rows are whole quantization blocks: cut before dequantizing
+        data = data[cut.start:cut.stop]
+        hf_shape[0] = cut.stop - cut.start
+    values = dequantize(data, tensor.tensor_type)
+    values = np.require(values, dtype=np.float32, requirements=["C", "W"])
+    weight = torch.from_numpy(values).reshape(hf_shape)
+    return cut.take(weight) if cut is not None and cut.dim == 1 else weight
 
 
-def iter_gguf_weights(path: str | Path,
-                      config: ModelConfig | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, float32 tensor)`` for each model tensor, Q/K un-permuted for llama.
+def iter_gguf_weights(path: str | Path, config: ModelConfig | None = None,
+                      shard: TpShard | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, float32 tensor)`` for each model tensor (``shard``'s slice of it when given),
+    Q/K un-permuted for llama.
 
     The file is opened now; tensors are dequantized only as the iterator advances.
     """
     reader = open_gguf(path)
-    return _iter_tensors(reader, config or gguf_config(reader, path))
+    return _iter_tensors(reader, config or gguf_config(reader, path), shard)
 
 
-def _iter_tensors(reader: GGUFFile,
-                  config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_tensors(reader: GGUFFile, config: ModelConfig,
+                  shard: TpShard | None) -> Iterator[tuple[str, torch.Tensor]]:
     for tensor in reader.tensors:
         name = hf_name(tensor.name)
         if name is None:
             continue
-        weight = _to_torch(tensor)
+        cut = shard.weight_slice(name) if shard is not None and shard.size > 1 else None
+        weight = _to_torch(tensor, cut)
         if config.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = config.num_heads if "q_proj" in name else config.num_kv_heads
-            weight = unpermute_qk(weight, heads)
+            # the permutation is within each head, so a slice of whole heads un-permutes on its own
+            weight = unpermute_qk(weight, weight.shape[0] // config.head_dim)
         yield name, weight

@@ -3,7 +3,8 @@
 Only local files are read; nothing here talks to a model hub. Weights come out
 lazily, one ``(hf_name, tensor)`` pair at a time, in the dtype they are stored in
 (callers cast). Tied embeddings are not repeated: a checkpoint without
-``lm_head.weight`` yields none.
+``lm_head.weight`` yields none. Given a tensor-parallel ``TpShard``, each tensor is read
+as the rank's slice only (``safe_open(...).get_slice``), not whole.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from safetensors import safe_open
 
 from engine.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
+from engine.tensor_parallel import TpShard
 
 HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -180,16 +182,23 @@ def safetensors_files(folder: str | Path) -> list[Path]:
     return files
 
 
-def iter_hf_weights(folder: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, tensor)`` for every tensor in the folder's safetensors files.
+def iter_hf_weights(folder: str | Path, shard: TpShard | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, tensor)`` for every tensor in the folder's safetensors files (``shard``'s slice
+    of each when given).
 
     The file list is checked now; tensors are read only as the iterator advances.
     """
-    return _iter_files(safetensors_files(folder))
+    return _iter_files(safetensors_files(folder), shard if shard is not None and shard.size > 1 else None)
 
 
-def _iter_files(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_files(files: list[Path], shard: TpShard | None) -> Iterator[tuple[str, torch.Tensor]]:
     for path in files:
         with safe_open(str(path), framework="pt") as handle:
             for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield name, handle.get_tensor(name)
+                cut = shard.weight_slice(name) if shard is not None else None
+                if cut is None:
+                    yield name, handle.get_tensor(name)
+                elif cut.dim == 0:
+                    yield name, handle.get_slice(name)[cut.start:cut.stop]
+                else:
+                    yield name, handle.get_slice(name)[:, cut.start:cut.stop]

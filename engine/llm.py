@@ -1,16 +1,25 @@
-"""``LLM``: the offline Python API, vLLM-like."""
+"""``LLM``: the offline Python API, vLLM-like.
+
+``LLM(model=..., tensor_parallel_size=N)`` runs rank 0 in this process and starts ranks 1..N-1 as
+processes of its own (``engine/tp_ranks.py``, no Ray); ``close()`` stops them, and so do garbage
+collection and interpreter exit (``weakref.finalize``), and a failed start.
+"""
 
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Sequence
 from typing import Any, cast
 
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
+from engine.loader import load_model_source, resolve_model
 from engine.outputs import RequestOutput
 from engine.sampling import SamplingParams
+from engine.tensor_parallel import check_tp_size
 from engine.tokenizer import Tokenizer
+from engine.tp_ranks import RankProcesses
 
 Prompt = str | list[int]
 Message = dict[str, str]
@@ -23,7 +32,25 @@ class LLM:
         unknown = set(engine_args) - set(EngineConfig.__dataclass_fields__)
         if unknown:
             raise TypeError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
-        self.engine = LLMEngine(model, EngineConfig(**engine_args), check_integrity=check_integrity)
+        config = EngineConfig(**engine_args)
+        self.ranks: RankProcesses | None = None
+        if config.tensor_parallel_size == 1:
+            self.engine = LLMEngine(model, config, check_integrity=check_integrity)
+            return
+        path = resolve_model(model)
+        check_tp_size(load_model_source(path).config, config.tensor_parallel_size)
+        ranks = self.ranks = RankProcesses(path, config)
+        self._finalizer = weakref.finalize(self, ranks.close)
+        try:
+            self.engine = LLMEngine(str(path), config, check_integrity=check_integrity, group=ranks.group)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Stop the tensor-parallel rank processes (nothing to do without them); idempotent."""
+        if self.ranks is not None:
+            self._finalizer()
 
     @property
     def tokenizer(self) -> Tokenizer:

@@ -18,6 +18,7 @@ import torch
 from engine.config import ModelConfig
 from engine.gguf_loader import iter_gguf_weights, read_gguf_config
 from engine.hf_loader import iter_hf_weights, read_hf_config, safetensors_files
+from engine.tensor_parallel import TpShard
 from engine.tokenizer import Tokenizer
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -59,11 +60,12 @@ class ModelSource:
     path: Path
     kind: Literal["hf", "gguf"]
 
-    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(hf_name, tensor)`` pairs, read lazily: float32 for GGUF, stored dtype for HF."""
+    def iter_weights(self, shard: TpShard | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(hf_name, tensor)`` pairs, read lazily: float32 for GGUF, stored dtype for HF; with a
+        tensor-parallel ``shard``, only that rank's slice of each tensor is read."""
         if self.kind == "gguf":
-            return iter_gguf_weights(self.path, self.config)
-        return iter_hf_weights(self.path)
+            return iter_gguf_weights(self.path, self.config, shard)
+        return iter_hf_weights(self.path, shard)
 
     def load_tokenizer(self) -> Tokenizer:
         eos = self.config.eos_token_ids

@@ -8,6 +8,12 @@ with exactly its expected shape. Once loaded, each matrix is wrapped in a
 ``kernels.linear.PreparedLinear`` (packed for the model's ``linear_kernel``);
 the forward runs through those, so weights changed after ``load_weights`` must
 be followed by ``prepare_linears()``.
+
+Tensor parallelism (``engine/tensor_parallel.py``): built with a ``TpShard`` of size N and its ``TpGroup``,
+the model holds one rank's shard (its query and KV heads, its MLP columns, its vocabulary rows); the
+row-parallel products and the embedding are summed over the group, the logits gathered to rank 0.
+``load_weights`` takes either whole Hugging Face tensors (each is cut to the shard) or tensors a loader
+already cut (``ModelSource.iter_weights(shard)``): a tensor of the shard's shape is taken as it is.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.tensor_parallel import TpShard
+from engine.tp_group import TpGroup
 from kernels.activation import silu_mul
 from kernels.attention import AttentionBackend, AttentionMetadata
 from kernels.linear import LinearKernel, PreparedLinear
@@ -51,23 +59,30 @@ def _weight(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.P
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
+                 shard: TpShard | None = None, group: TpGroup | None = None) -> None:
         super().__init__()
         c = config
-        self.num_heads = c.num_heads
-        self.num_kv_heads = c.num_kv_heads
+        shard = shard or TpShard(config)
+        self.group = group if shard.size > 1 else None
+        self.num_heads = shard.num_heads
+        self.num_kv_heads = shard.num_kv_heads
         self.head_dim = c.head_dim
         self.eps = c.rms_norm_eps
         self.scale = c.head_dim**-0.5
-        qkv_rows = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+        qkv_rows = (self.num_heads + 2 * self.num_kv_heads) * c.head_dim
+        inter = shard.intermediate_size
         self.input_norm = _weight(c.hidden_size, dtype=dtype, device=device)
         self.qkv = _weight(qkv_rows, c.hidden_size, dtype=dtype, device=device)
         self.qkv_bias = _weight(qkv_rows, dtype=dtype, device=device) if c.attention_bias else None
-        self.o_proj = _weight(c.hidden_size, c.num_heads * c.head_dim, dtype=dtype, device=device)
+        self.o_proj = _weight(c.hidden_size, self.num_heads * c.head_dim, dtype=dtype, device=device)
         self.post_norm = _weight(c.hidden_size, dtype=dtype, device=device)
-        self.gate_up = _weight(2 * c.intermediate_size, c.hidden_size, dtype=dtype, device=device)
-        self.down_proj = _weight(c.hidden_size, c.intermediate_size, dtype=dtype, device=device)
+        self.gate_up = _weight(2 * inter, c.hidden_size, dtype=dtype, device=device)
+        self.down_proj = _weight(c.hidden_size, inter, dtype=dtype, device=device)
         self.prepare_linears("plain")
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.all_reduce(x) if self.group is not None else x
 
     def prepare_linears(self, kernel: LinearKernel) -> None:
         """(Re)build the prepared products from the current weights."""
@@ -114,28 +129,36 @@ class DecoderLayer(nn.Module):
         qkv = self.qkv_linear(x).view(tokens, h + 2 * kv_h, self.head_dim)
         qk = apply_rotary(qkv[:, : h + kv_h], cos, sin)
         attn = backend.forward(qk[:, :h], qk[:, h:], qkv[:, h + kv_h :], kv_layer, self.scale, kv_scales)
-        hidden = hidden + self.o_linear(attn.reshape(tokens, h * self.head_dim))
+        hidden = hidden + self._reduce(self.o_linear(attn.reshape(tokens, h * self.head_dim)))
         x = rms_norm(hidden, self.post_norm, self.eps)
-        return hidden + self.down_linear(silu_mul(self.gate_up_linear(x)))
+        return hidden + self._reduce(self.down_linear(silu_mul(self.gate_up_linear(x))))
 
 
 class CausalLM(nn.Module):
     """Decoder-only LM; ``forward`` returns final-normed hidden states, ``compute_logits`` the scores."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu",
-                 linear_kernel: LinearKernel = "prepacked") -> None:
+                 linear_kernel: LinearKernel = "prepacked", shard: TpShard | None = None,
+                 group: TpGroup | None = None) -> None:
         super().__init__()
         self.config = config
         self.dtype = dtype
         self.linear_kernel: LinearKernel = linear_kernel
-        self.embed_tokens = _weight(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(DecoderLayer(config, dtype, device) for _ in range(config.num_layers))
+        self.shard = shard or TpShard(config)
+        if self.shard.size > 1 and group is None:
+            raise ValueError(f"a tensor-parallel shard of {self.shard.size} ranks needs its TpGroup")
+        self.group = group if self.shard.size > 1 else None
+        vocab = self.shard.vocab_per_rank
+        self.embed_tokens = _weight(vocab, config.hidden_size, dtype=dtype, device=device)
+        if self.group is not None:  # the padded tail rows of the last vocabulary shard stay zero
+            self.embed_tokens.data.zero_()
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype, device, self.shard, group)
+                                    for _ in range(config.num_layers))
         self.norm = _weight(config.hidden_size, dtype=dtype, device=device)
-        self.lm_head = (
-            self.embed_tokens
-            if config.tie_word_embeddings
-            else _weight(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
-        )
+        self.lm_head = self.embed_tokens
+        if not config.tie_word_embeddings:
+            self.lm_head = _weight(vocab, config.hidden_size, dtype=dtype, device=device)
+            self.lm_head.data.zero_()
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, device)
         self.lm_head_linear = PreparedLinear(self.lm_head, None, "plain")
 
@@ -149,9 +172,11 @@ class CausalLM(nn.Module):
         self.lm_head_linear = PreparedLinear(self.lm_head, None, self.linear_kernel)
 
     def _hf_targets(self) -> dict[str, torch.Tensor]:
-        targets = {"model.embed_tokens.weight": self.embed_tokens.data, "model.norm.weight": self.norm.data}
+        start, stop = self.shard.vocab_range
+        targets = {"model.embed_tokens.weight": self.embed_tokens.data[: stop - start],
+                   "model.norm.weight": self.norm.data}
         if not self.config.tie_word_embeddings:
-            targets["lm_head.weight"] = self.lm_head.data
+            targets["lm_head.weight"] = self.lm_head.data[: stop - start]
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, DecoderLayer)
             targets.update(layer.hf_targets(f"model.layers.{i}"))
@@ -177,6 +202,10 @@ class CausalLM(nn.Module):
                 raise ValueError(f"unexpected parameter {name!r} for a {self.config.architecture} model")
             if name in loaded:
                 raise ValueError(f"parameter {name!r} given twice")
+            cut = self.shard.weight_slice(name) if self.shard.size > 1 else None
+            if (cut is not None and tuple(tensor.shape) != tuple(target.shape) and tensor.dim() > cut.dim
+                    and tensor.shape[cut.dim] >= cut.stop):  # a whole tensor: cut this rank's part
+                tensor = cut.take(tensor)
             if tuple(tensor.shape) != tuple(target.shape):
                 raise ValueError(
                     f"parameter {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
@@ -204,13 +233,28 @@ class CausalLM(nn.Module):
         """
         if input_ids.shape[0] != meta.num_tokens:
             raise ValueError(f"got {input_ids.shape[0]} tokens but the metadata describes {meta.num_tokens}")
-        hidden = F.embedding(input_ids, self.embed_tokens)
+        hidden = self._embed(input_ids)
         cos, sin = self.rotary.cos_sin(positions, self.dtype)
         for i, layer in enumerate(self.layers):
             scales = kv_scales[i] if kv_scales is not None else None
             hidden = layer(hidden, cos, sin, kv_cache[i], backend, scales)
         return rms_norm(hidden, self.norm, self.config.rms_norm_eps)
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.group is None:
+            return F.embedding(input_ids, self.embed_tokens)
+        start, stop = self.shard.vocab_range
+        outside = (input_ids < start) | (input_ids >= stop)
+        rows = F.embedding((input_ids - start).masked_fill(outside, 0), self.embed_tokens)
+        return self.group.all_reduce(rows.masked_fill(outside.unsqueeze(-1), 0.0))
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits ``[N, vocab]`` in float32."""
-        return self.lm_head_linear(hidden).float()
+        """Logits ``[N, vocab]`` in float32 (with tensor parallelism: on rank 0; the others get their
+        own shard's columns, which nobody reads)."""
+        logits = self.lm_head_linear(hidden).float()
+        if self.group is None:
+            return logits
+        if not hidden.shape[0]:  # a step that samples nothing (every rank knows): no gather
+            return logits.new_empty(0, self.config.vocab_size)
+        gathered = self.group.gather_columns(logits)
+        return gathered[:, : self.config.vocab_size] if self.shard.rank == 0 else gathered

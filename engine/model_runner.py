@@ -1,4 +1,9 @@
-"""Runs the model for one scheduled step: builds inputs and attention metadata, returns logits."""
+"""Runs the model for one scheduled step: builds inputs and attention metadata, returns logits.
+
+With tensor parallelism the runner on rank 0 turns each step into a ``StepPlan`` and sends it to the
+other ranks before its own forward (``engine/tp_group.py``); ``follow`` is the other ranks' loop: the
+same ``inputs`` and ``run`` on their shard, their KV cache using rank 0's block ids.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.kv_cache import KVCacheManager
 from engine.model import CausalLM, allocate_kv_cache, allocate_kv_scales
 from engine.scheduler import SchedulerOutput
+from engine.tp_group import KeepAlive, StepPlan, Stop, TpGroup
 from kernels import AttentionMetadata, get_attention_backend
 
 if TYPE_CHECKING:
@@ -33,11 +39,13 @@ class ModelRunner:
         self.model = model
         self.model_config = model_config
         self.config = engine_config
+        self.group: TpGroup | None = model.group
         self.device = torch.device(engine_config.device)
-        self.kv_cache = allocate_kv_cache(model_config, num_blocks, engine_config.block_size,
+        kv_config = model.shard.kv_config  # this rank's KV heads
+        self.kv_cache = allocate_kv_cache(kv_config, num_blocks, engine_config.block_size,
                                           engine_config.kv_torch_dtype, self.device)
         # per-block scales of a quantized (fp8/int8) cache; None when the cache is full precision
-        self.kv_scales = (allocate_kv_scales(model_config, num_blocks, self.device)
+        self.kv_scales = (allocate_kv_scales(kv_config, num_blocks, self.device)
                           if engine_config.kv_quantized else None)
         self.backend = get_attention_backend(self.device, engine_config.attention_backend,
                                              engine_config.kv_quantized)
@@ -64,10 +72,30 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> torch.Tensor:
         """Run every scheduled chunk; logits in scheduling order, one row per completing chunk plus one
         per proposed token it verifies (``ScheduledRequest.spec_token_ids``)."""
-        return self.run(self.prepare(out, kv))
+        plan = self.plan(out, kv)
+        if self.group is None:
+            return self.run(self.inputs(plan))
+        with self.group.lock:  # the plan and this forward's collectives, never interleaved with a keep-alive
+            self.group.send_plan(plan)
+            return self.run(self.inputs(plan))
+
+    def follow(self) -> None:
+        """Ranks 1..N-1: run every step rank 0 plans until it sends ``Stop`` (raises ``TpError`` when the
+        group breaks)."""
+        assert self.group is not None and self.group.rank > 0
+        while True:
+            plan = self.group.recv_plan()
+            if isinstance(plan, Stop):
+                return
+            if not isinstance(plan, KeepAlive):
+                self.run(self.inputs(plan))
 
     def prepare(self, out: SchedulerOutput, kv: KVCacheManager) -> StepInputs:
         """Flatten the scheduled chunks into tensors and attention metadata."""
+        return self.inputs(self.plan(out, kv))
+
+    def plan(self, out: SchedulerOutput, kv: KVCacheManager) -> StepPlan:
+        """Flatten the scheduled chunks into the step's plan (plain lists)."""
         input_ids: list[int] = []
         positions: list[int] = []
         query_lens: list[int] = []
@@ -86,11 +114,16 @@ class ModelRunner:
             tables.append(kv.blocks_of(request.request_id))
             if item.completes:  # the last known token's row, then one per proposed token
                 sample_rows.extend(range(len(input_ids) - 1 - len(item.spec_token_ids), len(input_ids)))
-        meta = AttentionMetadata.build(self.config.block_size, query_lens, seq_lens, tables, self.device)
+        return StepPlan(input_ids, positions, query_lens, seq_lens, tables, sample_rows)
+
+    def inputs(self, plan: StepPlan) -> StepInputs:
+        """The plan as tensors and attention metadata (the backend prepared for it)."""
+        meta = AttentionMetadata.build(self.config.block_size, plan.query_lens, plan.seq_lens, plan.tables,
+                                       self.device)
         self.backend.prepare(meta)
-        return StepInputs(torch.tensor(input_ids, dtype=torch.int64, device=self.device),
-                          torch.tensor(positions, dtype=torch.int64, device=self.device), meta,
-                          torch.tensor(sample_rows, dtype=torch.int64, device=self.device))
+        return StepInputs(torch.tensor(plan.input_ids, dtype=torch.int64, device=self.device),
+                          torch.tensor(plan.positions, dtype=torch.int64, device=self.device), meta,
+                          torch.tensor(plan.sample_rows, dtype=torch.int64, device=self.device))
 
     @torch.inference_mode()
     def run(self, inputs: StepInputs) -> torch.Tensor:

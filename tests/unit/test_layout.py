@@ -65,6 +65,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
 # generator or its reporting, and follows ALLOWED["bench"].
 IN_PROCESS_BENCHMARKS: dict[str, tuple[str, ...]] = {
     "bench.offline": ("engine",),
+    "bench.tensor_parallel": ("engine",),
     "bench.preemption": ("engine",),
     "bench.structured": ("engine",),
     "bench.kv_offload": ("engine",),

@@ -1,0 +1,147 @@
+"""Megatron-style sharding of a Llama-family decoder over ``size`` ranks: which slice each rank holds.
+
+Pure arithmetic over ``ModelConfig``; no torch.distributed here (``engine/tp_group.py`` moves tensors).
+
+Per rank ``r`` of ``size``:
+
+- attention: query heads ``[r*H/size, (r+1)*H/size)`` (``H`` must divide by ``size``); KV heads
+  ``[r*K/size, (r+1)*K/size)`` when ``size <= K`` (``K`` must divide by ``size``), else one KV head,
+  ``r*K // size``, replicated on ``size/K`` ranks (``size`` must be a multiple of ``K``), as vLLM does.
+  Either way a rank's query heads all read KV heads it holds. The fused QKV (and Qwen2's qkv bias) is
+  column-parallel (rows of those heads), ``o_proj`` row-parallel (its columns), summed by an all-reduce;
+- MLP: ``gate_up`` column-parallel (``I/size`` rows of gate and of up), ``down_proj`` row-parallel;
+- vocabulary: rows ``[r*V', min((r+1)*V', V))`` of the embedding and the LM head with
+  ``V' = ceil(V/size)``; every rank allocates ``V'`` rows (the last one's tail stays zero). The
+  embedding is a masked lookup summed by an all-reduce; the logits are gathered to rank 0 and cut to
+  ``V``. Tied embeddings share the one shard.
+
+``weight_slice(name)`` says which part of a Hugging Face tensor a rank reads, so loaders read only
+that (``safetensors`` slices, GGUF rows before dequantization).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import ModelConfig
+
+_LAYER_NAME = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.(\w+)\.(weight|bias)")
+
+
+@dataclass(frozen=True)
+class WeightSlice:
+    """``[start, stop)`` along dimension ``dim`` (0: rows / output features, 1: columns / inputs)."""
+
+    dim: int
+    start: int
+    stop: int
+
+    def take(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.narrow(self.dim, self.start, self.stop - self.start)
+
+
+@dataclass(frozen=True)
+class TpShard:
+    """What rank ``rank`` of ``size`` holds of ``config`` (see the module docstring)."""
+
+    config: ModelConfig
+    rank: int = 0
+    size: int = 1
+
+    def __post_init__(self) -> None:
+        check_tp_size(self.config, self.size)
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"rank {self.rank} outside a tensor-parallel group of {self.size}")
+
+    @property
+    def num_heads(self) -> int:
+        return self.config.num_heads // self.size
+
+    @property
+    def num_kv_heads(self) -> int:
+        return max(self.config.num_kv_heads // self.size, 1)
+
+    @property
+    def head_range(self) -> tuple[int, int]:
+        return self.rank * self.num_heads, (self.rank + 1) * self.num_heads
+
+    @property
+    def kv_head_range(self) -> tuple[int, int]:
+        """The KV heads this rank holds (one replicated head when ``size`` exceeds the KV heads)."""
+        start = self.rank * self.config.num_kv_heads // self.size
+        return start, start + self.num_kv_heads
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.config.intermediate_size // self.size
+
+    @property
+    def vocab_per_rank(self) -> int:
+        return -(-self.config.vocab_size // self.size)
+
+    @property
+    def vocab_range(self) -> tuple[int, int]:
+        start = min(self.rank * self.vocab_per_rank, self.config.vocab_size)
+        return start, min(start + self.vocab_per_rank, self.config.vocab_size)
+
+    @property
+    def kv_config(self) -> ModelConfig:
+        """``config`` with this rank's KV heads: what ``engine.kv_sizing`` sizes a rank's blocks by."""
+        return dataclasses.replace(self.config, num_kv_heads=self.num_kv_heads)
+
+    def weight_slice(self, name: str) -> WeightSlice | None:
+        """The part of Hugging Face parameter ``name`` this rank holds; None: all of it (norms)."""
+        hd = self.config.head_dim
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            return WeightSlice(0, *self.vocab_range)
+        match = _LAYER_NAME.fullmatch(name)
+        if match is None:
+            return None
+        part, kind = match.group(2), match.group(3)
+        q0, q1 = self.head_range
+        k0, k1 = self.kv_head_range
+        inter = self.intermediate_size
+        if part == "q_proj":
+            return WeightSlice(0, q0 * hd, q1 * hd)
+        if part in ("k_proj", "v_proj"):
+            return WeightSlice(0, k0 * hd, k1 * hd)
+        if part == "o_proj" and kind == "weight":
+            return WeightSlice(1, q0 * hd, q1 * hd)
+        if part in ("gate_proj", "up_proj"):
+            return WeightSlice(0, self.rank * inter, (self.rank + 1) * inter)
+        if part == "down_proj" and kind == "weight":
+            return WeightSlice(1, self.rank * inter, (self.rank + 1) * inter)
+        return None
+
+    def parameter_count(self) -> int:
+        """Parameters one rank allocates (the vocabulary padded to ``vocab_per_rank`` rows)."""
+        c, hd = self.config, self.config.head_dim
+        h = c.hidden_size
+        q, kv = self.num_heads * hd, self.num_kv_heads * hd
+        attention = h * (q + 2 * kv) + q * h + ((q + 2 * kv) if c.attention_bias else 0)
+        layer = attention + 3 * h * self.intermediate_size + 2 * h
+        vocab = self.vocab_per_rank * h
+        return vocab + c.num_layers * layer + h + (0 if c.tie_word_embeddings else vocab)
+
+
+def check_tp_size(config: ModelConfig, size: int) -> None:
+    """Raise ``ValueError`` naming the numbers when ``config`` cannot be split over ``size`` ranks."""
+    if size < 1:
+        raise ValueError(f"tensor_parallel_size must be at least 1, got {size}")
+    if config.num_heads % size:
+        raise ValueError(
+            f"tensor_parallel_size {size} does not divide the {config.num_heads} query heads of {config.name}"
+        )
+    kv = config.num_kv_heads
+    if (size <= kv and kv % size) or (size > kv and size % kv):
+        raise ValueError(
+            f"tensor_parallel_size {size} must divide the {kv} KV heads of {config.name} "
+            f"or be a multiple of them (KV heads are replicated then)"
+        )
+    if config.intermediate_size % size:
+        raise ValueError(f"tensor_parallel_size {size} does not divide the MLP size "
+                         f"{config.intermediate_size} of {config.name}")
