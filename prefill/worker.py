@@ -138,6 +138,9 @@ class PrefillWorker(WorkerBase):
         """Free a request's leased blocks now (idempotent); returns how many were freed."""
         return await self.aengine.mutate(lambda e: e.release_kv(request_id))
 
+    def holds(self, e: LLMEngine) -> int:
+        return super().holds(e) + self.source.num_leases()
+
     def role_stats(self, common: WorkerStats) -> WorkerStats:
         return msgspec.structs.replace(common, num_leases=self.source.num_leases(),
                                        leases_expired=self.leases_expired)
