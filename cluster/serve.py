@@ -188,7 +188,6 @@ def launch_service(config: ServeConfig, prepared: Prepared) -> Service:
     """Start the worker actors (each in its own placement group) on the connected Ray and build the app
     over them; the workers are still loading when this returns (``Service.start`` waits for them)."""
     from cluster.fleet import Fleet
-    from cluster.planning import PlannerLoop
     from cluster.workers import start_workers
     from router.app import create_app
     from router.backend import ClusterBackend
@@ -204,6 +203,8 @@ def launch_service(config: ServeConfig, prepared: Prepared) -> Service:
         fleet = Fleet(group, backend)
         planner = None
         if prepared.planner is not None:
+            from cluster.planning import PlannerLoop
+
             planner = PlannerLoop(config.planner, prepared.planner, fleet, prepared.tracing)
         registries = [planner.metrics.registry] if planner is not None else []
         app = create_app(backend, prepared.tokenizer, prepared.router_config, prepared.tracing, registries)
@@ -225,7 +226,6 @@ def run_serve(config: ServeConfig, config_file: str | None = None) -> int:
     import uvicorn
 
     import cluster.fleet  # noqa: F401
-    import cluster.planning  # noqa: F401
     import cluster.workers  # noqa: F401
     import router.app  # noqa: F401
 

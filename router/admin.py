@@ -22,8 +22,7 @@ from msgspec import Meta
 from starlette.responses import Response
 
 from router.backend import Backend
-from router.drain import DrainRefused
-from router.errors import APIError, RequestFailed, unavailable
+from router.errors import APIError, DrainRefused, RequestFailed, unavailable
 from router.http import read_body
 from router.protocol import decode_body
 

@@ -8,10 +8,10 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Protocol
 
 from messages.wire import GenerateRequest, TokenBatch, WorkerStats
-from router.drain import DrainReport, Retire
 
 if TYPE_CHECKING:
     from router.client import PDClient
+    from router.drain import DrainReport, Retire
 
 
 class Backend(Protocol):
@@ -40,7 +40,7 @@ class Backend(Protocol):
 
     def drain(self, worker_id: str, deadline_s: float) -> asyncio.Task[DrainReport]:
         """Take a worker out of routing before returning, and drain it in the background
-        (``router.drain``); the task's result is its report. Raises ``router.drain.DrainRefused``."""
+        (``router.drain``); the task's result is its report. Raises ``router.errors.DrainRefused``."""
         ...
 
     def draining(self) -> list[str]:

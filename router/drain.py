@@ -32,6 +32,7 @@ from collections.abc import Awaitable, Callable
 import msgspec
 
 from messages.wire import WorkerStats
+from router.errors import DrainRefused
 from router.handles import WORKER_DIED, DecodeHandle
 from router.load import Chooser
 from router.worker_table import WorkerState, WorkerTable
@@ -39,15 +40,6 @@ from router.worker_table import WorkerState, WorkerTable
 log = logging.getLogger(__name__)
 Retire = Callable[[str], Awaitable[None]]
 POLL_S = 0.02
-
-
-class DrainRefused(Exception):
-    """A drain that cannot start; ``status`` and ``code`` are the HTTP answer's."""
-
-    def __init__(self, status: int, message: str, code: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
 
 
 class DrainReport(msgspec.Struct, frozen=True, kw_only=True):
