@@ -259,6 +259,11 @@ def build_parser() -> argparse.ArgumentParser:
     from cli.bench import add_bench_parser
 
     add_bench_parser(sub)
+    from cli.profile import add_profile_parser
+    from cli.simulate import add_simulate_parser
+
+    add_profile_parser(sub, add_engine_args)
+    add_simulate_parser(sub)
     return parser
 
 

@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# The simulator against real runs on this machine (docs/benchmarks.md, "Simulator against real runs").
+#
+# 1. `pdserve profile --quick` measures one worker's engine and a NIXL read here;
+# 2. for each P:D in $CONFIGS: `pdserve serve` on its own local Ray, `pdserve profile --calibrate` once
+#    (first P:D only: the serving stack's fixed costs, one request at a time), then per workload in
+#    $WORKLOADS a real `pdserve bench` run at --concurrency $CONC for $DURATION s and `pdserve simulate`
+#    with the same profile, workload, load and P:D;
+# 3. a markdown table of simulated against measured TTFT p50/p90, ITL p50 and throughput.
+#
+# It starts servers and Ray: run it under the machine's heavy-work lock if it has one. Every output goes
+# to $OUT (default bench_out/sim_validation).
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+PY=${PY:-$ROOT/.venv/bin/python}
+OUT=${OUT:-bench_out/sim_validation}
+DURATION=${DURATION:-60}
+CONC=${CONC:-4}
+PORT=${PORT:-8139}
+ENGINE_FLAGS=${ENGINE_FLAGS:---linear-kernel plain}
+CONFIGS=${CONFIGS:-"1:1 1:2"}
+WORKLOADS=${WORKLOADS:-"random:input_len=256,output_len=32 shared-prefix:num_prefixes=4,questions_per_prefix=8,prefix_len=384,question_len=32,output_len=32"}
+PDSERVE=("$PY" -m cli.main)
+
+mkdir -p "$OUT"
+PROFILE=$OUT/profile.json
+echo "load average before profiling: $(cut -d' ' -f1-3 /proc/loadavg)" | tee "$OUT/loadavg.txt"
+# shellcheck disable=SC2086
+"${PDSERVE[@]}" profile --quick $ENGINE_FLAGS --output "$PROFILE"
+
+SERVER=""
+stop_server() {
+    if [ -n "$SERVER" ] && kill -0 "$SERVER" 2>/dev/null; then
+        kill -INT "$SERVER"
+        for _ in $(seq 60); do kill -0 "$SERVER" 2>/dev/null || break; sleep 1; done
+        kill -0 "$SERVER" 2>/dev/null && kill -KILL "$SERVER"
+    fi
+    SERVER=""
+}
+trap stop_server EXIT
+
+calibrated=0
+for config in $CONFIGS; do
+    P=${config%%:*}
+    D=${config##*:}
+    # shellcheck disable=SC2086
+    "${PDSERVE[@]}" serve $ENGINE_FLAGS --num-prefill "$P" --num-decode "$D" --port "$PORT" \
+        >"$OUT/serve_${P}p${D}d.log" 2>&1 &
+    SERVER=$!
+    for _ in $(seq 300); do
+        curl -sf "http://127.0.0.1:$PORT/health" >/dev/null 2>&1 && break
+        kill -0 "$SERVER" 2>/dev/null || { echo "server ${P}P:${D}D died; see $OUT/serve_${P}p${D}d.log"; exit 1; }
+        sleep 1
+    done
+    if [ "$calibrated" = 0 ]; then
+        "${PDSERVE[@]}" profile --calibrate "http://127.0.0.1:$PORT" --output "$PROFILE"
+        calibrated=1
+    fi
+    for w in $WORKLOADS; do
+        name=${w%%:*}
+        params=${w#*:}
+        dir=$OUT/${P}p${D}d_${name}
+        echo "${P}P:${D}D $name: load average at start $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$OUT/loadavg.txt"
+        "${PDSERVE[@]}" bench --url "http://127.0.0.1:$PORT" --workload "$name" --param "$params" \
+            --concurrency "$CONC" --duration "$DURATION" --output "$dir" --no-progress >"$dir.bench.txt" 2>&1 || true
+        "${PDSERVE[@]}" simulate --profile "$PROFILE" --workload "$name" --param "$params" --concurrency "$CONC" \
+            --duration "$DURATION" --num-prefill "$P" --num-decode "$D" --json "$dir.sim.json" >"$dir.sim.txt"
+        "${PDSERVE[@]}" simulate --profile "$PROFILE" --workload "$name" --param "$params" --concurrency "$CONC" \
+            --duration "$DURATION" --num-prefill "$P" --num-decode "$D" --host-cores "$(nproc)" \
+            --json "$dir.sim_host.json" >"$dir.sim_host.txt"
+    done
+    stop_server
+done
+
+"$PY" - "$OUT" "$CONFIGS" "$WORKLOADS" <<'EOF'
+import json, sys
+out, configs, workloads = sys.argv[1], sys.argv[2].split(), sys.argv[3].split()
+print("| P:D | workload | simulated as | TTFT p50 sim / real (ms) | err | TTFT p90 sim / real (ms) | err "
+      "| ITL p50 sim / real (ms) | throughput sim / real (req/s) | err |")
+print("|---|---|---|---|---|---|---|---|---|---|")
+for c in configs:
+    p, d = c.split(":")
+    for w in workloads:
+        name = w.split(":")[0]
+        base = f"{out}/{p}p{d}d_{name}"
+        real = json.load(open(f"{base}/summary.json"))
+        r50, r90 = real["ttft"]["p50_ms"], real["ttft"]["p90_ms"]
+        ri50, rthr = real["itl"]["p50_ms"], real["request_throughput"]
+        for label, suffix in (("own core each", "sim"), ("sharing the host", "sim_host")):
+            sim = json.load(open(f"{base}.{suffix}.json"))["result"]
+            t50, t90 = sim["ttft"]["p50"] * 1000, sim["ttft"]["p90"] * 1000
+            i50, thr = sim["itl"]["p50"] * 1000, sim["request_throughput"]
+            def err(s, r):
+                return f"{(s - r) / r:+.0%}"
+            print(f"| {p}P:{d}D | {name} | {label} | {t50:,.0f} / {r50:,.0f} | {err(t50, r50)} | "
+                  f"{t90:,.0f} / {r90:,.0f} | {err(t90, r90)} | {i50:.0f} / {ri50:.0f} | "
+                  f"{thr:.3f} / {rthr:.3f} | {err(thr, rthr)} |")
+EOF
