@@ -26,13 +26,13 @@ import logging
 import time
 from dataclasses import dataclass
 
-from planner.profile import load_profile
-from planner.sizing import Bounds, Slo
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from cluster.config import PlannerOptions
 from cluster.fleet import Fleet
 from planner.live import Decision, LivePlanner, Observed, p90
+from planner.profile import load_profile
+from planner.sizing import Bounds, Slo
 from router.load_window import Served
 from router.worker_table import WorkerTable
 from telemetry.tracing import Tracing, end_span
@@ -108,6 +108,8 @@ def make_planner(options: PlannerOptions, num_prefill: int, num_decode: int) -> 
     """The rule the loop follows, with the profile read now (before any worker starts): ValueError
     naming ``--planner-profile`` when it cannot be read."""
     lo_p, hi_p, lo_d, hi_d = options.bounds(num_prefill, num_decode)
+    if not options.profile:
+        raise ValueError("--planner needs --planner-profile PATH (write one with `pdserve profile`)")
     try:
         profile = load_profile(options.profile)
     except (OSError, ValueError, KeyError, TypeError) as exc:

@@ -3,6 +3,8 @@ load window the planner reads, and the planner's flags."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from cli.main import main
@@ -15,7 +17,7 @@ from router.handles import DecodeHandle, PrefillHandle
 from router.load import Chooser
 from router.load_window import LoadWindow
 from router.policy import LeastLoaded
-from router.worker_table import WorkerTable
+from router.worker_table import WorkerState, WorkerTable
 
 
 def table() -> WorkerTable:
@@ -37,12 +39,28 @@ def test_draining_worker_leaves_routing_at_once_and_is_never_revived() -> None:
     d0, d1 = t.decode
     held = chooser.pick("decode", [d1], request("r1"))
     assert chooser.in_flight(d1) == 1 and chooser.in_flight(d0) == 0
-    t.on_revive = lambda w: pytest.fail("a draining worker must not be revived")  # type: ignore[assignment,return-value]
+    revived: list[str] = []
+
+    async def revive(w: WorkerState) -> None:
+        revived.append(w.worker_id)
+
+    t.on_revive = revive
     assert drainer.begin("decode-1") is d1
     assert [w.worker_id for w in t.live("decode")] == ["decode-0"] and t.draining() == ["decode-1"]
     for i in range(4):  # every choice from now on skips it
         assert chooser.pick("decode", t.live("decode"), request(f"n{i}")).worker is d0
-    t.mark_dead(d1)  # its process died while draining: no revival task
+
+    async def die() -> tuple[int, int]:  # within a loop, where revival tasks can start
+        t.mark_dead(d1)  # its process died while draining: no revival
+        draining_revivals = len(t._revivals)
+        other = WorkerTable([], [DecodeHandle(object())], 1.0)
+        other.on_revive = revive
+        other.mark_dead(other.decode[0])  # a worker not draining is waited for
+        serving_revivals = len(other._revivals)
+        await other.stop()
+        return draining_revivals, serving_revivals
+
+    assert asyncio.run(die()) == (0, 1)
     chooser.release(held.worker, "r1", ok=True)
     assert chooser.in_flight(d1) == 0
     t.remove(d1)
@@ -91,7 +109,7 @@ def test_load_window_takes_and_restarts() -> None:
 
 def test_slo_and_planner_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert parse_slo("ttft=1,itl=50ms") == (1.0, 0.05)
-    assert parse_slo(" itl=0.2s , ttft=800ms ") == (0.2, 0.8)
+    assert parse_slo(" itl=0.2s , ttft=800ms ") == (0.8, 0.2)
     for text, needle in (("ttft=1", "give both"), ("ttft=1,itl=x", "invalid time"), ("ttft=0,itl=1", "> 0"),
                          ("e2e=1,itl=1", "expected ttft=SECONDS")):
         with pytest.raises(ValueError, match=needle):

@@ -7,12 +7,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from planner.profile import load_profile
-from planner.sizing import Bounds, Slo
 
 from cluster.config import PlannerOptions
 from cluster.planning import make_planner
 from planner.live import LivePlanner, Observed, p90
+from planner.profile import load_profile
+from planner.sizing import Bounds, Slo
 
 PROFILE = Path(__file__).resolve().parents[1] / "data" / "planner_profile.json"
 SLO = Slo(ttft_p90_s=1.0, itl_p90_s=0.5)
