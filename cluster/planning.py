@@ -1,14 +1,15 @@
 """``pdserve serve --planner``: the loop that holds the SLO by adding and draining workers while serving.
 
-Every ``--planner-interval`` seconds ``PlannerLoop.step`` reads what the router served since the last
-look (``router.load_window``: rate, prompt and output sizes, prefix hits, TTFT and inter-token
-latencies) and the workers' queues and KV use (the worker table's stats, refreshed every 0.1 s),
-asks ``planner.live.LivePlanner`` (the simulator with the live profile, the SLO feedback and the
-hysteresis) for a decision, and carries it out through ``cluster.fleet.Fleet``: ``add`` starts a
-worker of the role in a new placement group and waits until it has joined routing; ``remove`` drains
-the role's newest worker (``router.drain``, by ``--planner-drain-deadline``) and removes its actor and
-placement group. One action at a time; the samples taken while it ran are dropped, so the next
-decision measures the new split.
+Every ``--planner-interval`` seconds ``PlannerLoop.step`` reads what the router served over the last
+``WINDOW_INTERVALS`` intervals (``router.load_window``: rate, prompt and output sizes, prefix hits,
+TTFT and per-request inter-token latencies; a request's ITL is known only when it ends, so one
+interval alone may hold too few) and the workers' queues and KV use (the worker table's stats,
+refreshed every 0.1 s), asks ``planner.live.LivePlanner`` (the simulator with the live profile,
+the SLO feedback and the hysteresis) for a decision, and carries it out through
+``cluster.fleet.Fleet``: ``add`` starts a worker of the role in a new placement group and waits until
+it has joined routing; ``remove`` drains the role's newest worker (``router.drain``, by
+``--planner-drain-deadline``) and removes its actor and placement group. One action at a time;
+the samples taken before and while it ran are dropped, so the next decision measures the new split.
 
 Every decision is logged (logger ``pdserve.planner``), counted in
 ``pdserve:planner_decisions_total{action,role,code}``, sets ``pdserve:planner_workers{role}`` and
@@ -24,6 +25,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -38,7 +40,8 @@ from router.worker_table import WorkerTable
 from telemetry.tracing import Tracing, end_span
 
 log = logging.getLogger("pdserve.planner")
-MIN_SAMPLES = 5  # latency samples a p90 needs in an interval before the planner trusts it
+MIN_SAMPLES = 3  # latency samples a p90 needs in the window before the planner trusts it
+WINDOW_INTERVALS = 3  # intervals the measurements span
 ROLES = ("prefill", "decode")
 
 
@@ -128,6 +131,7 @@ class PlannerLoop:
         self.tracing = tracing or Tracing()
         self.metrics = PlannerMetrics()
         self.history: list[Outcome] = []  # the last decisions, newest last (bounded)
+        self._windows: deque[Served] = deque(maxlen=WINDOW_INTERVALS)
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -152,7 +156,8 @@ class PlannerLoop:
 
     async def step(self) -> Outcome:
         client = self.fleet.backend.client
-        observed = observe(client.window.take(), client.table)
+        self._windows.append(client.window.take())
+        observed = observe(Served.merge(list(self._windows)), client.table)
         d = await asyncio.to_thread(self.planner.decide, observed)  # simulations: off the event loop
         self.metrics.record(d, observed)
         log.info("planner: %s%s (%s) -> target %dP:%dD: %s", d.action, f" {d.role}" if d.role else "", d.code,
@@ -169,7 +174,8 @@ class PlannerLoop:
                 outcome = Outcome(d, observed, error=f"{type(exc).__name__}: {exc}")
                 log.warning("planner: %s %s failed: %s", d.action, d.role, outcome.error)
             self.planner.reset()
-            client.window.take()  # what was measured during the change says nothing of the new split
+            client.window.take()  # what was measured before and during the change says nothing of the
+            self._windows.clear()  # new split
         self._trace(outcome)
         self.history = [*self.history[-63:], outcome]
         return outcome

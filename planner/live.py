@@ -12,8 +12,9 @@ measured, the workers' queues and KV use, the current worker counts) into one ``
    KV use above ``kv_high`` points at decode; any other TTFT breach at prefill. The profile may be
    off for this machine or load; the measurement is not. Likewise the target never removes a worker
    of a role while the SLO is broken, and a count a breach called for is kept (a floor) until the
-   request rate falls below ``release`` times the rate it broke at, so the simulator's lower target
-   does not take back at once what the measurement showed was needed.
+   request rate falls below ``release`` times the highest rate seen since (a closed-loop load shows
+   its demand only once it is served), so the simulator's lower target does not take back at once
+   what the measurement showed was needed.
 3. Hysteresis. A change is made only once the same target has come ``hysteresis`` intervals in a
    row, and one worker at a time: the role furthest below its target is added (decode first on a
    tie), else the role furthest above is drained and removed. Anything else holds.
@@ -114,9 +115,13 @@ class LivePlanner:
         for role, (floor, rate) in list(self._floors.items()):
             if observed.rate_rps < self.release * rate:
                 del self._floors[role]
-            elif target[role] < floor:
+                continue
+            rate = max(rate, observed.rate_rps)  # what the larger split carried: a closed loop's load
+            self._floors[role] = (floor, rate)   # shows its demand only once served
+            if target[role] < floor:
                 target[role] = floor
-                why = f"{why}; keeping {floor} {role}: the SLO broke at {rate:.2f} req/s with fewer"
+                why = (f"{why}; keeping {floor} {role} (the SLO broke with fewer) while the rate stays "
+                       f"above {self.release * rate:.2f} req/s")
         target_key = (target["prefill"], target["decode"])
         self._streak = self._streak + 1 if target_key == self._last_target else 1
         self._last_target = target_key

@@ -156,7 +156,7 @@ class PDClient:
         finished = False
         current = req
         self.window.arrived(len(req.prompt_token_ids))
-        last = arrived = time.monotonic()
+        arrived = first_at = time.monotonic()
         try:
             for attempt in range(self.config.migration_limit + 1):
                 live = self.table.live("decode")
@@ -166,13 +166,12 @@ class PDClient:
                 served = False
                 try:
                     async for batch in await self.attempt.run(current, decode, flight.touched):
-                        now = time.monotonic()
                         if produced:
-                            self.window.later(now - last, len(batch.token_ids))
+                            self.window.later(len(batch.token_ids))
                         else:
-                            self.window.first(now - arrived, len(req.prompt_token_ids), batch.cached_tokens,
-                                              len(batch.token_ids))
-                        last = now
+                            first_at = time.monotonic()
+                            self.window.first(first_at - arrived, len(req.prompt_token_ids),
+                                              batch.cached_tokens, len(batch.token_ids))
                         produced.extend(batch.token_ids)
                         finished = batch.finished
                         served = True
@@ -189,7 +188,7 @@ class PDClient:
         finally:
             self._flights.pop(req.request_id, None)
             if finished:
-                self.window.done()
+                self.window.done(time.monotonic() - first_at, len(produced))
             else:
                 await self._abort_on(flight)
 

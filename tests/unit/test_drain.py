@@ -15,7 +15,7 @@ from router.drain import Drainer
 from router.errors import DrainRefused
 from router.handles import DecodeHandle, PrefillHandle
 from router.load import Chooser
-from router.load_window import LoadWindow
+from router.load_window import LoadWindow, Served
 from router.policy import LeastLoaded
 from router.worker_table import WorkerState, WorkerTable
 
@@ -96,15 +96,19 @@ def test_load_window_takes_and_restarts() -> None:
     window.arrived(100)
     window.arrived(50)
     window.first(0.5, 100, 64, 1)
-    window.later(0.2, 4)
-    window.later(0.1, 0)
-    window.done()
+    window.later(4)
+    window.later(0)
+    window.done(0.2, 5)  # 0.2 s for the 4 tokens after the first
+    window.first(0.25, 50, 0, 1)
+    window.done(0.0, 1)  # a single token: no inter-token latency
     served = window.take()
     assert (served.requests, served.prompt_tokens, served.first_prompt_tokens, served.cached_tokens) == (
-        2, 150, 100, 64)
-    assert (served.ttft, served.itl, served.output_tokens, served.finished) == ([0.5], [0.05], 5, 1)
+        2, 150, 150, 64)
+    assert (served.ttft, served.itl, served.output_tokens, served.finished) == ([0.5, 0.25], [0.05], 6, 2)
     assert served.seconds > 0
     assert window.take().requests == 0
+    merged = Served.merge([served, served])
+    assert (merged.requests, merged.itl, merged.seconds) == (4, [0.05, 0.05], 2 * served.seconds)
 
 
 def test_slo_and_planner_flags(capsys: pytest.CaptureFixture[str]) -> None:

@@ -15,7 +15,7 @@ from planner.profile import load_profile
 from planner.sizing import Bounds, Slo
 
 PROFILE = Path(__file__).resolve().parents[1] / "data" / "planner_profile.json"
-SLO = Slo(ttft_p90_s=1.0, itl_p90_s=0.5)
+SLO = Slo(ttft_p90_s=2.0, itl_p90_s=0.125)
 
 
 def planner() -> LivePlanner:
@@ -25,7 +25,7 @@ def planner() -> LivePlanner:
 
 def seen(rate: float, num_decode: int, ttft: float | None = None, waiting: int = 0,
          itl: float | None = None) -> Observed:
-    return Observed(seconds=10.0, requests=round(rate * 10), mean_input_tokens=40.0, mean_output_tokens=40.0,
+    return Observed(seconds=20.0, requests=round(rate * 20), mean_input_tokens=45.0, mean_output_tokens=24.0,
                     prefix_hit_rate=0.5, ttft_p90_s=ttft, itl_p90_s=itl, decode_waiting=waiting,
                     decode_kv_usage=0.1, num_prefill=1, num_decode=num_decode)
 
@@ -43,26 +43,36 @@ def test_no_load_holds_at_the_minimum() -> None:
 
 def test_breach_adds_decode_after_hysteresis_and_keeps_it_until_load_falls() -> None:
     p = planner()
-    slow = seen(0.3, 1, ttft=2.5, waiting=2)
+    slow = seen(0.4, 1, ttft=0.3, itl=0.3)  # requests wait for the one decode slot after their first token
     first, second = p.decide(slow), p.decide(slow)
     assert (first.action, first.code, first.target_decode) == ("hold", "hysteresis", 2)
-    assert (second.action, second.role, second.code) == ("add", "decode", "ttft_slo")
-    assert "TTFT p90 2.50 s > SLO 1.00 s with 2 waiting for a decode slot" in second.reason
+    assert (second.action, second.role, second.code) == ("add", "decode", "itl_slo")
+    assert second.reason.startswith("ITL p90 300 ms > SLO 125 ms; simulator at 0.40 req/s: 1P:1D")
     p.reset()
-    for _ in range(3):  # the SLO met at the same load: the floor keeps the second decode worker
-        kept = p.decide(seen(0.3, 2, ttft=0.3))
-        assert (kept.action, kept.target_decode) == ("hold", 2), kept.reason
-        assert "keeping 2 decode" in kept.reason
-    fallen = seen(0.1, 2, ttft=0.2)  # below 3/4 of the rate the SLO broke at: the floor goes
+    for rate in (0.8, 0.8, 0.65):  # the SLO met, the larger split carrying more: the floor holds
+        kept = p.decide(seen(rate, 2, ttft=0.3, itl=0.08))
+        assert (kept.action, kept.code, kept.target_decode) == ("hold", "steady", 2), kept.reason
+        assert "keeping 2 decode (the SLO broke with fewer) while the rate stays above 0.60 req/s" \
+            in kept.reason
+    fallen = seen(0.5, 2, ttft=0.2, itl=0.07)  # below 3/4 of the most it carried: the floor goes
     first, second = p.decide(fallen), p.decide(fallen)
     assert (first.action, first.code, first.target_decode) == ("hold", "hysteresis", 1)
     assert (second.action, second.role, second.code) == ("remove", "decode", "scale")
 
 
+def test_ttft_breach_points_at_prefill_unless_requests_wait_for_decode() -> None:
+    p = LivePlanner(load_profile(PROFILE), SLO, Bounds(1, 2, 1, 2), hysteresis=1)
+    d = p.decide(seen(0.3, 1, ttft=3.0))
+    assert (d.action, d.role, d.code) == ("add", "prefill", "ttft_slo")
+    p.reset()
+    d = p.decide(seen(0.3, 1, ttft=3.0, waiting=3))
+    assert (d.action, d.role, d.code) == ("add", "decode", "ttft_slo")
+
+
 def test_itl_breach_points_at_decode_and_bounds_hold() -> None:
     p = planner()
     for _ in range(2):
-        d = p.decide(seen(0.3, 2, itl=0.9))
+        d = p.decide(seen(0.3, 2, itl=0.9))  # one more decode worker would help, but --max-decode is 2
     assert (d.action, d.code, d.target_decode) == ("hold", "steady", 2)  # at --max-decode already
 
 
