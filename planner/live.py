@@ -79,7 +79,7 @@ def p90(samples: list[float], min_samples: int) -> float | None:
 
 class LivePlanner:
     def __init__(self, profile: Profile, slo: Slo, bounds: Bounds, hysteresis: int = 2,
-                 kv_high: float = 0.9, release: float = 0.75) -> None:
+                 kv_high: float = 0.9, release: float = 0.6) -> None:
         if hysteresis < 1:
             raise ValueError("--planner-hysteresis must be >= 1")
         self.profile = profile
