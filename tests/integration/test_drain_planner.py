@@ -217,6 +217,10 @@ def test_decode_worker_drained_under_load(server: PdserveServer, load: Load) -> 
     assert len(routed) == 2 and load.target == HIGH
     victim = routed[0]
     wait_for(f"{victim} serves under load", lambda: any(r.worker == victim for r in load.records[-HIGH:]), 30)
+    for bad, param in (({"deadline_s": -1}, "deadline_s"), ({"deadline_s": 5, "when": 1}, "when")):
+        resp = httpx.post(f"{server.url}/v1/workers/{victim}/drain", headers=AUTH, json=bad, timeout=10)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
+    assert httpx.post(f"{server.url}/v1/workers/{victim}/drain", timeout=10).status_code == 401
     reply: dict[str, Any] = {}
 
     def drain() -> None:
