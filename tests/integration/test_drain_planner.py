@@ -13,7 +13,8 @@ order:
 2. a decode worker is drained under that load through the admin endpoint: every request completes,
    its final stats show no block, lease, reservation or cached block, the router sends it nothing
    once the drain has begun, and its actor is gone;
-3. load falls: the planner drains and removes decode workers down to one.
+3. under the same load the planner replaces the drained worker; then the load falls and the planner
+   drains and removes a decode worker, down to one.
 
 Every request of the module must complete with the text the same prompt gets alone (nothing lost,
 nothing disturbed), and the planner's decisions must show in ``/metrics``.
@@ -46,7 +47,7 @@ CHAT = "/v1/chat/completions"
 HEADER = "x-pdserve-decode-worker"
 PROFILE = Path(__file__).resolve().parents[1] / "data" / "planner_profile.json"  # pdserve profile --quick
 SLO_TTFT_S = 2.0
-SLO_ITL_S = 0.125
+SLO_ITL_S = 0.11
 MAX_TOKENS = 24
 HIGH, LOW = 2, 1  # concurrent streams: twice the one decode worker's one slot, then one stream
 PROMPTS = [f"Describe the harbour of city number {i} in a few sentences." for i in range(4)]
@@ -249,7 +250,9 @@ def test_decode_worker_drained_under_load(server: PdserveServer, load: Load) -> 
 
 
 def test_load_falls_planner_drains_and_removes_a_worker(server: PdserveServer, load: Load) -> None:
-    load.target = LOW
+    # under the same load the planner has replaced the drained worker (the SLO broke again) ...
+    wait_for("the planner adds a decode worker again", lambda: len(decode_ids(server)[0]) == 2, 240, server)
+    load.target = LOW  # ... and once the load falls it drains and removes one
     def one_left() -> bool:
         routed, draining = decode_ids(server)
         return len(routed) == 1 and not draining
