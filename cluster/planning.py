@@ -173,6 +173,8 @@ class PlannerLoop:
                 self.metrics.failures.labels(d.action, d.role).inc()
                 outcome = Outcome(d, observed, error=f"{type(exc).__name__}: {exc}")
                 log.warning("planner: %s %s failed: %s", d.action, d.role, outcome.error)
+            for role in ROLES:  # the counts the action left
+                self.metrics.workers.labels(role).set(len(self.fleet.live(role)))
             self.planner.reset()
             client.window.take()  # what was measured before and during the change says nothing of the
             self._windows.clear()  # new split
