@@ -124,6 +124,8 @@ class _Router:
         if service is None:
             return
         with contextlib.suppress(Exception):
+            if service.planner is not None:
+                await service.planner.stop()
             await service.backend.client.close()
         await asyncio.to_thread(service.stop)
         service.prepared.tracing.shutdown()

@@ -122,7 +122,42 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="OTLP transport (default: $OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, else http/protobuf)")
     t.add_argument("--otlp-traces-sample-ratio", type=_ratio, default=d.tracing.sample_ratio, metavar="RATIO",
                    help="fraction of requests traced, 0..1 (default: $OTEL_TRACES_SAMPLER_ARG, else 1.0)")
+    _add_planner_args(parser)
     add_engine_args(parser)
+
+
+def _add_planner_args(parser: argparse.ArgumentParser) -> None:
+    from cluster.config import SERVE_DEFAULTS
+
+    d = SERVE_DEFAULTS.planner
+    p = parser.add_argument_group("planner")
+    p.add_argument("--planner", action="store_true", default=d.enabled,
+                   help="add and drain workers while serving to hold --slo: every --planner-interval the "
+                        "live load goes to the simulator with --planner-profile (default: off)")
+    p.add_argument("--planner-profile", default=d.profile, metavar="PATH",
+                   help="the profile file the planner's simulator uses (written by `pdserve profile`)")
+    for role in ("prefill", "decode"):
+        for edge, word in (("min", "fewest"), ("max", "most")):
+            p.add_argument(f"--{edge}-{role}", type=_non_negative, default=None, metavar="N",
+                           help=f"the {word} {role} workers the planner keeps (default: --num-{role})")
+    p.add_argument("--slo", type=_slo, default=d.slo, metavar="ttft=S,itl=S",
+                   help="the planner's target: p90 time to first token and p90 inter-token latency, in "
+                        "seconds or with an ms suffix; when not given, ttft=1,itl=0.05")
+    p.add_argument("--planner-interval", type=_positive(float), default=d.interval, metavar="SECONDS",
+                   help="seconds between two planner decisions (default: 10)")
+    p.add_argument("--planner-hysteresis", type=_positive(int), default=d.hysteresis, metavar="N",
+                   help="intervals in a row a new worker count must be called for before the planner "
+                        "acts (default: 3)")
+    p.add_argument("--planner-drain-deadline", type=_positive(float), default=d.drain_deadline,
+                   metavar="SECONDS",
+                   help="how long a worker the planner removes may take to finish its requests; past it "
+                        "they move to other workers (default: 60)")
+
+
+def _slo(text: str) -> Any:
+    from cluster.config import parse_slo
+
+    return parsed_by(parse_slo, "--slo")(text)
 
 
 def _resources(flag: str) -> Any:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from cli.main import engine_config_from_args
-from cluster.config import ServeConfig, TraceFlags
+from cluster.config import PlannerOptions, ServeConfig, TraceFlags
 from cluster.placement import WorkerOptions
 from router.config import ClientConfig, KvFailurePolicy, RouterSettings
 
@@ -44,4 +44,9 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
         tracing=TraceFlags(endpoint=args.otlp_traces_endpoint, protocol=args.otlp_traces_protocol,
                            sample_ratio=args.otlp_traces_sample_ratio),
         inject_transfer_failures=args.inject_transfer_failures,
+        planner=PlannerOptions(
+            enabled=args.planner, profile=args.planner_profile, min_prefill=args.min_prefill,
+            max_prefill=args.max_prefill, min_decode=args.min_decode, max_decode=args.max_decode,
+            slo=args.slo, interval=args.planner_interval, hysteresis=args.planner_hysteresis,
+            drain_deadline=args.planner_drain_deadline),
     )

@@ -37,6 +37,69 @@ class TraceFlags:
         return TraceConfig.from_env(self.endpoint, self.protocol, self.sample_ratio)
 
 
+def parse_slo(text: str, flag: str = "--slo") -> tuple[float, float]:
+    """``ttft=1,itl=0.05`` (seconds; ``ms`` or ``s`` suffixes allowed) -> (TTFT p90, ITL p90) seconds."""
+    out: dict[str, float] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = part.partition("=")
+        key, value = key.strip().lower(), value.strip().lower()
+        if not sep or key not in ("ttft", "itl"):
+            raise ValueError(f"{flag}: expected ttft=SECONDS,itl=SECONDS, got {part!r}")
+        scale = 1e-3 if value.endswith("ms") else 1.0
+        try:
+            seconds = float(value.removesuffix("ms").removesuffix("s")) * scale
+        except ValueError:
+            raise ValueError(f"{flag}: invalid time {value!r} for {key}") from None
+        if not seconds > 0:
+            raise ValueError(f"{flag}: {key} must be > 0")
+        out[key] = seconds
+    if set(out) != {"ttft", "itl"}:
+        raise ValueError(f"{flag}: give both ttft and itl, e.g. ttft=1,itl=0.05")
+    return out["ttft"], out["itl"]
+
+
+@dataclass(frozen=True)
+class PlannerOptions:
+    """``--planner`` and its settings (``cluster.planning``). A bound left ``None`` is the role's
+    starting count (``--num-prefill`` / ``--num-decode``); ``slo`` is (TTFT p90, ITL p90) in seconds."""
+
+    enabled: bool = False
+    profile: str | None = None
+    min_prefill: int | None = None
+    max_prefill: int | None = None
+    min_decode: int | None = None
+    max_decode: int | None = None
+    slo: tuple[float, float] = (1.0, 0.05)
+    interval: float = 10.0
+    hysteresis: int = 3
+    drain_deadline: float = 60.0
+
+    def bounds(self, num_prefill: int, num_decode: int) -> tuple[int, int, int, int]:
+        """(min prefill, max prefill, min decode, max decode); ValueError names the flag at fault."""
+        lo_p = num_prefill if self.min_prefill is None else self.min_prefill
+        hi_p = num_prefill if self.max_prefill is None else self.max_prefill
+        lo_d = num_decode if self.min_decode is None else self.min_decode
+        hi_d = num_decode if self.max_decode is None else self.max_decode
+        if lo_p < 1 or num_prefill < 1:
+            raise ValueError("--planner needs prefill workers: --num-prefill and --min-prefill must be >= 1")
+        if lo_d < 1:
+            raise ValueError("--min-decode must be >= 1")
+        if not lo_p <= num_prefill <= hi_p:
+            raise ValueError(f"--num-prefill {num_prefill} must lie within --min-prefill {lo_p} and "
+                             f"--max-prefill {hi_p}")
+        if not lo_d <= num_decode <= hi_d:
+            raise ValueError(f"--num-decode {num_decode} must lie within --min-decode {lo_d} and "
+                             f"--max-decode {hi_d}")
+        return lo_p, hi_p, lo_d, hi_d
+
+    def check(self, num_prefill: int, num_decode: int) -> None:
+        if not self.enabled:
+            return
+        if not self.profile:
+            raise ValueError("--planner needs --planner-profile PATH (write one with `pdserve profile`)")
+        self.bounds(num_prefill, num_decode)
+
+
 def _role(role: str) -> WorkerOptions:
     return WorkerOptions(resources_flag=f"--{role}-resources")
 
@@ -61,12 +124,14 @@ class ServeConfig:
     decode: WorkerOptions = field(default_factory=lambda: _role("decode"))
     tracing: TraceFlags = field(default_factory=TraceFlags)
     inject_transfer_failures: float = 0.0  # fault injection (testing only): fraction of KV pulls failed
+    planner: PlannerOptions = field(default_factory=PlannerOptions)
 
     def __post_init__(self) -> None:
         if self.num_decode < 1 or self.num_prefill < 0:
             raise ValueError("--num-decode must be >= 1 and --num-prefill >= 0")
         if not 0.0 <= self.inject_transfer_failures <= 1.0:
             raise ValueError("--inject-transfer-failures must be within [0, 1]")
+        self.planner.check(self.num_prefill, self.num_decode)
 
     @property
     def colocated(self) -> bool:
@@ -109,6 +174,11 @@ SETTINGS: dict[str, tuple[str, ...]] = {
     "otlp_traces_endpoint": ("tracing.endpoint",), "otlp_traces_protocol": ("tracing.protocol",),
     "otlp_traces_sample_ratio": ("tracing.sample_ratio",),
     "inject_transfer_failures": ("inject_transfer_failures",),
+    "planner": ("planner.enabled",), "planner_profile": ("planner.profile",),
+    **{f"{edge}_{role}": (f"planner.{edge}_{role}",) for edge in ("min", "max")
+       for role in ("prefill", "decode")},
+    "slo": ("planner.slo",), "planner_interval": ("planner.interval",),
+    "planner_hysteresis": ("planner.hysteresis",), "planner_drain_deadline": ("planner.drain_deadline",),
 }
 
 

@@ -41,12 +41,16 @@ from telemetry.tracing import TraceConfig, Tracing
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
+    from cluster.fleet import Fleet
+    from cluster.planning import PlannerLoop
     from cluster.workers import WorkerGroup
     from engine.config import EngineConfig
     from engine.loader import ModelSource
     from engine.tokenizer import Tokenizer
+    from planner.live import LivePlanner
     from router.app import RouterConfig
     from router.backend import ClusterBackend
+    from router.drain import DrainReport
 
 log = logging.getLogger("pdserve")
 READY_TIMEOUT = 600.0
@@ -81,13 +85,13 @@ def _exit_on_signal(signum: int, _frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-async def _serve(server: Any, backend: ClusterBackend, ready_line: str) -> bool:
+async def _serve(server: Any, service: Service, ready_line: str) -> bool:
     """Run uvicorn until a signal; connect the workers meanwhile. False when the workers never came up."""
     failed: list[BaseException] = []
 
     async def bring_up() -> None:
         try:
-            await backend.start(READY_TIMEOUT)
+            await service.start(READY_TIMEOUT)
         except Exception as exc:
             failed.append(exc)
             log.error("pdserve: workers failed to start: %s: %s", type(exc).__name__, exc)
@@ -99,6 +103,8 @@ async def _serve(server: Any, backend: ClusterBackend, ready_line: str) -> bool:
     await server.serve()
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
+    if service.planner is not None:
+        await service.planner.stop()
     return not failed
 
 
@@ -112,21 +118,36 @@ class Prepared:
     tokenizer: Tokenizer
     trace_config: TraceConfig
     tracing: Tracing
+    planner: LivePlanner | None = None  # --planner: its rule, the profile read
 
 
 @dataclass
 class Service:
     """One router's serving stack on Ray: the worker actors, the backend over them and the HTTP app.
 
-    ``start`` waits for the workers; ``stop`` kills them and removes their placement groups."""
+    ``start`` waits for the workers (then starts the planner, if any); ``stop`` kills them and removes
+    their placement groups. While serving, ``add_worker`` and ``drain_worker`` change the split (the
+    Python face of what the planner and ``POST /v1/workers/{id}/drain`` do)."""
 
     app: FastAPI
     backend: ClusterBackend
     group: WorkerGroup
     prepared: Prepared
+    fleet: Fleet
+    planner: PlannerLoop | None = None
 
     async def start(self, timeout: float = READY_TIMEOUT) -> None:
         await self.backend.start(timeout)
+        if self.planner is not None:
+            self.planner.start()
+
+    async def add_worker(self, role: str) -> str:
+        """Start one more ``prefill`` or ``decode`` worker and let it join routing; its id."""
+        return await self.fleet.add(role)
+
+    async def drain_worker(self, worker_id: str, deadline_s: float = 60.0) -> DrainReport:
+        """Take a worker out of routing now, let it finish, free its KV and leases, remove it."""
+        return await self.fleet.drain(worker_id, deadline_s)
 
     def stop(self) -> bool:
         """Flush the workers' traces, kill the actors, remove the placement groups (bounded, see
@@ -154,13 +175,19 @@ def prepare_service(config: ServeConfig) -> Prepared:
                                  max_model_len=serving_max_model_len(source, config.engine),
                                  **dataclasses.asdict(settings))
     trace_config = config.tracing.resolve()
+    planner = None
+    if config.planner.enabled:
+        from cluster.planning import make_planner
+
+        planner = make_planner(config.planner, config.num_prefill, config.num_decode)
     return Prepared(str(path), config.engine, router_config, source.load_tokenizer(), trace_config,
-                    Tracing(trace_config, "router"))
+                    Tracing(trace_config, "router"), planner)
 
 
 def launch_service(config: ServeConfig, prepared: Prepared) -> Service:
     """Start the worker actors (each in its own placement group) on the connected Ray and build the app
     over them; the workers are still loading when this returns (``Service.start`` waits for them)."""
+    from cluster.fleet import Fleet
     from cluster.workers import start_workers
     from router.app import create_app
     from router.backend import ClusterBackend
@@ -174,11 +201,18 @@ def launch_service(config: ServeConfig, prepared: Prepared) -> Service:
         client = PDClient(group.prefill, group.decode, config.client)
         name = prepared.router_config.model_name
         backend = ClusterBackend(client, name, colocated=config.colocated)
-        app = create_app(backend, prepared.tokenizer, prepared.router_config, prepared.tracing)
+        fleet = Fleet(group, backend)
+        planner = None
+        if prepared.planner is not None:
+            from cluster.planning import PlannerLoop
+
+            planner = PlannerLoop(config.planner, prepared.planner, fleet, prepared.tracing)
+        registries = [planner.metrics.registry] if planner is not None else []
+        app = create_app(backend, prepared.tokenizer, prepared.router_config, prepared.tracing, registries)
     except BaseException:
         group.shutdown()
         raise
-    return Service(app, backend, group, prepared)
+    return Service(app, backend, group, prepared, fleet, planner)
 
 
 def run_serve(config: ServeConfig, config_file: str | None = None) -> int:
@@ -192,6 +226,7 @@ def run_serve(config: ServeConfig, config_file: str | None = None) -> int:
     import ray
     import uvicorn
 
+    import cluster.fleet  # noqa: F401
     import cluster.workers  # noqa: F401
     import router.app  # noqa: F401
 
@@ -216,7 +251,7 @@ def run_serve(config: ServeConfig, config_file: str | None = None) -> int:
         where = f"http://{config.host}:{config.port}"
         ready = (f"pdserve: serving {prepared.router_config.model_name} on {where} "
                  f"({config.num_prefill} prefill, {config.num_decode} decode)")
-        ok = asyncio.run(_serve(server, service.backend, ready))
+        ok = asyncio.run(_serve(server, service, ready))
         return 0 if ok else 1
     finally:
         if service is not None:

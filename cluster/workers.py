@@ -6,6 +6,13 @@ resources, and the actor is scheduled into it. ``max_restarts`` lets Ray
 restart a worker whose process died (the actor re-runs its constructor: a
 fresh engine and a new NIXL agent; ``PDClient`` re-registers it). Actors are
 named but never detached: they die with the driver that created them.
+
+A group changes while serving: ``WorkerGroup.launch`` starts one more worker
+(the next unused index: ``decode-2`` after ``decode-0`` and ``decode-1``, even
+if one of those has left) in a new placement group, which on a Ray cluster
+with an autoscaler is what makes Ray add a node; ``WorkerGroup.retire`` kills a
+worker (no restart) and removes its placement group (``cluster.fleet`` drives
+both).
 """
 
 from __future__ import annotations
@@ -31,13 +38,105 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
+class Member:
+    """One worker of a group: its id (``prefill-0``), role, actor and placement group (if any)."""
+
+    worker_id: str
+    role: str
+    actor: Any
+    placement_group: Any | None = None
+
+
+@dataclass(frozen=True)
+class Launcher:
+    """How this group's workers are made: model, engine config, per-role options. ``launch`` starts one
+    more (blocking: it waits for the worker's placement group, ``cluster.placement.reserve``)."""
+
+    model: str | None
+    engine_config: bytes
+    prefill_opts: WorkerOptions
+    decode_opts: WorkerOptions
+    lease_seconds: float
+    transfer_timeout: float
+    prefix: str
+    tracing: bytes | None
+    transfer_failure_rate: float = 0.0  # fault injection (testing only), decode workers
+
+    def launch(self, role: str, index: int) -> Member:
+        worker_id = f"{role}-{index}"
+        name = f"{self.prefix}-{worker_id}"
+        opts = self.prefill_opts if role == "prefill" else self.decode_opts
+        pg = reserve(opts.placement(), name, opts.placement_timeout, opts.resources_flag) \
+            if opts.placement_groups else None
+        try:
+            cls = _actor(PrefillWorker if role == "prefill" else DecodeWorker, name, opts, pg)
+            if role == "prefill":
+                actor = cls.remote(worker_id, self.model, self.engine_config,
+                                   lease_seconds=self.lease_seconds, torch_threads=opts.torch_threads,
+                                   tracing=self.tracing)
+            else:
+                actor = cls.remote(worker_id, self.model, self.engine_config,
+                                   transfer_timeout=self.transfer_timeout, torch_threads=opts.torch_threads,
+                                   tracing=self.tracing, transfer_failure_rate=self.transfer_failure_rate)
+        except BaseException:
+            if pg is not None:
+                release([pg])
+            raise
+        return Member(worker_id, role, actor, pg)
+
+
+@dataclass
 class WorkerGroup:
-    prefill: list[Any]
-    decode: list[Any]
-    placement_groups: list[Any] = field(default_factory=list)
+    """The workers one driver owns. Members come and go while serving (``launch``, ``retire``);
+    ``prefill`` / ``decode`` / ``all`` list the current actors."""
+
+    members: list[Member] = field(default_factory=list)
+    launcher: Launcher | None = None
+    next_index: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0})
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def prefill(self) -> list[Any]:
+        return [m.actor for m in self.members if m.role == "prefill"]
+
+    @property
+    def decode(self) -> list[Any]:
+        return [m.actor for m in self.members if m.role == "decode"]
+
+    @property
+    def placement_groups(self) -> list[Any]:
+        return [m.placement_group for m in self.members if m.placement_group is not None]
 
     def all(self) -> list[Any]:
         return self.prefill + self.decode
+
+    def count(self, role: str) -> int:
+        return sum(1 for m in self.members if m.role == role)
+
+    def launch(self, role: str) -> Member:
+        """Start one more worker of ``role`` with the next unused index (blocking, see ``Launcher``)."""
+        if self.launcher is None:
+            raise RuntimeError("this worker group cannot start workers")
+        with self._lock:
+            index = self.next_index[role]
+            self.next_index[role] += 1
+        member = self.launcher.launch(role, index)
+        with self._lock:
+            self.members.append(member)
+        return member
+
+    def retire(self, worker_id: str) -> bool:
+        """Kill one worker's actor (no restart) and remove its placement group; False if unknown."""
+        with self._lock:
+            member = next((m for m in self.members if m.worker_id == worker_id), None)
+            if member is None:
+                return False
+            self.members.remove(member)
+        with contextlib.suppress(Exception):  # already dead
+            ray.kill(member.actor, no_restart=True)
+        if member.placement_group is not None:
+            release([member.placement_group])
+        return True
 
     def shutdown(self, timeout: float = 15.0) -> bool:
         """Kill every actor (no restart) and remove the placement groups, within ``timeout`` seconds.
@@ -99,32 +198,16 @@ def start_workers(
         raise ValueError("at least one decode worker is needed (--num-decode)")
     if num_prefill < 0:
         raise ValueError("--num-prefill cannot be negative")
-    prefix = name_prefix or f"pdserve-{uuid.uuid4().hex[:6]}"
-    popts = prefill_opts or UNPLACED
-    dopts = decode_opts or UNPLACED
-    cfg = pack(engine_config)
-    trace = pack(tracing) if tracing is not None and tracing.endpoint else None
-    group = WorkerGroup([], [])
-
-    def place(name: str, opts: WorkerOptions) -> Any:
-        if not opts.placement_groups:
-            return None
-        pg = reserve(opts.placement(), name, opts.placement_timeout, opts.resources_flag)
-        group.placement_groups.append(pg)
-        return pg
-
+    launcher = Launcher(model, pack(engine_config), prefill_opts or UNPLACED, decode_opts or UNPLACED,
+                        lease_seconds, transfer_timeout, name_prefix or f"pdserve-{uuid.uuid4().hex[:6]}",
+                        pack(tracing) if tracing is not None and tracing.endpoint else None,
+                        transfer_failure_rate)
+    group = WorkerGroup(launcher=launcher)
     try:
-        for i in range(num_prefill):
-            name = f"{prefix}-prefill-{i}"
-            group.prefill.append(_actor(PrefillWorker, name, popts, place(name, popts)).remote(
-                f"prefill-{i}", model, cfg, lease_seconds=lease_seconds, torch_threads=popts.torch_threads,
-                tracing=trace))
-        for i in range(num_decode):
-            name = f"{prefix}-decode-{i}"
-            group.decode.append(_actor(DecodeWorker, name, dopts, place(name, dopts)).remote(
-                f"decode-{i}", model, cfg, transfer_timeout=transfer_timeout,
-                torch_threads=dopts.torch_threads, tracing=trace,
-                transfer_failure_rate=transfer_failure_rate))
+        for _ in range(num_prefill):
+            group.launch("prefill")
+        for _ in range(num_decode):
+            group.launch("decode")
     except BaseException:
         group.shutdown()
         raise

@@ -128,6 +128,10 @@ class DecodeWorker(WorkerBase):
             return pack(WorkerError(ErrorKind.INVALID, message))
         return b""
 
+    async def disconnect(self, agent_name: str) -> None:
+        """Forget a prefill worker's agent: that worker has drained and left (idempotent)."""
+        self.sink.disconnect(agent_name)
+
     async def generate(self, request: bytes, prefill: PrefillRef | None = None, attempt: int = 1,
                        prefill_timeout: float = 120.0) -> AsyncIterator[bytes]:
         """Stream ``TokenBatch`` bytes, or one ``WorkerError``, for one attempt at ``request`` (see the

@@ -160,6 +160,9 @@ class PrefillWorker(WorkerBase):
         if request_id in self._computing:
             self._dropped.add(request_id)
 
+    def holds(self, e: LLMEngine) -> int:
+        return super().holds(e) + self.source.num_leases()
+
     def role_stats(self, common: WorkerStats) -> WorkerStats:
         return msgspec.structs.replace(common, num_leases=self.source.num_leases(),
                                        leases_expired=self.leases_expired)

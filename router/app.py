@@ -9,7 +9,7 @@ arrived, so failures before it still get their status code; a failure after it
 ends the stream with an ``error`` event and ``data: [DONE]``. A client that
 disconnects has its backend requests aborted. Generation responses carry
 ``x-pdserve-decode-worker``: the decode worker that produced the first token.
-``GET /v1/workers`` lists every live worker's ``WorkerStats``.
+``GET /v1/workers`` and ``POST /v1/workers/{id}/drain`` are the admin endpoints (``router.admin``).
 """
 
 from __future__ import annotations
@@ -19,18 +19,19 @@ import contextlib
 import functools
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import msgspec
 from fastapi import FastAPI, Request
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.responses import Response
 
 from engine.grammar import GrammarError, check
 from engine.sampling_params import StructuredOutput
 from engine.tokenizer import Tokenizer
 from messages.wire import GenerateRequest
+from router.admin import WORKER_STATS_TIMEOUT, add_admin_routes
 from router.admission import AdmissionGate, Ticket
 from router.backend import Backend
 from router.config import RouterSettings
@@ -75,7 +76,6 @@ from router.tokenize import DetokenizeRequest, TokenizeRequest
 from router.tools import ToolMode, ToolStream, call_chunks, conversation, mode_of, parse
 from telemetry.tracing import Tracing
 
-WORKER_STATS_TIMEOUT = 5.0
 DECODE_WORKER_HEADER = "x-pdserve-decode-worker"
 
 
@@ -297,9 +297,10 @@ class _Front:
 
 
 def create_app(backend: Backend, tokenizer: Tokenizer, config: RouterConfig,
-               tracing: Tracing | None = None) -> FastAPI:
+               tracing: Tracing | None = None, registries: Sequence[CollectorRegistry] = ()) -> FastAPI:
     """Build the app; it holds no global state (metrics live in the app's own registry). With
-    ``tracing`` enabled every generation request gets a ``router`` span whose context the workers join."""
+    ``tracing`` enabled every generation request gets a ``router`` span whose context the workers join.
+    ``/metrics`` also answers the metrics of ``registries`` (the planner's)."""
     front = _Front(backend, tokenizer, config, tracing or Tracing())
     app = FastAPI(title="pdserve", summary="OpenAI-compatible API of a prefill/decode serving cluster.")
     install_handlers(app)
@@ -389,23 +390,15 @@ def create_app(backend: Backend, tokenizer: Tokenizer, config: RouterConfig,
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
         text = generate_latest(front.metrics.registry)
+        for registry in registries:
+            text += generate_latest(registry)
         if backend.is_ready():
             with contextlib.suppress(TimeoutError, RequestFailed):
                 stats = await asyncio.wait_for(backend.stats(), WORKER_STATS_TIMEOUT)
                 text += worker_metrics(stats, backend.routing_decisions())
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/workers")
-    async def workers() -> Response:
-        """Every live worker's current stats (KV blocks, running requests, leases, process id)."""
-        if not backend.is_ready():
-            raise unavailable("The server is starting; retry shortly.", code="not_ready")
-        try:
-            stats = await asyncio.wait_for(backend.stats(), WORKER_STATS_TIMEOUT)
-        except (TimeoutError, RequestFailed) as exc:
-            raise unavailable(f"Worker stats unavailable: {type(exc).__name__}", code="stats_unavailable") \
-                from None
-        return Response(msgspec.json.encode({"workers": stats}), media_type="application/json")
+    add_admin_routes(app, backend)
 
     @app.get("/v1/prefix_index")
     async def prefix_index() -> Response:

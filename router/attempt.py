@@ -64,8 +64,11 @@ class Attempt:
         policy = self.config.kv_failure_policy
         tried: set[int] = set()
         last_error = ""
-        while len(tried) < len(prefills):
-            worker = self.chooser.pick("prefill", [p for p in prefills if p.index not in tried], req).worker
+        while True:  # a retry skips workers tried, dead or draining since the attempt began
+            options = [p for p in prefills if p.index not in tried and p.alive and not p.draining]
+            if not options:
+                break
+            worker = self.chooser.pick("prefill", options, req).worker
             tried.add(worker.index)
             prefill = worker.handle
             assert isinstance(prefill, PrefillHandle)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Protocol
 
@@ -9,6 +11,7 @@ from messages.wire import GenerateRequest, TokenBatch, WorkerStats
 
 if TYPE_CHECKING:
     from router.client import PDClient
+    from router.drain import DrainReport, Retire
     from router.prefix_index import IndexAgreement
 
 
@@ -40,18 +43,36 @@ class Backend(Protocol):
         """Requests routed so far by ``(role, policy, reason)``."""
         ...
 
+    def drain(self, worker_id: str, deadline_s: float) -> asyncio.Task[DrainReport]:
+        """Take a worker out of routing before returning, and drain it in the background
+        (``router.drain``); the task's result is its report. Raises ``router.errors.DrainRefused``."""
+        ...
+
+    def draining(self) -> list[str]:
+        """Ids of the workers draining now."""
+        ...
+
+
+async def _keep(worker_id: str) -> None:
+    logging.getLogger(__name__).warning("%s drained; nothing retires its actor here", worker_id)
+
 
 class ClusterBackend:
     """Ready once ``start`` has connected every worker and there is at least one decode worker and
-    at least one prefill worker (or none at all: colocated mode, where decode runs whole requests)."""
+    at least one prefill worker (or none at all: colocated mode, where decode runs whole requests).
 
-    def __init__(self, client: PDClient, model_name: str, colocated: bool = False) -> None:
+    ``retire`` is how a drained worker's actor goes: the cluster sets it (``cluster.fleet``)."""
+
+    def __init__(self, client: PDClient, model_name: str, colocated: bool = False,
+                 retire: Retire | None = None) -> None:
         if colocated and client.prefill:
             raise ValueError("a colocated backend has no prefill workers")
         self.client = client
         self.model_name = model_name
         self.colocated = colocated
+        self.retire: Retire = retire or _keep
         self._started = False
+        self._drains: set[asyncio.Task[DrainReport]] = set()
 
     async def start(self, timeout: float = 300.0) -> None:
         """Wait for the workers to load and connect; raises when they do not within ``timeout``."""
@@ -76,3 +97,14 @@ class ClusterBackend:
 
     def routing_decisions(self) -> dict[tuple[str, str, str], int]:
         return dict(self.client.decisions)
+
+    def drain(self, worker_id: str, deadline_s: float) -> asyncio.Task[DrainReport]:
+        drainer = self.client.drainer
+        worker = drainer.begin(worker_id)
+        task = asyncio.get_running_loop().create_task(drainer.finish(worker, deadline_s, self.retire))
+        self._drains.add(task)
+        task.add_done_callback(self._drains.discard)
+        return task
+
+    def draining(self) -> list[str]:
+        return self.client.table.draining()

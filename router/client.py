@@ -11,7 +11,10 @@ worker it touched first, so a prefill lease the dead worker never pulled ends no
 Restarts: a worker Ray restarts (``max_restarts``) rejoins through
 ``WorkerTable`` supervision: a restarted prefill worker brings a new NIXL agent,
 which every live decode worker connects to; a restarted decode worker connects
-to every live prefill worker's agent again.
+to every live prefill worker's agent again. A worker started while serving
+joins the same way (``add_worker``); one leaves through ``drainer``
+(``router.drain``). Every request's arrival, first token and token batches feed
+``window`` (``router.load_window``), which the planner reads.
 
 Every wait has a deadline; a consumer that stops iterating (or ``abort``)
 aborts the request on every worker it touched, and releases prefill leases.
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import AsyncGenerator, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,9 +35,11 @@ from engine.hashing import seed_for
 from messages.wire import ErrorKind, GenerateRequest, KvSnapshot, TokenBatch, WorkerStats
 from router.attempt import Attempt
 from router.config import ClientConfig
+from router.drain import Drainer
 from router.errors import RequestFailed
 from router.handles import WORKER_DIED, DecodeHandle, PrefillHandle, WorkerHandle
 from router.load import Chooser
+from router.load_window import LoadWindow
 from router.policy import make_policy
 from router.prefix_index import IndexAgreement, PrefixIndex
 from router.worker_table import WorkerState, WorkerTable
@@ -58,6 +64,8 @@ class PDClient:
         self.chooser = Chooser(self.table, make_policy(self.config.routing), self.config.pending_ttl,
                                self.config.settle_ttl)
         self.attempt = Attempt(self.config, self.table, self.chooser, self._refresh_agent)
+        self.drainer = Drainer(self.table, self.chooser, self.config.call_timeout)
+        self.window = LoadWindow()
         self._flights: dict[str, _Flight] = {}
         self._agents: set[str] = set()
         self._cleanups: set[asyncio.Task[None]] = set()
@@ -92,10 +100,34 @@ class PDClient:
 
     async def _connect(self, agent: AgentInfo, timeout: float) -> None:
         """Handshake every live decode worker with a prefill agent (a restarted worker brings a new one)."""
-        if agent.agent_name not in self._agents:
-            live = [_decode(d) for d in self.table.live("decode")]
+        if agent.agent_name not in self._agents:  # draining decode workers too: they may still retry
+            live = [_decode(d) for d in self.table.decode if d.alive]
             await asyncio.gather(*[d.connect(agent, timeout) for d in live])
             self._agents.add(agent.agent_name)
+
+    async def add_worker(self, role: str, actor: Any, timeout: float) -> WorkerState:
+        """A new worker joins while serving, as a restarted one rejoins: readied, connected (a prefill
+        worker's agent to every live decode worker; a decode worker to every live prefill worker's
+        agent), then routed to. Raises what its calls raise (the caller retires the actor)."""
+        handle: PrefillHandle | DecodeHandle
+        agent = None
+        if role == "prefill":
+            handle = PrefillHandle(actor)
+            agent = await handle.ready(timeout)
+            await self._connect(agent, timeout)
+        else:
+            handle = DecodeHandle(actor)
+            layout = await handle.ready(timeout)
+            if layout.block_size != self.chooser.block_size:
+                raise ValueError(f"the new decode worker's block size {layout.block_size} is not the "
+                                 f"cluster's {self.chooser.block_size}")
+            agents = [p.agent for p in self.table.live("prefill") if p.agent is not None]
+            await asyncio.gather(*[handle.connect(a, timeout) for a in agents])
+        stats = await handle.stats(timeout)
+        worker = self.table.add(role, handle, stats.worker_id)
+        worker.agent, worker.pid, worker.stats = agent, stats.pid, stats
+        worker.free_blocks = stats.num_free_kv_blocks
+        return worker
 
     async def _refresh_agent(self, worker: WorkerState) -> None:
         """After a failed pull: ask the prefill worker for its agent (new if it restarted) and connect it."""
@@ -125,6 +157,8 @@ class PDClient:
         produced: list[int] = []
         finished = False
         current = req
+        self.window.arrived(len(req.prompt_token_ids))
+        arrived = first_at = time.monotonic()
         try:
             for attempt in range(self.config.migration_limit + 1):
                 live = self.table.live("decode")
@@ -134,6 +168,12 @@ class PDClient:
                 served = False
                 try:
                     async for batch in await self.attempt.run(current, decode, flight.touched):
+                        if produced:
+                            self.window.later(len(batch.token_ids))
+                        else:
+                            first_at = time.monotonic()
+                            self.window.first(first_at - arrived, len(req.prompt_token_ids),
+                                              batch.cached_tokens, len(batch.token_ids))
                         produced.extend(batch.token_ids)
                         finished = batch.finished
                         served = True
@@ -152,7 +192,9 @@ class PDClient:
                     self.chooser.release(decode.worker, current.request_id, served)
         finally:
             self._flights.pop(req.request_id, None)
-            if not finished:
+            if finished:
+                self.window.done(time.monotonic() - first_at, len(produced))
+            else:
                 await self._abort_on(flight)
 
     def _in_background(self, work: Coroutine[Any, Any, None]) -> None:

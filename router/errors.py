@@ -36,6 +36,15 @@ class RequestFailed(RuntimeError):
         self.kind = kind
 
 
+class DrainRefused(Exception):
+    """A worker drain that cannot start (``router.drain``); ``status`` and ``code`` are the HTTP answer's."""
+
+    def __init__(self, status: int, message: str, code: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+
+
 class ErrorDetail(msgspec.Struct, frozen=True):
     message: str
     type: str

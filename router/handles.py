@@ -26,6 +26,7 @@ from router.errors import RequestFailed
 from transfer.wire import AgentInfo, KvLayout
 
 WORKER_DIED = (RayActorError, ActorUnavailableError)
+DRAIN_REPLY_S = 10.0
 Streamed = TokenBatch | WorkerError
 
 
@@ -56,6 +57,12 @@ class WorkerHandle:
     async def check_integrity(self, timeout: float) -> None:
         await asyncio.wait_for(self.actor.check_integrity.remote(), timeout)
 
+    async def drain(self, timeout: float) -> WorkerStats:
+        """The worker's final stats once it holds nothing (``WorkerBase.drain``), waiting ``timeout``
+        seconds at most there (and a little longer here, for the answer to come back)."""
+        reply = await asyncio.wait_for(self.actor.drain.remote(timeout), timeout + DRAIN_REPLY_S)
+        return unpack(reply, WorkerStats)
+
 
 class PrefillHandle(WorkerHandle):
     async def ready(self, timeout: float) -> AgentInfo:
@@ -79,6 +86,9 @@ class DecodeHandle(WorkerHandle):
         if reply:
             error = unpack(reply, WorkerError)
             raise RequestFailed(error.kind, error.message)
+
+    async def disconnect(self, agent_name: str, timeout: float) -> None:
+        await asyncio.wait_for(self.actor.disconnect.remote(agent_name), timeout)
 
     def generate(self, req: GenerateRequest, prefill_ref: Any | None, attempt: int, prefill_timeout: float,
                  item_timeout: float) -> AsyncIterator[Streamed]:

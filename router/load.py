@@ -60,6 +60,11 @@ class Chooser:
         worker.inflight_tokens = max(0, worker.inflight_tokens - charge)
         worker.settle(request_id, ok, self.settle_ttl)
 
+    def in_flight(self, worker: WorkerState) -> int:
+        """Requests charged to ``worker`` and not yet released: what it still serves for this router."""
+        key = id(worker)
+        return sum(1 for w, _ in self._charges if w == key)
+
     def count(self, role: str, reason: str) -> None:
         key = (role, self.policy.name, reason)
         self.decisions[key] = self.decisions.get(key, 0) + 1

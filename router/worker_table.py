@@ -19,6 +19,11 @@ behind our back) leaves routing and the prefix index, and a background task
 waits (``revive_timeout``) for Ray to restart it (``max_restarts``): ``on_revive``
 asks its ``ready`` and re-registers it (new NIXL agent, connections)
 and it serves again. A worker Ray will not restart (``ActorDiedError``) stays out.
+
+Membership changes while serving: ``add`` puts a new worker in (the client has
+readied and connected it first); ``start_drain`` takes one out of routing at
+once (``live`` skips it; its stats are still refreshed and it is never revived),
+and ``remove`` forgets it (see ``router.drain``).
 """
 
 from __future__ import annotations
@@ -64,6 +69,7 @@ class WorkerState:
     pid: int = 0
     agent: AgentInfo | None = None  # a prefill worker's NIXL agent, from its ``ready``
     restarts: int = 0
+    draining: bool = False  # out of routing for good: it finishes what it holds, then leaves
 
     def add_pending(self, request_id: str, hashes: list[int], ttl: float) -> None:
         self.pending[request_id] = Pending(set(hashes), time.monotonic() + ttl)
@@ -118,12 +124,48 @@ class WorkerTable:
         self.on_revive: Callable[[WorkerState], Awaitable[None]] | None = None
         self.revive_timeout = 600.0
         self._revivals: dict[int, asyncio.Task[None]] = {}
+        self._next_index = {"prefill": len(self.prefill), "decode": len(self.decode)}
 
     def all(self) -> list[WorkerState]:
         return self.prefill + self.decode
 
+    def role(self, role: str) -> list[WorkerState]:
+        return self.prefill if role == "prefill" else self.decode
+
     def live(self, role: str) -> list[WorkerState]:
-        return [w for w in (self.prefill if role == "prefill" else self.decode) if w.alive]
+        """The workers of ``role`` requests may be routed to: alive and not draining."""
+        return [w for w in self.role(role) if w.alive and not w.draining]
+
+    def find(self, worker_id: str) -> WorkerState | None:
+        return next((w for w in self.all() if w.worker_id == worker_id), None)
+
+    def draining(self) -> list[str]:
+        return [w.worker_id for w in self.all() if w.draining]
+
+    def add(self, role: str, handle: PrefillHandle | DecodeHandle, worker_id: str) -> WorkerState:
+        """A new worker, ready and connected, joins routing (its index is never reused)."""
+        index = self._next_index[role]
+        self._next_index[role] += 1
+        worker = WorkerState(handle, role, index, worker_id=worker_id)
+        self.role(role).append(worker)
+        return worker
+
+    def start_drain(self, worker: WorkerState) -> None:
+        """Take ``worker`` out of routing now and for good (no revival)."""
+        worker.draining = True
+        if self.index is not None:
+            self.index.remove_worker(worker.worker_id)
+
+    def remove(self, worker: WorkerState) -> None:
+        """Forget ``worker`` (idempotent): it leaves the table, the prefix index and supervision."""
+        workers = self.role(worker.role)
+        workers[:] = [w for w in workers if w is not worker]
+        worker.alive = False
+        if self.index is not None:
+            self.index.remove_worker(worker.worker_id)
+        task = self._revivals.pop(id(worker), None)
+        if task is not None:
+            task.cancel()
 
     def candidates(self, workers: list[WorkerState], hashes: list[int], block_size: int,
                    num_tokens: int = 0) -> list[Candidate]:
@@ -145,7 +187,7 @@ class WorkerTable:
         worker.alive = False
         if self.index is not None:
             self.index.remove_worker(worker.worker_id)
-        if self.on_revive is not None and id(worker) not in self._revivals:
+        if self.on_revive is not None and not worker.draining and id(worker) not in self._revivals:
             with contextlib.suppress(RuntimeError):  # no running loop: nothing to supervise with
                 task = asyncio.get_running_loop().create_task(self._revive(worker))
                 self._revivals[id(worker)] = task

@@ -134,6 +134,12 @@ class KvSink:
         agent.make_connection(nixl_name, backends=[self.backend])
         self._remotes[info.agent_name] = _Remote(info, nixl_name, dlist)
 
+    def disconnect(self, agent_name: str) -> None:
+        """Forget a source that left (its worker drained); unknown names are ignored."""
+        known = self._remotes.get(agent_name)
+        if known is not None:
+            self._disconnect(known)
+
     def inject_failures(self, n: int) -> None:
         self._failures_to_inject = n
 

@@ -3,7 +3,7 @@
 An engine driven by an ``AsyncEngine`` (its step runs in a worker thread), the
 KV-event publisher the router's prefix index polls, tracing, and the calls the
 router makes of every worker: ``stats``, ``kv_events``, ``kv_snapshot``,
-``abort``, ``check_integrity``, ``kv_digest``.
+``abort``, ``check_integrity``, ``kv_digest``, ``drain``.
 
 Thread rule: the engine is touched by one thread at a time. Every read of
 engine state here goes through ``AsyncEngine.read`` (between two steps, under
@@ -13,12 +13,20 @@ which runs under that same lock.
 
 Methods called over Ray never raise for a request's sake: they answer a
 ``messages.wire.WorkerError`` instead.
+
+Drain (``drain``), the worker's half of a graceful exit (the router's half is
+``router.drain``): the router calls it once it sends nothing here any more and
+its own requests here have ended; the worker waits, by a deadline, until it
+holds no request, reservation or lease (``holds``), drops its idle prefix
+cache, and answers its final ``WorkerStats`` (``num_used_blocks`` 0 when it
+came empty), after which the cluster removes its actor.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 import msgspec
 import torch
@@ -58,6 +66,21 @@ class WorkerBase(TracedRole):
 
     async def abort(self, request_id: str) -> None:
         await self.aengine.mutate(lambda e: e.abort_request(request_id))
+
+    async def drain(self, timeout: float, poll_interval: float = 0.01) -> bytes:
+        """Wait (at most ``timeout`` seconds) until this worker holds nothing, drop its idle prefix
+        cache, and answer its final ``WorkerStats``; past the deadline it answers them as they are (the
+        caller reads what is still held there)."""
+        deadline = time.monotonic() + timeout
+        while await self.aengine.read(self.holds) and time.monotonic() < deadline:
+            await asyncio.sleep(poll_interval)
+        await self.aengine.read(lambda e: e.kv.pool.reset_prefix_cache())
+        return await self.stats()
+
+    def holds(self, e: LLMEngine) -> int:
+        """Requests, reservations and KV blocks this worker still holds (0: it can leave); engine
+        lock held. A role adds what it alone holds (a prefill worker's leases)."""
+        return len(e.requests) + len(e.reserved) + e.kv.pool.num_used_blocks
 
     async def check_integrity(self) -> None:
         await self.aengine.read(lambda e: e.kv.check_integrity())

@@ -14,7 +14,15 @@ import pytest
 from cli.config_file import subparser
 from cli.main import build_parser, engine_config_from_args, parse_size, size, size_or_zero
 from cli.serve_config import serve_config_from_args
-from cluster.config import ENGINE_WITHOUT_FLAG, SETTINGS, ServeConfig, TraceFlags, describe, setting_keys
+from cluster.config import (
+    ENGINE_WITHOUT_FLAG,
+    SETTINGS,
+    PlannerOptions,
+    ServeConfig,
+    TraceFlags,
+    describe,
+    setting_keys,
+)
 from cluster.placement import WorkerOptions
 from engine.config import EngineConfig
 from router.config import ClientConfig, RouterSettings
@@ -23,6 +31,7 @@ NOT_SETTINGS = {"help", "config", "prompts", "chat"}  # no config dataclass fiel
 LEAF_DEFAULTS: dict[str, Any] = {
     "engine": EngineConfig(), "router": RouterSettings(), "client": ClientConfig(),
     "prefill": WorkerOptions(), "decode": WorkerOptions(), "tracing": TraceFlags(),
+    "planner": PlannerOptions(),
 }
 TOP_DEFAULTS = ServeConfig()
 
