@@ -30,6 +30,17 @@ def save_word_tokenizer(folder: Path, vocab: int) -> None:
     PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="[UNK]").save_pretrained(str(folder))
 
 
+def perturb_weights(model: torch.nn.Module, seed: int, scale: float) -> None:
+    """Add seeded noise of size ``scale`` to every weight (none when ``scale`` is 0): a model that mostly
+    agrees with the original, for draft-model tests."""
+    if not scale:
+        return
+    noise = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=noise) * scale)
+
+
 def save_tiny_llama(folder: Path, seed: int = 0, vocab_size: int = TINY_VOCAB, perturb: float = 0.0) -> Path:
     """A seeded random 2-layer Llama (GQA, head_dim 16) with a word-level tokenizer, saved into ``folder``;
     ``perturb`` adds that much seeded noise to every weight (a model that mostly agrees with seed's)."""
@@ -43,10 +54,7 @@ def save_tiny_llama(folder: Path, seed: int = 0, vocab_size: int = TINY_VOCAB, p
         for param in model.parameters():
             if param.ndim == 1:
                 param.add_(torch.randn_like(param) * 0.2)
-        if perturb:
-            noise = torch.Generator().manual_seed(seed + 1)
-            for param in model.parameters():
-                param.add_(torch.randn(param.shape, generator=noise) * perturb)
+    perturb_weights(model, seed + 1, perturb)
     model.save_pretrained(str(folder), safe_serialization=True)
     return folder
 

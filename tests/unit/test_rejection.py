@@ -17,7 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from engine import LLM, SamplingParams
 from engine.rejection import verify
 from engine.sampling import Sampler, SamplingState
-from tests.unit.conftest import save_word_tokenizer
+from tests.unit.conftest import perturb_weights, save_word_tokenizer
 
 Z_999 = 3.090  # standard normal quantile 0.999: each test fails by chance once in a thousand seedings
 
@@ -85,10 +85,7 @@ def save_small_vocab_model(folder: Path, seed: int, perturb: float = 0.0) -> Pat
                          bos_token_id=None, eos_token_id=None, pad_token_id=None, initializer_range=0.3)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).eval()
-    noise = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn(param.shape, generator=noise) * perturb)
+    perturb_weights(model, seed + 1, perturb)
     model.save_pretrained(str(folder), safe_serialization=True)
     return folder
 
