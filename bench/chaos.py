@@ -11,9 +11,11 @@ over shared prefixes, streaming or not, ``n`` 1 or 2, stop strings, greedy and s
 ``--duration`` seconds while the fault schedule runs: SIGKILL of a random prefill or decode worker
 process every ``--kill-interval`` seconds (pids from ``/v1/workers``; Ray restarts them), client
 disconnects on ``--disconnect-share`` of the requests, one burst of ``--burst-factor`` x concurrency
-requests at 40% of the run, and KV-pull failures at ``--transfer-failures`` (the server's
+requests at 40% of the run, KV-pull failures at ``--transfer-failures`` (the server's
 ``--inject-transfer-failures``: set on the server this command starts; a server given by ``--url``
-must have been started with it). Graceful drain is not part of the schedule yet.
+must have been started with it), and at half time one graceful drain of a random worker
+(``POST /v1/workers/{id}/drain``) followed by a new worker of its role (``POST /v1/workers``), so the
+cluster ends as it began (``--no-drain`` leaves it out).
 
 Then the cluster settles and the checks of ``bench.chaos_checks`` run; every request's outcome is
 judged (``bench.chaos_load``). The table goes to stdout (``--json FILE`` writes everything as JSON);
@@ -62,6 +64,9 @@ class ChaosConfig:
     burst_factor: int = 10
     transfer_failures: float = 0.05
     faults: bool = True
+    drain: bool = True
+    drain_deadline: float = 60.0
+    join_timeout: float = 900.0
     num_workers: int = 4
     settle_timeout: float = 240.0
     request_timeout: float = 180.0
@@ -73,6 +78,7 @@ class ChaosConfig:
 @dataclass
 class FaultLog:
     kills: list[dict[str, Any]] = field(default_factory=list)
+    changes: list[dict[str, Any]] = field(default_factory=list)  # the drain and the worker added after it
     pull_failures: dict[str, int] = field(default_factory=dict)  # "worker_id/pid" -> most seen
     leases_expired: dict[str, int] = field(default_factory=dict)  # the same, of prefill leases
 
@@ -150,6 +156,45 @@ class Chaos:
                 self.faults.kills.append(event)
             at += self.cfg.kill_interval
 
+    async def drain_and_replace(self) -> None:
+        """At half time drain a random worker whose role has another live one, then add one of its role.
+        A refusal because the other worker of the role is restarting (409 ``last_worker``) tries the
+        other role, then again a second later, for at most 60 s."""
+        await asyncio.sleep(max(0.0, self.deadline - time.perf_counter() - 0.5 * self.cfg.duration))
+        rng = random.Random(f"{self.cfg.seed}:drain")
+        give_up = time.perf_counter() + 60.0
+        drained: dict[str, Any] | None = None
+        while drained is None and time.perf_counter() < give_up:
+            listed = [w for w in sorted(await workers(self.client, self.url), key=lambda w: w["worker_id"])
+                      if not w.get("draining")]
+            for victim in rng.sample(listed, len(listed)):
+                t = time.perf_counter()
+                resp = await self._post(f"/v1/workers/{victim['worker_id']}/drain",
+                                        {"deadline_s": self.cfg.drain_deadline},
+                                        self.cfg.drain_deadline + 60)
+                if resp is not None and resp.status_code == 409:
+                    continue
+                drained = {"t": round(t - self.t0, 2), "change": "drain", "worker_id": victim["worker_id"],
+                           "role": victim["role"], "seconds": round(time.perf_counter() - t, 2),
+                           **_answer(resp)}
+                break
+            else:
+                await asyncio.sleep(1.0)
+        if drained is None:
+            self.faults.changes.append({"change": "drain", "status": 409, "error": "every worker refused"})
+            return
+        self.faults.changes.append(drained)
+        t = time.perf_counter()
+        resp = await self._post("/v1/workers", {"role": drained["role"]}, self.cfg.join_timeout)
+        self.faults.changes.append({"t": round(t - self.t0, 2), "change": "add", "role": drained["role"],
+                                    "seconds": round(time.perf_counter() - t, 2), **_answer(resp)})
+
+    async def _post(self, path: str, body: dict[str, Any], timeout: float) -> httpx.Response | None:
+        try:
+            return await self.client.post(f"{self.url}{path}", json=body, timeout=timeout)
+        except httpx.HTTPError:
+            return None
+
     async def sampler(self) -> None:
         while True:
             self.faults.sample(await workers(self.client, self.url))
@@ -167,6 +212,7 @@ class Chaos:
         if cfg.faults:
             background.append(asyncio.create_task(self.kills()))
         work = [self.load()] + ([self.burst()] if cfg.faults else [])
+        work += [self.drain_and_replace()] if cfg.faults and cfg.drain else []
         await asyncio.gather(*work)
         for task in background:
             task.cancel()
@@ -183,6 +229,7 @@ class Chaos:
                         json.dumps(index.get("workers"))[:300]),
                   Check("no prefill lease expired (each released by its request)",
                         expired == 0, f"{expired} leases ended by their deadline"),
+                  *self._change_checks(),
                   Check("every greedy spec has a reference",
                         len(self.reference) == sum(s.greedy for s in self.specs),
                         f"{len(self.reference)} references")]
@@ -191,7 +238,19 @@ class Chaos:
         checks.append(census or Check("ray actors and placement groups", True,
                                       "not checked (this process is not attached to the server's Ray)"))
         return summarize(asdict(cfg), self.outcomes, self.faults.kills, self.faults.pull_failures, end,
-                         rss_before, rss_table(end, router_pid), checks)
+                         rss_before, rss_table(end, router_pid), checks, self.faults.changes)
+
+    def _change_checks(self) -> list[Check]:
+        if not (self.cfg.faults and self.cfg.drain):
+            return []
+        drain = next((c for c in self.faults.changes if c["change"] == "drain"), {})
+        add = next((c for c in self.faults.changes if c["change"] == "add"), {})
+        return [Check("graceful drain finished", drain.get("status") == 200,
+                      f"{drain.get('worker_id')}: {drain.get('status')} in {drain.get('seconds')} s, "
+                      f"{drain.get('moved')} moved at the deadline"),
+                Check("a worker of its role added", add.get("status") == 200,
+                      f"{add.get('worker_id')}: {add.get('status')} in {add.get('seconds')} s "
+                      f"{add.get('error', '')}".rstrip())]
 
 
 async def run_chaos(cfg: ChaosConfig, url: str, api_key: str | None, router_pid: int | None = None) -> Report:
@@ -201,6 +260,22 @@ async def run_chaos(cfg: ChaosConfig, url: str, api_key: str | None, router_pid:
     async with httpx.AsyncClient(headers=headers, timeout=cfg.request_timeout, limits=limits) as client:
         models = (await client.get(f"{url}/v1/models", timeout=30)).json()
         return await Chaos(cfg, url, client, models["data"][0]["id"]).run(router_pid)
+
+
+def _answer(resp: httpx.Response | None) -> dict[str, Any]:
+    """The parts of an admin answer the report keeps: status, the worker, ``moved``, or the error."""
+    if resp is None:
+        return {"status": None, "error": "no answer"}
+    try:
+        body = resp.json()
+    except ValueError:
+        body = {}
+    out: dict[str, Any] = {"status": resp.status_code}
+    if resp.status_code == 200:
+        out.update({k: body[k] for k in ("worker_id", "moved") if k in body})
+    else:
+        out["error"] = str(body.get("error", {}).get("message", resp.text))[:200]
+    return out
 
 
 def _free_port() -> int:
@@ -268,6 +343,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="KV pull failure rate of the started server (default: 0.05)")
     p.add_argument("--no-faults", dest="faults", action="store_false",
                    help="the same workload with no kill, disconnect, burst or transfer failure")
+    p.add_argument("--no-drain", dest="drain", action="store_false",
+                   help="leave the graceful drain (and the worker added after it) out of the schedule")
     p.add_argument("--num-workers", type=int, default=d.num_workers,
                    help="workers the server runs (with --url; default: 4)")
     p.add_argument("--settle-timeout", type=float, default=d.settle_timeout,
@@ -290,7 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = ChaosConfig(duration=args.duration, seed=args.seed, concurrency=args.concurrency,
                       kill_interval=args.kill_interval, disconnect_share=args.disconnect_share,
                       burst_factor=args.burst_factor, transfer_failures=args.transfer_failures,
-                      faults=args.faults, num_workers=args.num_workers, settle_timeout=args.settle_timeout)
+                      faults=args.faults, drain=args.drain, num_workers=args.num_workers,
+                      settle_timeout=args.settle_timeout)
     if args.url:
         report = asyncio.run(run_chaos(cfg, args.url.rstrip("/"), args.api_key, args.router_pid))
     else:

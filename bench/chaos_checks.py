@@ -6,8 +6,9 @@ block, a running or waiting request, a lease or a reservation, and ``/health`` 2
 
 - ``/v1/prefix_index`` agrees for every worker (the router's index equals each worker's cached blocks);
 - RSS: each process (the router when its pid is known, and every worker, by worker id: a restarted one
-  is a new process on the same id) is at most ``rss_factor`` x its RSS after warm-up plus
-  ``rss_slack_mb`` MiB (read from ``/proc``; workers on another host are reported as not checked);
+  is a new process on the same id; a drained one is gone, one added later has no "before") is at most
+  ``rss_factor`` x its RSS after warm-up plus ``rss_slack_mb`` MiB (read from ``/proc``; workers on
+  another host are reported as not checked);
 - Ray: when this process is connected to the server's Ray, the actors and placement groups named with
   the server's prefix that are not dead/removed number exactly the configured workers.
 
@@ -106,6 +107,9 @@ def rss_checks(before: dict[str, tuple[int, float | None]], after: dict[str, tup
                factor: float, slack_mb: float) -> list[Check]:
     checks = []
     for name, (pid0, mb0) in sorted(before.items()):
+        if name not in after and name != "router":  # the drained worker: its actor is gone
+            checks.append(Check(f"rss {name}", True, f"{mb0 or 0:.0f} MiB, then drained and removed"))
+            continue
         pid1, mb1 = after.get(name, (0, None))
         if mb0 is None or mb1 is None:
             checks.append(Check(f"rss {name}", True, "not checked (not a local process)"))

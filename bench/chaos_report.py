@@ -29,6 +29,7 @@ class Report:
     rss_mb: dict[str, dict[str, Any]]
     ttft_ms: dict[str, float]
     checks: list[Check] = field(default_factory=list)
+    changes: list[dict[str, Any]] = field(default_factory=list)  # the graceful drain and the worker added
 
     @property
     def passed(self) -> bool:
@@ -38,7 +39,7 @@ class Report:
 def summarize(config: dict[str, Any], outcomes: list[Outcome], kills: list[dict[str, Any]],
               pull_failures: dict[str, int], end: list[dict[str, Any]],
               rss_before: dict[str, tuple[int, float | None]], rss_after: dict[str, tuple[int, float | None]],
-              checks: list[Check]) -> Report:
+              checks: list[Check], changes: list[dict[str, Any]] | None = None) -> Report:
     by_phase = {p: {k: sum(1 for o in outcomes if o.phase == p and o.kind == k) for k in KINDS}
                 for p in PHASES}
     errors = Counter((o.status, o.code, o.stream) for o in outcomes if o.kind == "fault_error")
@@ -56,6 +57,8 @@ def summarize(config: dict[str, Any], outcomes: list[Outcome], kills: list[dict[
         "KV pull failures (worker stats)": sum(pull_failures.values()),
         "client disconnects": sum(1 for o in faulted if o.kind == "cancelled"),
         "burst requests": sum(1 for o in outcomes if o.phase == "burst"),
+        "graceful drains": sum(1 for c in changes or [] if c["change"] == "drain" and c.get("status") == 200),
+        "workers added": sum(1 for c in changes or [] if c["change"] == "add" and c.get("status") == 200),
     }
     checked = [o for o in outcomes if o.greedy_checked]
     ttfts = [o.ttft for o in faulted if o.kind == "ok" and o.stream and o.ttft is not None]
@@ -68,7 +71,7 @@ def summarize(config: dict[str, Any], outcomes: list[Outcome], kills: list[dict[
                   len(checked), sum(1 for o in checked if o.kind == "ok"), state, rss,
                   {"count": len(ttfts), "p50": 1000 * percentile(ttfts, 50),
                    "p99": 1000 * percentile(ttfts, 99)},
-                  checks)
+                  checks, list(changes or []))
 
 
 def render(r: Report) -> str:
@@ -83,6 +86,9 @@ def render(r: Report) -> str:
               for e in r.errors]
     lines += ["  none"] if not r.errors else []
     lines += ["", "faults injected"] + [f"  {k:34s} {v:6d}" for k, v in r.faults.items()]
+    lines += [f"  at {c.get('t', '?')} s: {c['change']} {c.get('worker_id') or c.get('role')}: "
+              f"{c.get('status')} in {c.get('seconds')} s" + (f", {c['moved']} moved" if "moved" in c else "")
+              + (f" ({c['error']})" if "error" in c else "") for c in r.changes]
     lines += ["", f"greedy texts checked {r.greedy_checked}, equal {r.greedy_equal}", "",
               "end state per worker (used blocks, running, waiting, leases, reserved, cached)"]
     lines += [f"  {w['worker']:10s} pid {w['pid']:7d}  " + "  ".join(str(w[f]) for f in BUSY_FIELDS)

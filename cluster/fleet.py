@@ -30,6 +30,7 @@ class Fleet:
         self.backend = backend
         self.join_timeout = join_timeout
         backend.retire = self.retire
+        backend.launch = self.add
 
     def live(self, role: str) -> list[WorkerState]:
         """The workers of ``role`` that requests are routed to now (not draining)."""

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import TYPE_CHECKING, Any, Protocol
 
 from messages.wire import GenerateRequest, TokenBatch, WorkerStats
+from router.errors import AddRefused
 
 if TYPE_CHECKING:
     from router.client import PDClient
@@ -52,16 +53,27 @@ class Backend(Protocol):
         """Ids of the workers draining now."""
         ...
 
+    def add_worker(self, role: str) -> asyncio.Task[str]:
+        """Start one more ``role`` worker in the background; the task's result is its id once it
+        serves (it raises what made the start fail, the worker then removed). Raises
+        ``router.errors.AddRefused`` before starting."""
+        ...
+
 
 async def _keep(worker_id: str) -> None:
     logging.getLogger(__name__).warning("%s drained; nothing retires its actor here", worker_id)
+
+
+Launch = Callable[[str], Coroutine[Any, Any, str]]
 
 
 class ClusterBackend:
     """Ready once ``start`` has connected every worker and there is at least one decode worker and
     at least one prefill worker (or none at all: colocated mode, where decode runs whole requests).
 
-    ``retire`` is how a drained worker's actor goes: the cluster sets it (``cluster.fleet``)."""
+    ``retire`` is how a drained worker's actor goes and ``launch`` how a new one comes (start it, let it
+    join, answer its id): the cluster sets both (``cluster.fleet``); without ``launch`` no worker can be
+    added."""
 
     def __init__(self, client: PDClient, model_name: str, colocated: bool = False,
                  retire: Retire | None = None) -> None:
@@ -71,8 +83,10 @@ class ClusterBackend:
         self.model_name = model_name
         self.colocated = colocated
         self.retire: Retire = retire or _keep
+        self.launch: Launch | None = None
         self._started = False
         self._drains: set[asyncio.Task[DrainReport]] = set()
+        self._joins: set[asyncio.Task[str]] = set()
 
     async def start(self, timeout: float = 300.0) -> None:
         """Wait for the workers to load and connect; raises when they do not within ``timeout``."""
@@ -108,3 +122,13 @@ class ClusterBackend:
 
     def draining(self) -> list[str]:
         return self.client.table.draining()
+
+    def add_worker(self, role: str) -> asyncio.Task[str]:
+        if self.launch is None:
+            raise AddRefused(409, "This server cannot start workers.", "not_supported")
+        if role == "prefill" and self.colocated:
+            raise AddRefused(409, "A colocated server runs no prefill workers.", "colocated")
+        task = asyncio.get_running_loop().create_task(self.launch(role))
+        self._joins.add(task)
+        task.add_done_callback(self._joins.discard)
+        return task

@@ -36,13 +36,21 @@ class RequestFailed(RuntimeError):
         self.kind = kind
 
 
-class DrainRefused(Exception):
-    """A worker drain that cannot start (``router.drain``); ``status`` and ``code`` are the HTTP answer's."""
+class AdminRefused(Exception):
+    """An admin change to the workers that cannot start; ``status`` and ``code`` are the HTTP answer's."""
 
     def __init__(self, status: int, message: str, code: str) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
+
+
+class DrainRefused(AdminRefused):
+    """A worker drain that cannot start (``router.drain``)."""
+
+
+class AddRefused(AdminRefused):
+    """A worker that cannot be added (``Backend.add_worker``)."""
 
 
 class ErrorDetail(msgspec.Struct, frozen=True):
