@@ -95,8 +95,9 @@ def render(r: Report) -> str:
               + f"  cached {w['cached_blocks']}" for w in r.end_state]
     lines += ["", "RSS MiB before -> after"]
     for name, v in r.rss_mb.items():
-        lines.append(f"  {name:10s} {_mb(v['before']):>6s} -> {_mb(v['after']):>6s}"
-                     + ("  (restarted)" if v["pid_before"] != v["pid_after"] else ""))
+        note = ("  (drained and removed)" if not v["pid_after"] else
+                "  (restarted)" if v["pid_before"] != v["pid_after"] else "")
+        lines.append(f"  {name:10s} {_mb(v['before']):>6s} -> {_mb(v['after']):>6s}{note}")
     t = r.ttft_ms
     lines += ["", f"TTFT of completed streamed requests under load: p50 {t['p50']:.0f} ms, "
                   f"p99 {t['p99']:.0f} ms ({t['count']:.0f} requests)", "", "checks"]
