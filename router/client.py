@@ -99,10 +99,20 @@ class PDClient:
         await self.table.stop()
 
     async def _connect(self, agent: AgentInfo, timeout: float) -> None:
-        """Handshake every live decode worker with a prefill agent (a restarted worker brings a new one)."""
+        """Handshake every live decode worker with a prefill agent (a restarted worker brings a new one).
+
+        A decode worker that turns out dead during the handshake is marked dead (it connects to every
+        prefill agent when it rejoins): its death is its own, not the prefill worker's, whose join or
+        revival goes on. Any other failure (a refused handshake, a timeout) raises."""
         if agent.agent_name not in self._agents:  # draining decode workers too: they may still retry
-            live = [_decode(d) for d in self.table.decode if d.alive]
-            await asyncio.gather(*[d.connect(agent, timeout) for d in live])
+            live = [d for d in self.table.decode if d.alive]
+            results = await asyncio.gather(*[_decode(d).connect(agent, timeout) for d in live],
+                                           return_exceptions=True)
+            for worker, result in zip(live, results, strict=True):
+                if isinstance(result, WORKER_DIED):
+                    self.table.mark_dead(worker)
+                elif isinstance(result, BaseException):
+                    raise result
             self._agents.add(agent.agent_name)
 
     async def add_worker(self, role: str, actor: Any, timeout: float) -> WorkerState:
