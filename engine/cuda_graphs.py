@@ -64,10 +64,21 @@ class DecodeGraphs:
     def pad(self, input_ids: list[int], positions: list[int], seq_lens: list[int],
             block_tables: list[list[int]]) -> PaddedDecode | None:
         """Copy one decode step (one token per sequence) into the buffers; ``None`` if no bucket fits."""
-        n = len(input_ids)
-        bucket = self.bucket_for(n)
+        bucket = self.bucket_for(len(input_ids))
         if bucket is None or any(len(t) > self.block_tables.shape[1] for t in block_tables):
             return None
+        return self._fill(bucket, input_ids, positions, seq_lens, block_tables)
+
+    def pad_only(self, bucket: int) -> PaddedDecode:
+        """Fill the buffers of ``bucket`` with pad rows alone (what a graph is captured on: its warm-up
+        and capture runs write nothing but the scratch block)."""
+        if bucket not in self.buckets:
+            raise ValueError(f"{bucket} is not a bucket ({self.buckets})")
+        return self._fill(bucket, [], [], [], [])
+
+    def _fill(self, bucket: int, input_ids: list[int], positions: list[int], seq_lens: list[int],
+              block_tables: list[list[int]]) -> PaddedDecode:
+        n = len(input_ids)
         pad = bucket - n
         bs = self.block_size
         lens = list(seq_lens) + [1] * pad

@@ -19,7 +19,7 @@ token ``t``'s K/V goes: ``block_id * block_size + offset``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -111,3 +111,19 @@ class AttentionBackend(Protocol):
         scale: float,
         kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class CapturableBackend(AttentionBackend, Protocol):
+    """A backend whose pure-decode steps can be captured in a CUDA graph and replayed.
+
+    ``prepare_capture(meta)`` plans once for one decode bucket (every query one token) whose
+    metadata tensors are static buffers (``engine/cuda_graphs.py``); the buffers' values
+    change from step to step, their addresses and the bucket never do. After it, every
+    ``forward`` reads the step only through those tensors and arrays fixed by the bucket:
+    no host lists, no host-to-device copies, no allocation that depends on the values. So
+    the same ``forward`` calls, captured once, are right for every later step of the
+    bucket; ``prepare`` is never called on such an instance again.
+    """
+
+    def prepare_capture(self, meta: AttentionMetadata) -> None: ...
