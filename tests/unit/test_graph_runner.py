@@ -87,8 +87,8 @@ def test_padded_decode_steps_equal_unpadded(tiny_model_dir: Path, backend: str) 
 def test_triton_fp8_padded_decode_steps_equal_unpadded(tiny_model_dir: Path) -> None:
     """The Triton backend planned once per bucket (``prepare_capture``, as for a capture): its tiles
     kept, its fp8 block writes computed from the static buffers in every forward."""
-    arrivals: Arrivals = {0: [([5, 17, 3], 4), ([11, 12], 2)], 2: [([250], 3)]}
-    seen = _step_both(tiny_model_dir, arrivals, 6, attention_backend="triton", kv_cache_dtype="fp8")
+    arrivals: Arrivals = {0: [([5, 17, 3], 3), ([11, 12], 2)], 1: [([250], 2)]}
+    seen = _step_both(tiny_model_dir, arrivals, 4, attention_backend="triton", kv_cache_dtype="fp8")
     graphs = seen["graphs"]
     assert isinstance(graphs, DecodeGraphRunner)
     assert seen["buckets"] == {2, 4} and seen["partial"]
