@@ -132,7 +132,7 @@ class EngineConfig:
     # decode step speed (engine/model_runner.py, kernels/linear.py): the linear kernel ("prepacked" packs
     # weights at load for MKL / oneDNN on CPU fp32, "plain" is torch's F.linear); compile_cpu compiles
     # the decoder layers with inductor for decode batches padded to buckets; enforce_eager turns off
-    # both compilation and CUDA graphs (engine/cuda_graphs.py); num_threads sets torch's intra-op
+    # both compilation and CUDA graphs (engine/graph_runner.py); num_threads sets torch's intra-op
     # threads when the engine starts (None leaves them as they are)
     linear_kernel: str = "prepacked"
     enforce_eager: bool = False

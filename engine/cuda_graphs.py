@@ -10,13 +10,16 @@ once for the largest bucket. Invariants, each tested on CPU:
   to a request), so its K/V write lands there and it reads nothing else;
 * real rows come out of padded attention bit for bit as out of unpadded attention (rows
   are independent); through the whole model they agree to float rounding only, since a
-  GEMM's blocking (on CPU and in cuBLAS alike) may depend on the number of rows.
+  GEMM's blocking (on CPU and in cuBLAS alike) may depend on the number of rows (on
+  the CPUs here the default prepacked linear kernel does not, and the engine's KV
+  bytes through the padded path equal the unpadded ones exactly; ``F.linear`` does).
 
 ``enforce_eager`` (or a non-CUDA device) turns graphs off: ``DecodeGraphs.enabled`` is
-False. Not done yet: capture and replay with ``torch.cuda.CUDAGraph`` and the hook in
-``ModelRunner`` that would use them. Both need the attention backends' per-step device
-arrays (Triton tiles, flashinfer page tables) in static buffers as well, and a GPU to
-check on; until then the engine runs every step unpadded, exactly as before.
+False. Capture and replay, and the ``ModelRunner`` hook, live in ``engine/graph_runner.py``
+(which also runs this padding without capture under ``pad_decode_steps``: that is how the
+CPU tests check it inside the engine). Checked on CPU: all of the above, and the engine's
+tokens and KV bytes through the padded path. Only a GPU can check the capture itself
+(``tests/gpu/test_cuda_graphs_cuda.py``).
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -33,13 +34,13 @@ ARRIVALS: Arrivals = {
 }
 
 
-def _engine(model_dir: Path, pad: bool, **kw: object) -> LLMEngine:
+def _engine(model_dir: Path, pad: bool, **kw: Any) -> LLMEngine:
     config = EngineConfig(block_size=4, num_kv_blocks=40, max_num_seqs=8, max_num_batched_tokens=6,
-                          enable_prefix_caching=False, pad_decode_steps=pad, **kw)  # type: ignore[arg-type]
+                          enable_prefix_caching=False, pad_decode_steps=pad, **kw)
     return LLMEngine(str(model_dir), config)
 
 
-def _step_both(model_dir: Path, arrivals: Arrivals, steps: int, **kw: object) -> dict[str, object]:
+def _step_both(model_dir: Path, arrivals: Arrivals, steps: int, **kw: Any) -> dict[str, object]:
     """Run both engines in lock step; assert equal outputs and pool bytes each step; what was seen."""
     plain, padded = _engine(model_dir, False, **kw), _engine(model_dir, True, **kw)
     graphs = padded.runner.decode_graphs
