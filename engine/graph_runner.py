@@ -168,6 +168,7 @@ class DecodeGraphRunner:
         torch.cuda.current_stream(self.device).wait_stream(side)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: a worker's other threads (KV transfers, offload) may use CUDA while this one captures
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             output = self._forward(backend, dummy)
         return graph, output
