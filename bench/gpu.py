@@ -97,9 +97,10 @@ def graphed_decode_step(model: CausalLM, kv: torch.Tensor, backend_name: str, ba
     blocks = -(-(ctx + 1) // BLOCK_SIZE)
     config = EngineConfig(device="cuda", dtype="bfloat16", attention_backend=backend_name,
                           block_size=BLOCK_SIZE, max_num_seqs=batch)
-    if graph_mode(config, get_attention_backend("cuda", backend_name)) != "capture":
+    backend = get_attention_backend("cuda", backend_name)
+    if graph_mode(config, backend) != "capture":
         return None
-    runner = DecodeGraphRunner(model, kv, None, config, "capture", blocks)
+    runner = DecodeGraphRunner(model, kv, None, config, "capture", blocks, backend)
     tables = [list(range(b * blocks, (b + 1) * blocks)) for b in range(batch)]
     plan = StepPlan([0] * batch, [ctx] * batch, [1] * batch, [ctx + 1] * batch, tables, list(range(batch)))
     return lambda: runner.execute(plan)

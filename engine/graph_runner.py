@@ -6,10 +6,9 @@ sequences than the largest bucket, a block table wider than the static one) and 
 eagerly, unpadded, as always. The runner exists in two modes (``graph_mode``):
 
 * ``capture``: CUDA, ``enforce_eager`` off, one rank, and an attention backend that can be
-  captured (``kernels.attention.CapturableBackend``: the Triton backend). The torch reference
-  plans from host lists and flashinfer's wrappers are not set up for capture here
-  (``use_cuda_graph=True`` wrappers per bucket, planned outside the graph, are not built), so
-  with either of them graphs are off, logged once, and steps run eagerly.
+  captured (``kernels.attention.CapturableBackend``: Triton and flashinfer). The torch
+  reference plans from host lists, so with it graphs are off, logged once, and steps run
+  eagerly.
 * ``padded``: ``pad_decode_steps`` (any device, any backend, no capture): the same padding,
   buffers and per-bucket backend planning, with the forward run eagerly where a graph would
   replay. This is how the CPU tests check everything around the capture itself.
@@ -19,19 +18,21 @@ reaches costs nothing; the first step of each bucket pays for its capture):
 
 1. the static buffers (``engine/cuda_graphs.py:DecodeGraphs``) are filled with pad rows only, so
    warm-up and capture write into the scratch block and nowhere else;
-2. a backend instance of the bucket's own is planned once for those buffers
-   (``prepare_capture``; a backend that cannot be captured is re-planned every step instead,
-   padded mode only) and kept: a graph replays the addresses of its arrays;
+2. a backend instance of the bucket's own (``capture_instance``) is planned once for those
+   buffers (``prepare_capture``) and kept: a graph replays the addresses of its arrays (a
+   backend that cannot be captured, padded mode only, is the runner's own, planned every step);
 3. one forward on the pad rows (padded mode); in capture mode, ``WARMUP_RUNS`` forwards on a
    side stream (Triton compiles, cuBLAS chooses its kernels), then one forward captured into a
    ``torch.cuda.CUDAGraph`` whose memory pool every bucket shares (graphs never run
    concurrently); its output tensor is kept. A capture that fails turns graphs off for the
    engine's life (logged) and the step runs eagerly.
 
-Each step then copies its rows into the buffers (pad rows after them), replays the bucket's graph
-(or runs the same forward on the same buffers), and sends the real rows' hidden states to the LM
-head outside the graph, so only the rows the step samples are computed. The real rows' outputs
-agree with the unpadded step to float rounding: the GEMMs see more rows (see
+Each step then copies its rows into the buffers (pad rows after them), lets the bucket's
+backend do its host-side planning (``prepare_replay``: flashinfer's ``plan``; nothing for
+Triton), replays the bucket's graph (or runs the same forward on the same buffers), and sends
+the real rows' hidden states to the LM head outside the graph, so only the rows the step
+samples are computed. The real rows' outputs agree with the unpadded step to float rounding:
+the GEMMs see more rows (see
 ``engine/cuda_graphs.py``); pad rows read and write only the scratch block.
 """
 
@@ -47,7 +48,6 @@ from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs, PaddedDecode
 from engine.model import CausalLM
 from engine.tp_group import StepPlan
-from kernels import get_attention_backend
 from kernels.attention import AttentionBackend, CapturableBackend
 
 logger = logging.getLogger(__name__)
@@ -64,14 +64,13 @@ def graph_mode(config: EngineConfig, backend: AttentionBackend) -> GraphMode | N
         if isinstance(backend, CapturableBackend):
             return "capture"
         logger.warning("CUDA graphs are off: %s cannot be captured; decode steps run eagerly "
-                       "(attention_backend='triton' captures them)", type(backend).__name__)
+                       "(the triton and flashinfer backends are captured)", type(backend).__name__)
     return "padded" if config.pad_decode_steps else None
 
 
 @dataclass
 class _Bucket:
-    backend: AttentionBackend
-    static: bool  # planned once (prepare_capture) rather than every step
+    backend: AttentionBackend  # its own instance when capturable, planned once (prepare_capture)
     graph: torch.cuda.CUDAGraph | None = None
     output: torch.Tensor | None = None  # the graph's hidden states [bucket, hidden]
 
@@ -80,8 +79,10 @@ class DecodeGraphRunner:
     """Runs pure-decode steps padded to buckets, replaying one CUDA graph per bucket in ``capture`` mode."""
 
     def __init__(self, model: CausalLM, kv_cache: torch.Tensor, kv_scales: torch.Tensor | None,
-                 config: EngineConfig, mode: GraphMode, max_blocks_per_seq: int) -> None:
+                 config: EngineConfig, mode: GraphMode, max_blocks_per_seq: int,
+                 backend: AttentionBackend) -> None:
         self.model = model
+        self.backend = backend  # the runner's: the buckets' instances come from it
         self.kv_cache = kv_cache  # all blocks, the scratch block (the last one) included
         self.kv_scales = kv_scales
         self.config = config
@@ -113,12 +114,14 @@ class DecodeGraphRunner:
         padded = self.buffers.pad(plan.input_ids, plan.positions, plan.seq_lens, plan.tables)
         assert padded is not None and padded.bucket == bucket
         self.last = padded
+        if isinstance(entry.backend, CapturableBackend):
+            entry.backend.prepare_replay(padded.meta)
+        else:
+            entry.backend.prepare(padded.meta)
         if entry.graph is not None and entry.output is not None:
             entry.graph.replay()
             hidden = entry.output
         else:
-            if not entry.static:
-                entry.backend.prepare(padded.meta)
             hidden = self._forward(entry.backend, padded)
         n = padded.num_real
         if plan.sample_rows == list(range(n)):
@@ -130,20 +133,16 @@ class DecodeGraphRunner:
         return self.model(padded.input_ids, padded.positions, self.kv_cache, backend, padded.meta,
                           self.kv_scales)
 
-    def _new_backend(self) -> AttentionBackend:
-        return get_attention_backend(self.device, self.config.attention_backend, self.config.kv_quantized)
-
     def _setup(self, bucket: int) -> _Bucket | None:
         """Plan (and in ``capture`` mode capture) ``bucket`` on pad rows only."""
         dummy = self.buffers.pad_only(bucket)
-        backend = self._new_backend()
-        static = False
+        backend = self.backend
         if isinstance(backend, CapturableBackend):
+            backend = backend.capture_instance()
             backend.prepare_capture(dummy.meta)
-            static = True
-        entry = _Bucket(backend, static)
+        entry = _Bucket(backend)
         if self.mode == "padded":  # the warm-up a capture runs, so it is checked here too
-            if not static:
+            if not isinstance(backend, CapturableBackend):
                 backend.prepare(dummy.meta)
             self._forward(backend, dummy)
         else:

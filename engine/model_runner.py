@@ -60,7 +60,7 @@ class ModelRunner:
         self.kv_scales = (allocate_kv_scales(kv_config, allocated, self.device)
                           if engine_config.kv_quantized else None)
         self.decode_graphs = (DecodeGraphRunner(model, self.kv_cache, self.kv_scales, engine_config, graphs,
-                                                self._table_width()) if graphs else None)
+                                                self._table_width(), self.backend) if graphs else None)
         self._compiled: CompiledDecoder | None = None
         self.compiled: CompiledDecoder | None = None
         self.set_compiled(engine_config.compile_enabled)

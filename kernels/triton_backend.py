@@ -99,12 +99,18 @@ class TritonAttentionBackend:
         self._writes = None
         self._static = False
 
+    def capture_instance(self) -> TritonAttentionBackend:
+        return TritonAttentionBackend()
+
     def prepare_capture(self, meta: AttentionMetadata) -> None:
         """Plan a pure-decode bucket whose metadata tensors are static buffers (see the module docstring)."""
         if not meta.is_pure_decode:
             raise ValueError("prepare_capture takes pure-decode steps only (every query one token)")
         self.prepare(meta)
         self._static = True
+
+    def prepare_replay(self, meta: AttentionMetadata) -> None:
+        """Nothing: a bucket's tiles never change, and its block writes are computed in the graph."""
 
     def _tiles_for(self, q_per_kv: int, decode: bool, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
         key = (q_per_kv, decode, block_m)

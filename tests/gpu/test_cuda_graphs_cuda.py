@@ -8,6 +8,7 @@ tokens must be equal; bfloat16 ones may flip on near ties (cuBLAS may pick other
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -25,13 +26,14 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
+BACKENDS = ["triton"] + (["flashinfer"] if importlib.util.find_spec("flashinfer") else [])
 PROMPTS = ["The three primary colors are", "def fibonacci(n):\n    ", "Once upon a time, in a small village,"]
 # different lengths, so the batch shrinks from 3 to 1 and the bucket changes
 PARAMS = [SamplingParams(max_tokens=n, temperature=0.0) for n in (6, 14, 24)]
 
 
-def _tokens(dtype: str, **kw: Any) -> list[list[int]]:
-    llm = LLM(model=str(default_model_path()), dtype=dtype, device="cuda", attention_backend="triton",
+def _tokens(backend: str, dtype: str, **kw: Any) -> list[list[int]]:
+    llm = LLM(model=str(default_model_path()), dtype=dtype, device="cuda", attention_backend=backend,
               gpu_memory_utilization=0.3, **kw)
     try:
         return [o.token_ids for o in llm.generate(PROMPTS, PARAMS)]
@@ -40,11 +42,12 @@ def _tokens(dtype: str, **kw: Any) -> list[list[int]]:
         torch.cuda.empty_cache()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_graphs_on_and_off_give_the_same_greedy_tokens(dtype: str) -> None:
-    graphs = _tokens(dtype)
-    padded_eager = _tokens(dtype, enforce_eager=True, pad_decode_steps=True)
-    eager = _tokens(dtype, enforce_eager=True)
+def test_graphs_on_and_off_give_the_same_greedy_tokens(backend: str, dtype: str) -> None:
+    graphs = _tokens(backend, dtype)
+    padded_eager = _tokens(backend, dtype, enforce_eager=True, pad_decode_steps=True)
+    eager = _tokens(backend, dtype, enforce_eager=True)
     assert graphs == padded_eager
     if dtype == "float32":
         assert graphs == eager

@@ -22,6 +22,7 @@ from engine.graph_runner import DecodeGraphRunner, graph_mode
 from engine.sampling import SamplingParams
 from engine.tp_group import StepPlan
 from kernels import TorchAttentionBackend
+from kernels.flashinfer_backend import write_rows
 from kernels.triton_backend import TritonAttentionBackend, decode_block_writes, plan_block_writes
 
 Arrivals = dict[int, list[tuple[list[int], int]]]
@@ -93,7 +94,9 @@ def test_triton_fp8_padded_decode_steps_equal_unpadded(tiny_model_dir: Path) -> 
     graphs = seen["graphs"]
     assert isinstance(graphs, DecodeGraphRunner)
     assert seen["buckets"] == {2, 4} and seen["partial"]
-    assert all(isinstance(b.backend, TritonAttentionBackend) and b.static for b in graphs.buckets.values())
+    backends = [b.backend for b in graphs.buckets.values()]
+    assert all(isinstance(b, TritonAttentionBackend) and b is not graphs.backend for b in backends)
+    assert len({id(b) for b in backends}) == len(backends)  # one planned instance per bucket
 
 
 def test_handles_only_pure_decode_steps_that_fit(tiny_model_dir: Path) -> None:
@@ -132,3 +135,20 @@ def test_device_block_writes_equal_the_host_plan() -> None:
     want = torch.tensor(plan_block_writes(padded.meta), dtype=torch.int32).t()
     assert want[0].tolist() == [1, 4, 12, 30]  # the pad row's block is the scratch block
     assert torch.equal(decode_block_writes(padded.meta), want)
+
+
+def test_flashinfer_graph_write_rows_land_where_the_reference_writes() -> None:
+    """flashinfer's captured forward writes K/V at rows computed from the static slot mapping."""
+    graphs = DecodeGraphs(max_num_seqs=8, max_blocks_per_seq=6, block_size=4, scratch_block=30, device="cpu")
+    padded = graphs.pad([1, 2, 3], [10, 4, 17], [11, 5, 18], [[3, 9, 1], [0, 4], [7, 8, 10, 11, 12]])
+    assert padded is not None
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(4, n, 16, generator=gen) for n in (4, 2, 2))
+    want, got = torch.zeros(31, 2, 4, 2, 16), torch.zeros(31, 2, 4, 2, 16)
+    reference = TorchAttentionBackend()
+    reference.prepare(padded.meta)
+    reference.forward(q, k, v, want, 0.25)
+    rows, at = got.view(-1, 2, 16), write_rows(padded.meta.slot_mapping, 4)
+    rows.index_copy_(0, at, k)
+    rows.index_copy_(0, at + 4, v)
+    assert torch.equal(got, want) and want[30].abs().sum() > 0  # the pad row's K/V: the scratch block
