@@ -137,8 +137,8 @@ class EngineConfig:
     linear_kernel: str = "prepacked"
     enforce_eager: bool = False
     # pure-decode steps through the CUDA-graph path's padded static buffers with no capture, on any
-    # device (engine/graph_runner.py): how CPU tests check that path; on CUDA without enforce_eager the
-    # path is on anyway, captured
+    # device (engine/graph_runner.py): how CPU tests check that path (it runs the steps it takes instead
+    # of compile_cpu); on CUDA without enforce_eager the path is on anyway, captured
     pad_decode_steps: bool = False
     compile_cpu: bool = False
     num_threads: int | None = None

@@ -31,9 +31,9 @@ Each step then copies its rows into the buffers (pad rows after them), lets the 
 backend do its host-side planning (``prepare_replay``: flashinfer's ``plan``; nothing for
 Triton), replays the bucket's graph (or runs the same forward on the same buffers), and sends
 the real rows' hidden states to the LM head outside the graph, so only the rows the step
-samples are computed. The real rows' outputs agree with the unpadded step to float rounding:
-the GEMMs see more rows (see
-``engine/cuda_graphs.py``); pad rows read and write only the scratch block.
+samples are computed. The real rows' outputs agree with the unpadded step to float rounding
+(the GEMMs see more rows, ``engine/cuda_graphs.py``); pad rows read and write only the
+scratch block.
 """
 
 from __future__ import annotations
