@@ -87,13 +87,15 @@ class DecodeGraphs:
         lens = list(seq_lens) + [1] * pad
         tables = [list(t) for t in block_tables] + [[self.scratch_block]] * pad
         slots = [t[(s - 1) // bs] * bs + (s - 1) % bs for t, s in zip(tables, lens, strict=True)]
-        width = self.block_tables.shape[1]
+        # only the columns some row uses: no kernel reads a table past its sequence's last block, so
+        # what earlier steps left further right is never seen
+        width = max(len(t) for t in tables)
         host_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
         self.input_ids[:bucket].copy_(torch.tensor(list(input_ids) + [0] * pad), non_blocking=True)
         self.positions[:bucket].copy_(torch.tensor(list(positions) + [0] * pad), non_blocking=True)
         self.slot_mapping[:bucket].copy_(torch.tensor(slots), non_blocking=True)
         self.seq_lens[:bucket].copy_(torch.tensor(lens, dtype=torch.int32), non_blocking=True)
-        self.block_tables[:bucket].copy_(host_tables, non_blocking=True)
+        self.block_tables[:bucket, :width].copy_(host_tables, non_blocking=True)
         meta = AttentionMetadata(
             block_size=bs,
             slot_mapping=self.slot_mapping[:bucket],
