@@ -4,7 +4,9 @@ Prints the GPU, driver and library versions, then on a Llama-3-8B-shaped model w
 bf16 weights (no download):
 
 * decode tokens/s at batch 1, 16, 64 and 256 with 1024 tokens of context each, against the
-  HBM roofline ``(weight bytes + KV bytes read) / bandwidth`` (docs: DESIGN.md, performance model);
+  HBM roofline ``(weight bytes + KV bytes read) / bandwidth`` (docs: DESIGN.md, performance model),
+  run eagerly and, when the backend can be captured (Triton), replayed from the engine's CUDA
+  graphs (``engine/graph_runner.py``: the step padded into static buffers, one graph per bucket);
 * prefill tokens/s and MFU for one 8192-token prompt (``2 x params x tokens / peak FLOP/s``);
 * transformers' static-cache ``generate`` at batch 1 on the same shapes, side by side.
 
@@ -24,8 +26,10 @@ from collections.abc import Callable
 
 import torch
 
-from engine.config import ModelConfig, RopeScaling
+from engine.config import EngineConfig, ModelConfig, RopeScaling
+from engine.graph_runner import DecodeGraphRunner, graph_mode
 from engine.model import CausalLM, allocate_kv_cache
+from engine.tp_group import StepPlan
 from kernels import get_attention_backend
 from kernels.attention import AttentionMetadata
 
@@ -86,6 +90,22 @@ def decode_step(model: CausalLM, kv: torch.Tensor, backend_name: str, batch: int
     return step
 
 
+def graphed_decode_step(model: CausalLM, kv: torch.Tensor, backend_name: str, batch: int,
+                        ctx: int) -> Callable[[], object] | None:
+    """``decode_step`` through the engine's decode graphs (None when the backend cannot be captured);
+    ``kv``'s last block is their scratch block."""
+    blocks = -(-(ctx + 1) // BLOCK_SIZE)
+    config = EngineConfig(device="cuda", dtype="bfloat16", attention_backend=backend_name,
+                          block_size=BLOCK_SIZE, max_num_seqs=batch)
+    backend = get_attention_backend("cuda", backend_name)
+    if graph_mode(config, backend) != "capture":
+        return None
+    runner = DecodeGraphRunner(model, kv, None, config, "capture", blocks, backend)
+    tables = [list(range(b * blocks, (b + 1) * blocks)) for b in range(batch)]
+    plan = StepPlan([0] * batch, [ctx] * batch, [1] * batch, [ctx + 1] * batch, tables, list(range(batch)))
+    return lambda: runner.execute(plan)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--backend", default="auto")
@@ -107,14 +127,20 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     per_seq = -(-(args.ctx + 1) // BLOCK_SIZE)
     blocks_needed = max(max(batches) * per_seq, -(-args.prefill_tokens // BLOCK_SIZE))
-    kv = allocate_kv_cache(config, blocks_needed, BLOCK_SIZE, torch.bfloat16, "cuda")
+    kv = allocate_kv_cache(config, blocks_needed + 1, BLOCK_SIZE, torch.bfloat16, "cuda")  # + scratch
     kv_per_token = config.kv_bytes_per_token(2)
     print(f"model: {config.name}, {params / 1e9:.2f} B params, backend {args.backend}")
     for batch in batches:
-        seconds = cuda_time(decode_step(model, kv, args.backend, batch, args.ctx), repeats=10)
         floor = (weight_bytes + batch * (args.ctx + 1) * kv_per_token) / (args.hbm_gbs * 1e9)
-        print(f"decode batch {batch:4d} ctx {args.ctx}: {batch / seconds:9.1f} tok/s, "
-              f"step {seconds * 1e3:7.2f} ms, roofline {floor * 1e3:6.2f} ms ({floor / seconds:.0%})")
+        steps = {"eager": decode_step(model, kv, args.backend, batch, args.ctx),
+                 "graphs": graphed_decode_step(model, kv, args.backend, batch, args.ctx)}
+        for how, step in steps.items():
+            if step is None:
+                print(f"decode batch {batch:4d}: no CUDA graphs with backend {args.backend}")
+                continue
+            seconds = cuda_time(step, repeats=10)
+            print(f"decode batch {batch:4d} ctx {args.ctx} {how:6s}: {batch / seconds:9.1f} tok/s, "
+                  f"step {seconds * 1e3:7.2f} ms, roofline {floor * 1e3:6.2f} ms ({floor / seconds:.0%})")
     n = args.prefill_tokens
     seconds = prefill_seconds(model, kv, args.backend, n)
     mfu = 2 * params * n / seconds / (args.peak_tflops * 1e12)

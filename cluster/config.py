@@ -154,6 +154,7 @@ SERVE_DEFAULTS = ServeConfig()
 # EngineConfig fields no flag sets (they keep their defaults under `pdserve serve`)
 ENGINE_WITHOUT_FLAG = frozenset({
     "prefix_wait_min_tokens",
+    "pad_decode_steps",  # a test option (engine/graph_runner.py)
     "num_threads",  # the workers take --torch-threads (pdserve serve) and torch's default (generate)
 })
 

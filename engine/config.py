@@ -132,10 +132,14 @@ class EngineConfig:
     # decode step speed (engine/model_runner.py, kernels/linear.py): the linear kernel ("prepacked" packs
     # weights at load for MKL / oneDNN on CPU fp32, "plain" is torch's F.linear); compile_cpu compiles
     # the decoder layers with inductor for decode batches padded to buckets; enforce_eager turns off
-    # both compilation and CUDA graphs (engine/cuda_graphs.py); num_threads sets torch's intra-op
+    # both compilation and CUDA graphs (engine/graph_runner.py); num_threads sets torch's intra-op
     # threads when the engine starts (None leaves them as they are)
     linear_kernel: str = "prepacked"
     enforce_eager: bool = False
+    # pure-decode steps through the CUDA-graph path's padded static buffers with no capture, on any
+    # device (engine/graph_runner.py): how CPU tests check that path (it runs the steps it takes instead
+    # of compile_cpu); on CUDA without enforce_eager the path is on anyway, captured
+    pad_decode_steps: bool = False
     compile_cpu: bool = False
     num_threads: int | None = None
     # speculative decoding (engine/spec_config.py), vLLM's dict: {"method": "ngram", ...}; None: off

@@ -10,13 +10,16 @@ once for the largest bucket. Invariants, each tested on CPU:
   to a request), so its K/V write lands there and it reads nothing else;
 * real rows come out of padded attention bit for bit as out of unpadded attention (rows
   are independent); through the whole model they agree to float rounding only, since a
-  GEMM's blocking (on CPU and in cuBLAS alike) may depend on the number of rows.
+  GEMM's blocking (on CPU and in cuBLAS alike) may depend on the number of rows (on
+  the CPUs here the default prepacked linear kernel does not, and the engine's KV
+  bytes through the padded path equal the unpadded ones exactly; ``F.linear`` does).
 
 ``enforce_eager`` (or a non-CUDA device) turns graphs off: ``DecodeGraphs.enabled`` is
-False. Not done yet: capture and replay with ``torch.cuda.CUDAGraph`` and the hook in
-``ModelRunner`` that would use them. Both need the attention backends' per-step device
-arrays (Triton tiles, flashinfer page tables) in static buffers as well, and a GPU to
-check on; until then the engine runs every step unpadded, exactly as before.
+False. Capture and replay, and the ``ModelRunner`` hook, live in ``engine/graph_runner.py``
+(which also runs this padding without capture under ``pad_decode_steps``: that is how the
+CPU tests check it inside the engine). Checked on CPU: all of the above, and the engine's
+tokens and KV bytes through the padded path. Only a GPU can check the capture itself
+(``tests/gpu/test_cuda_graphs_cuda.py``).
 """
 
 from __future__ import annotations
@@ -64,22 +67,35 @@ class DecodeGraphs:
     def pad(self, input_ids: list[int], positions: list[int], seq_lens: list[int],
             block_tables: list[list[int]]) -> PaddedDecode | None:
         """Copy one decode step (one token per sequence) into the buffers; ``None`` if no bucket fits."""
-        n = len(input_ids)
-        bucket = self.bucket_for(n)
+        bucket = self.bucket_for(len(input_ids))
         if bucket is None or any(len(t) > self.block_tables.shape[1] for t in block_tables):
             return None
+        return self._fill(bucket, input_ids, positions, seq_lens, block_tables)
+
+    def pad_only(self, bucket: int) -> PaddedDecode:
+        """Fill the buffers of ``bucket`` with pad rows alone (what a graph is captured on: its warm-up
+        and capture runs write nothing but the scratch block)."""
+        if bucket not in self.buckets:
+            raise ValueError(f"{bucket} is not a bucket ({self.buckets})")
+        return self._fill(bucket, [], [], [], [])
+
+    def _fill(self, bucket: int, input_ids: list[int], positions: list[int], seq_lens: list[int],
+              block_tables: list[list[int]]) -> PaddedDecode:
+        n = len(input_ids)
         pad = bucket - n
         bs = self.block_size
         lens = list(seq_lens) + [1] * pad
         tables = [list(t) for t in block_tables] + [[self.scratch_block]] * pad
         slots = [t[(s - 1) // bs] * bs + (s - 1) % bs for t, s in zip(tables, lens, strict=True)]
-        width = self.block_tables.shape[1]
+        # only the columns some row uses: no kernel reads a table past its sequence's last block, so
+        # what earlier steps left further right is never seen
+        width = max(len(t) for t in tables)
         host_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
         self.input_ids[:bucket].copy_(torch.tensor(list(input_ids) + [0] * pad), non_blocking=True)
         self.positions[:bucket].copy_(torch.tensor(list(positions) + [0] * pad), non_blocking=True)
         self.slot_mapping[:bucket].copy_(torch.tensor(slots), non_blocking=True)
         self.seq_lens[:bucket].copy_(torch.tensor(lens, dtype=torch.int32), non_blocking=True)
-        self.block_tables[:bucket].copy_(host_tables, non_blocking=True)
+        self.block_tables[:bucket, :width].copy_(host_tables, non_blocking=True)
         meta = AttentionMetadata(
             block_size=bs,
             slot_mapping=self.slot_mapping[:bucket],

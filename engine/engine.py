@@ -120,7 +120,7 @@ class LLMEngine:
         self.model_config = self.source.config
         self.tokenizer: Tokenizer = self.source.load_tokenizer()
         self.runner = build_runner(self.source, self.config, group)
-        blocks = self.runner.kv_cache.shape[1]
+        blocks = self.runner.num_blocks  # the KV cache may hold one more: the scratch block
         self.kv = KVCacheManager(blocks, self.config.block_size, self.config.enable_prefix_caching,
                                  hash_seed=seed_for(self.model_config.name))
         window = self.config.kv_window or self.model_config.sliding_window

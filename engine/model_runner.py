@@ -3,6 +3,10 @@
 With tensor parallelism the runner on rank 0 turns each step into a ``StepPlan`` and sends it to the
 other ranks before its own forward (``engine/tp_group.py``); ``follow`` is the other ranks' loop: the
 same ``inputs`` and ``run`` on their shard, their KV cache using rank 0's block ids.
+
+On one rank, ``execute`` offers each step to ``engine/graph_runner.py`` first (CUDA graphs for
+pure-decode steps, or the same padding without capture under ``pad_decode_steps``); what it
+declines runs here.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.config import EngineConfig, ModelConfig
+from engine.graph_runner import DecodeGraphRunner, graph_mode
 from engine.kv_cache import KVCacheManager
 from engine.model import CausalLM, allocate_kv_cache, allocate_kv_scales
 from engine.scheduler import SchedulerOutput
@@ -42,16 +47,28 @@ class ModelRunner:
         self.group: TpGroup | None = model.group
         self.device = torch.device(engine_config.device)
         kv_config = model.shard.kv_config  # this rank's KV heads
-        self.kv_cache = allocate_kv_cache(kv_config, num_blocks, engine_config.block_size,
-                                          engine_config.kv_torch_dtype, self.device)
-        # per-block scales of a quantized (fp8/int8) cache; None when the cache is full precision
-        self.kv_scales = (allocate_kv_scales(kv_config, num_blocks, self.device)
-                          if engine_config.kv_quantized else None)
         self.backend = get_attention_backend(self.device, engine_config.attention_backend,
                                              engine_config.kv_quantized)
+        # the block pool's size; padded decode steps (engine/graph_runner.py) add one block past it, the
+        # scratch block their pad rows write, which no request ever holds
+        self.num_blocks = num_blocks
+        graphs = graph_mode(engine_config, self.backend)
+        allocated = num_blocks + (1 if graphs else 0)
+        self.kv_cache = allocate_kv_cache(kv_config, allocated, engine_config.block_size,
+                                          engine_config.kv_torch_dtype, self.device)
+        # per-block scales of a quantized (fp8/int8) cache; None when the cache is full precision
+        self.kv_scales = (allocate_kv_scales(kv_config, allocated, self.device)
+                          if engine_config.kv_quantized else None)
+        self.decode_graphs = (DecodeGraphRunner(model, self.kv_cache, self.kv_scales, engine_config, graphs,
+                                                self._table_width(), self.backend) if graphs else None)
         self._compiled: CompiledDecoder | None = None
         self.compiled: CompiledDecoder | None = None
         self.set_compiled(engine_config.compile_enabled)
+
+    def _table_width(self) -> int:
+        """Blocks a sequence can hold: the static block tables' width."""
+        limit = self.config.max_model_len or self.model_config.max_position_embeddings
+        return -(-min(limit, self.num_blocks * self.config.block_size) // self.config.block_size)
 
     def set_compiled(self, on: bool) -> None:
         """Run decode steps through the compiled decoder (``engine/compiled.py``) or eagerly."""
@@ -74,6 +91,10 @@ class ModelRunner:
         per proposed token it verifies (``ScheduledRequest.spec_token_ids``)."""
         plan = self.plan(out, kv)
         if self.group is None:
+            if self.decode_graphs is not None:  # pure-decode steps padded to a bucket, replayed
+                logits = self.decode_graphs.execute(plan)
+                if logits is not None:
+                    return logits
             return self.run(self.inputs(plan))
         with self.group.lock:  # the plan and this forward's collectives, never interleaved with a keep-alive
             self.group.send_plan(plan)

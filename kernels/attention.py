@@ -19,7 +19,7 @@ token ``t``'s K/V goes: ``block_id * block_size + offset``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -111,3 +111,27 @@ class AttentionBackend(Protocol):
         scale: float,
         kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class CapturableBackend(AttentionBackend, Protocol):
+    """A backend whose pure-decode steps can be captured in a CUDA graph and replayed.
+
+    The decode-graph runner (``engine/graph_runner.py``) takes one instance per bucket from
+    ``capture_instance()`` (sharing any large scratch memory, such as flashinfer's workspace:
+    graphs never run concurrently). ``prepare_capture(meta)`` plans that instance once for a
+    decode bucket (every query one token) whose metadata tensors are static buffers
+    (``engine/cuda_graphs.py``): their values change from step to step, their addresses and
+    the bucket never do. After it, ``forward`` reads the step only through those tensors and
+    arrays the backend keeps at fixed addresses: no host lists, no host-to-device copies, no
+    allocation that depends on the values, so the forward captured once is right for every
+    later step of the bucket. ``prepare_replay(meta)`` runs on the host before each replay
+    (outside the graph) and may refill the backend's own fixed arrays from the step's
+    metadata; ``prepare`` is never called on such an instance.
+    """
+
+    def capture_instance(self) -> CapturableBackend: ...
+
+    def prepare_capture(self, meta: AttentionMetadata) -> None: ...
+
+    def prepare_replay(self, meta: AttentionMetadata) -> None: ...

@@ -20,6 +20,13 @@ read the same per-block-scaled bytes (Triton and the torch reference agree on th
 byte for byte, ``tests/unit/test_triton_attention.py``), whichever of those two each
 role runs; flashinfer never sees them.
 
+CUDA graphs (``kernels.attention.CapturableBackend``): each decode bucket gets an instance
+of its own (``capture_instance``, sharing this one's workspace) whose wrapper is built with
+``use_cuda_graph=True`` and fixed index buffers sized for the bucket (``prepare_capture``).
+flashinfer's ``plan`` cannot be captured, so it runs before every replay, on the host
+(``prepare_replay``), and writes the step's page table into those buffers; the captured
+``run`` reads them. The K/V write rows come from the static slot mapping inside ``forward``.
+
 Not yet run on a GPU (README.md lists what has been).
 """
 
@@ -36,13 +43,23 @@ from kernels.kv_quant import is_quantized
 WORKSPACE_BYTES = 128 * 1024**2
 
 
+def write_rows(slot_mapping: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Row of each slot's K in a layer viewed as ``[blocks * 2 * block_size, kv_heads, head_dim]`` (V is
+    ``block_size`` rows further on); device ops only, so a captured forward recomputes them."""
+    slots = slot_mapping.to(torch.int64)
+    return torch.div(slots, block_size, rounding_mode="floor") * (2 * block_size) + slots % block_size
+
+
 class FlashInferAttentionBackend:
-    def __init__(self, device: torch.device | str = "cuda") -> None:
+    def __init__(self, device: torch.device | str = "cuda", workspace: torch.Tensor | None = None) -> None:
         import flashinfer
 
         self._device = torch.device(device)
-        self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self._device)
+        self._workspace = (workspace if workspace is not None else
+                           torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self._device))
         self._wrapper: Any = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, kv_layout="NHD")
+        self._static = False
+        self._last_key: tuple[Any, ...] | None = None
         self._meta: AttentionMetadata | None = None
         self._plan: FlashInferPlan | None = None
         self._arrays: list[torch.Tensor] = []
@@ -58,9 +75,41 @@ class FlashInferAttentionBackend:
                         for a in arrays]
         self._token_order = (None if plan.token_order is None else
                              torch.tensor(plan.token_order, dtype=torch.int64).to(self._device))
-        bs = meta.block_size
-        slots = meta.slot_mapping.to(torch.int64)
-        self._write_rows = torch.div(slots, bs, rounding_mode="floor") * (2 * bs) + slots % bs
+        self._write_rows = write_rows(meta.slot_mapping, meta.block_size)
+
+    def capture_instance(self) -> FlashInferAttentionBackend:
+        return FlashInferAttentionBackend(self._device, self._workspace)
+
+    def prepare_capture(self, meta: AttentionMetadata) -> None:
+        """A wrapper in CUDA-graph mode with index buffers for this pure-decode bucket."""
+        import flashinfer
+
+        if not meta.is_pure_decode:
+            raise ValueError("prepare_capture takes pure-decode steps only (every query one token)")
+        n, width = meta.num_seqs, meta.block_tables.shape[1]
+
+        def buf(size: int) -> torch.Tensor:
+            return torch.zeros(size, dtype=torch.int32, device=self._device)
+
+        self._wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self._workspace, kv_layout="NHD", use_cuda_graph=True, qo_indptr_buf=buf(n + 1),
+            paged_kv_indptr_buf=buf(n + 1), paged_kv_indices_buf=buf(n * width),
+            paged_kv_last_page_len_buf=buf(n))
+        self.prepare(meta)
+        self._static = True
+
+    def prepare_replay(self, meta: AttentionMetadata) -> None:
+        """Plan the step into the wrapper's fixed buffers, outside the graph (as the warm-up planned)."""
+        self.prepare(meta)
+        if self._last_key is not None:
+            self._plan_wrapper(self._last_key)
+
+    def _plan_wrapper(self, key: tuple[Any, ...]) -> None:
+        heads, kv_heads, head_dim, q_dtype, kv_dtype, scale = key
+        assert self._meta is not None
+        self._wrapper.plan(*self._arrays, heads, kv_heads, head_dim, self._meta.block_size, causal=True,
+                           sm_scale=scale, q_data_type=q_dtype, kv_data_type=kv_dtype)
+        self._planned_key = self._last_key = key
 
     def forward(
         self,
@@ -80,13 +129,13 @@ class FlashInferAttentionBackend:
             )
         _, _, bs, kv_heads, head_dim = kv_layer.shape
         rows = kv_layer.view(-1, kv_heads, head_dim)
-        rows.index_copy_(0, self._write_rows, k.to(kv_layer.dtype))
-        rows.index_copy_(0, self._write_rows + bs, v.to(kv_layer.dtype))
+        # static: from the slot mapping's buffer, inside the graph; else from prepare
+        at = write_rows(self._meta.slot_mapping, bs) if self._static else self._write_rows
+        rows.index_copy_(0, at, k.to(kv_layer.dtype))
+        rows.index_copy_(0, at + bs, v.to(kv_layer.dtype))
         key = (q.shape[1], kv_heads, head_dim, q.dtype, kv_layer.dtype, scale)
-        if key != self._planned_key:
-            self._wrapper.plan(*self._arrays, q.shape[1], kv_heads, head_dim, bs, causal=True,
-                               sm_scale=scale, q_data_type=q.dtype, kv_data_type=kv_layer.dtype)
-            self._planned_key = key
+        if key != self._planned_key:  # never during a capture: the warm-up planned this key
+            self._plan_wrapper(key)
         order = self._token_order
         planned_q = q if order is None else q.index_select(0, order)
         out: torch.Tensor = self._wrapper.run(planned_q, kv_layer)

@@ -8,6 +8,12 @@ token). ``forward`` then launches the KV write and one attention launch per tile
 Semantics are the torch reference's (``kernels/torch_ref.py``), quantized caches
 included; the tests check both backends against each other.
 
+``prepare_capture`` (``kernels.attention.CapturableBackend``) plans a pure-decode bucket
+for CUDA-graph capture: its tiles depend on the bucket alone, so they are planned once
+(by the warm-up forward, before capture) and kept; a quantized cache's block writes
+depend on the step, so they are computed on the device from the static metadata tensors
+inside every forward (``decode_block_writes``), where a graph captures them.
+
 Under ``TRITON_INTERPRET=1`` (set before this module is imported) the kernels run on
 CPU tensors, which is how the CPU-only test suite runs them.
 """
@@ -65,6 +71,18 @@ def plan_block_writes(meta: AttentionMetadata) -> list[tuple[int, int, int, int]
     return out
 
 
+def decode_block_writes(meta: AttentionMetadata) -> torch.Tensor:
+    """``plan_block_writes`` of a pure-decode step as an int32 ``[4, num_seqs]`` tensor, computed on the
+    metadata's device from ``seq_lens`` and ``block_tables`` alone (no host lists: capturable)."""
+    bs = meta.block_size
+    last = meta.seq_lens.to(torch.int64) - 1
+    page = torch.div(last, bs, rounding_mode="floor").unsqueeze(1)
+    blocks = meta.block_tables.to(torch.int64).gather(1, page).squeeze(1)
+    rows = last % bs
+    tokens = torch.arange(last.shape[0], dtype=torch.int64, device=last.device)
+    return torch.stack([blocks, rows, rows, tokens]).to(torch.int32)
+
+
 class TritonAttentionBackend:
     """Paged attention and KV writes in Triton (CUDA, or the interpreter on CPU)."""
 
@@ -73,11 +91,26 @@ class TritonAttentionBackend:
         self._tiles: dict[tuple[int, bool, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._writes: torch.Tensor | None = None
         self._interpret = interpreting()
+        self._static = False
 
     def prepare(self, meta: AttentionMetadata) -> None:
         self._meta = meta
         self._tiles = {}
         self._writes = None
+        self._static = False
+
+    def capture_instance(self) -> TritonAttentionBackend:
+        return TritonAttentionBackend()
+
+    def prepare_capture(self, meta: AttentionMetadata) -> None:
+        """Plan a pure-decode bucket whose metadata tensors are static buffers (see the module docstring)."""
+        if not meta.is_pure_decode:
+            raise ValueError("prepare_capture takes pure-decode steps only (every query one token)")
+        self.prepare(meta)
+        self._static = True
+
+    def prepare_replay(self, meta: AttentionMetadata) -> None:
+        """Nothing: a bucket's tiles never change, and its block writes are computed in the graph."""
 
     def _tiles_for(self, q_per_kv: int, decode: bool, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
         key = (q_per_kv, decode, block_m)
@@ -142,7 +175,9 @@ class TritonAttentionBackend:
                     num_warps=cfg.num_warps, **cfg.constexprs,
                 )
             return
-        if self._writes is None:
+        if self._static:
+            self._writes = decode_block_writes(meta)
+        elif self._writes is None:
             plan = plan_block_writes(meta)
             self._writes = torch.tensor(plan, dtype=torch.int32).reshape(-1, 4).t().contiguous().to(k.device)
         writes = self._writes
