@@ -8,11 +8,13 @@ bf16 weights (no download):
   run eagerly and, when the backend can be captured (Triton), replayed from the engine's CUDA
   graphs (``engine/graph_runner.py``: the step padded into static buffers, one graph per bucket);
 * prefill tokens/s and MFU for one 8192-token prompt (``2 x params x tokens / peak FLOP/s``);
-* transformers' static-cache ``generate`` at batch 1 on the same shapes, side by side.
+* transformers' static-cache ``generate`` at batch 1 on the same shapes, side by side;
+* NIXL READ between two processes' CUDA KV caches (VRAM to VRAM over UCX) against the device's
+  own ``copy_`` of the same bytes: ``python -m bench.transfer --device cuda``, run as a child
+  process at the end (``--no-transfer`` leaves it out).
 
 Peak figures default to an H100 SXM (3.35 TB/s, 989 bf16 TFLOP/s); pass ``--hbm-gbs`` and
-``--peak-tflops`` for another part. Has not yet run on a GPU (README.md); the NIXL
-VRAM-to-VRAM READ comparison is not written yet.
+``--peak-tflops`` for another part. Has not yet run on a GPU (README.md).
 """
 
 from __future__ import annotations
@@ -114,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ctx", type=int, default=1024)
     parser.add_argument("--batches", default="1,16,64,256")
     parser.add_argument("--prefill-tokens", type=int, default=8192)
+    parser.add_argument("--no-transfer", dest="transfer", action="store_false",
+                        help="leave out the NIXL VRAM-to-VRAM READ comparison")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.gpu: no CUDA device here; nothing to measure", file=sys.stderr)
@@ -149,6 +153,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.cuda.empty_cache()
     rate = transformers_decode(config, args.ctx)
     print(f"transformers static-cache generate, batch 1 (its {args.ctx}-token prefill in): {rate:.1f} tok/s")
+    if args.transfer:
+        sys.stdout.flush()
+        done = subprocess.run([sys.executable, "-m", "bench.transfer", "--device", "cuda", "--repeats", "5"],
+                              timeout=600, check=False)
+        if done.returncode:
+            print(f"bench.transfer --device cuda failed (exit {done.returncode})", file=sys.stderr)
+            return done.returncode
     return 0
 
 

@@ -13,7 +13,11 @@ maps blocks 0..n-1 onto 0..n-1 (NIXL merges them into one descriptor per layer),
 lists the sink configurations to compare (``KvSink(read_threads=...)``; ``default``
 is what a decode worker uses here).
 
-    python -m bench.transfer [--repeats 7] [--read-threads 0,default] [--json OUT]
+``--device cuda`` puts both processes' caches on the GPU (NIXL VRAM to VRAM over UCX); the
+comparison is then the device's own copy (``copy_`` between two device buffers, synchronized),
+reported in both copy columns since there is no host ``memmove`` of device memory.
+
+    python -m bench.transfer [--repeats 7] [--read-threads 0,default] [--device cpu|cuda] [--json OUT]
 """
 
 from __future__ import annotations
@@ -80,12 +84,12 @@ class Row(msgspec.Struct):
         return self.bytes / seconds / 1e9
 
 
-def source_main(conn: Connection) -> None:
+def source_main(conn: Connection, device: str = "cpu") -> None:
     from transfer.nixl_source import KvSource
 
     sources = []
     for i, (_, layout, _) in enumerate(cases()):
-        kv = torch.randn(layout.shape).to(getattr(torch, layout.dtype))
+        kv = torch.randn(layout.shape, device=device).to(getattr(torch, layout.dtype))
         sources.append(KvSource(kv, layout, f"bench-source-{i}"))
     conn.send_bytes(pack([s.agent_info() for s in sources]))
     while not conn.poll(0.01):
@@ -98,29 +102,35 @@ def source_main(conn: Connection) -> None:
 class Copier:
     """A same-size source and destination; ``time(single_thread)`` times one copy."""
 
-    def __init__(self, nbytes: int) -> None:
-        self.src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
-        self.dst = torch.empty(nbytes, dtype=torch.uint8)
+    def __init__(self, nbytes: int, device: str = "cpu") -> None:
+        self.src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
+        self.dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
         self.dst.copy_(self.src)
+        self.cuda = self.src.is_cuda
 
     def time(self, single_thread: bool) -> tuple[float, float]:
         """Wall and process CPU seconds of ``torch`` ``copy_`` (all torch threads), or of one
-        ``memmove`` call (one thread)."""
+        ``memmove`` call (one thread); on CUDA both are the device's ``copy_``, synchronized."""
+        if self.cuda:
+            torch.cuda.synchronize()
         cpu, start = time.process_time(), time.perf_counter()
-        if single_thread:
+        if single_thread and not self.cuda:
             ctypes.memmove(self.dst.data_ptr(), self.src.data_ptr(), self.src.numel())
         else:
             self.dst.copy_(self.src)
+            if self.cuda:
+                torch.cuda.synchronize()
         return time.perf_counter() - start, time.process_time() - cpu
 
 
-def run_case(name: str, info: AgentInfo, blocks: int, repeats: int, thread_counts: list[int]) -> list[Row]:
+def run_case(name: str, info: AgentInfo, blocks: int, repeats: int, thread_counts: list[int],
+             device: str = "cpu") -> list[Row]:
     from transfer.nixl_sink import KvSink
 
     layout = info.layout
     sinks = []
     for threads in thread_counts:
-        sink = KvSink(torch.zeros(layout.shape, dtype=getattr(torch, layout.dtype)), layout,
+        sink = KvSink(torch.zeros(layout.shape, dtype=getattr(torch, layout.dtype), device=device), layout,
                       f"bench-sink-{name}-{threads}", read_threads=threads)
         sink.connect(info)
         sinks.append(sink)
@@ -145,7 +155,7 @@ def run_case(name: str, info: AgentInfo, blocks: int, repeats: int, thread_count
                 stats = sink.read_blocking(handle, remote, local, timeout=WAIT_S)
                 read_cpu[j].append(time.process_time() - cpu)
                 reads[j].append(stats.seconds)
-            copier = copier or Copier(stats.bytes)
+            copier = copier or Copier(stats.bytes, device)
             memmoves.append(copier.time(single_thread=True))
             copies.append(copier.time(single_thread=False)[0])
             # torch's OpenMP workers spin for a few ms after copy_ (libgomp's default spin
@@ -180,13 +190,13 @@ def markdown(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def thread_counts(text: str) -> list[int]:
+def thread_counts(text: str, mem_type: str = "DRAM") -> list[int]:
     """``--read-threads``: comma-separated counts >= 0 or ``default``."""
     counts = []
     for part in text.split(","):
         part = part.strip()
         if part == "default":
-            counts.append(default_read_threads("DRAM"))
+            counts.append(default_read_threads(mem_type))
         elif part.isdigit():
             counts.append(int(part))
         else:
@@ -197,15 +207,23 @@ def thread_counts(text: str) -> list[int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description="NIXL KV READ throughput against a plain memory copy.")
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--read-threads", type=thread_counts, default="0,default",
+    parser.add_argument("--read-threads", default="0,default",
                         help="sink read-thread counts to compare, e.g. 0,2 (default: 0,default)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where both caches live: cpu (DRAM) or cuda (VRAM to VRAM; default: cpu)")
     parser.add_argument("--json", dest="json_out", default=None, help="write the rows as JSON here")
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device here")
+    try:
+        counts = thread_counts(args.read_threads, "VRAM" if args.device == "cuda" else "DRAM")
+    except argparse.ArgumentTypeError as exc:
+        parser.error(str(exc))
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=source_main, args=(child,), daemon=True)
+    proc = ctx.Process(target=source_main, args=(child, args.device), daemon=True)
     proc.start()
     load_before = os.getloadavg()
     try:
@@ -215,7 +233,7 @@ def main() -> None:
         rows = [
             row
             for (name, _, n), info in zip(cases(), infos, strict=True)
-            for row in run_case(name, info, n, args.repeats, args.read_threads)
+            for row in run_case(name, info, n, args.repeats, counts, args.device)
         ]
         parent.send_bytes(b"stop")
         proc.join(10)
@@ -224,7 +242,8 @@ def main() -> None:
             proc.kill()
     load_after = os.getloadavg()
     print(
-        f"NIXL READ (UCX) vs memmove and torch copy_, {platform.node()}, {os.cpu_count()} cores, "
+        f"NIXL READ (UCX, {'VRAM' if args.device == 'cuda' else 'DRAM'}) vs memmove and torch copy_, "
+        f"{platform.node()}, {os.cpu_count()} cores, "
         f"{torch.get_num_threads()} torch threads, {args.repeats} repeats, "
         f"load average {load_before[0]:.2f} before / {load_after[0]:.2f} after"
     )
