@@ -14,7 +14,8 @@ A caller that needs more of its ranks than the forward (a serving worker: each r
 imports nothing of the layers above it.
 
 Clean-up (``close``, idempotent): ``Stop`` to the children, join them, terminate (then kill) any that
-is still there after ``grace_s``. The children are daemonic, so they also end with this process, and a
+is still there after ``grace_s``. The children are daemonic, so they also end with this process (on Linux
+they get SIGKILL when it dies, even by SIGKILL: ``PR_SET_PDEATHSIG``), and a
 child whose rank 0 died raises ``TpError`` at its next collective (gloo sees the closed connection;
 at the latest the group's deadline) and exits.
 """
@@ -64,6 +65,7 @@ def rank_main(rank: int, size: int, port: int, model: str, config_json: bytes, e
     from engine.engine import build_runner
     from engine.loader import load_model_source
 
+    _end_with_parent()
     config = msgspec.json.decode(config_json, type=EngineConfig)
     group = TpGroup(rank, size, port, config.tp_timeout_s, config.device)
     ext: RankExtension | None = None
@@ -78,6 +80,17 @@ def rank_main(rank: int, size: int, port: int, model: str, config_json: bytes, e
         if ext is not None:
             ext.close()
         group.close()
+
+
+def _end_with_parent() -> None:
+    """Linux: SIGKILL this process when the one that started it dies, however it died (a killed actor
+    runs no exit handler). Elsewhere the group's deadline still ends it."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
 
 
 class RankProcesses:
