@@ -167,6 +167,7 @@ class DecodeWorker(WorkerBase):
         except TimeoutError:
             yield pack(WorkerError(ErrorKind.TIMEOUT, f"{rid}: no output for {self.request_timeout} s"))
         except RuntimeError as exc:  # the engine loop failed: this worker cannot serve
+            self.exit_if_group_broken()  # a broken tensor-parallel group: dies, the request migrates
             yield pack(WorkerError(ErrorKind.UNAVAILABLE, f"{self.worker_id}: {exc}"))
         finally:
             if final:

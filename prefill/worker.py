@@ -79,6 +79,7 @@ class PrefillWorker(WorkerBase):
         except TimeoutError:
             return pack(WorkerError(ErrorKind.TIMEOUT, f"prefill did not finish in {self.request_timeout} s"))
         except RuntimeError as exc:  # the engine loop failed: this worker cannot serve
+            self.exit_if_group_broken()  # a broken tensor-parallel group: dies, the prefill is retried
             return pack(WorkerError(ErrorKind.UNAVAILABLE, f"{self.worker_id}: {exc}"))
 
     async def _prefill(self, req: GenerateRequest,

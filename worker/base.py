@@ -73,6 +73,12 @@ class WorkerBase(TracedRole):
         self.queue_time = Histogram()
         self.init_tracing(tracing)
 
+    def exit_if_group_broken(self) -> None:
+        """A tensor-parallel worker whose group broke ends its process here (``GroupWatch``): call it
+        before answering an engine failure, so the caller sees a dead worker, not an error."""
+        if self.watch is not None:
+            self.watch.exit_if_broken()
+
     async def prepare_grammar(self, params: SamplingParams) -> None:
         """Compile a constrained request's grammar in the engine's grammar thread (cached), before the
         request takes the engine lock, so a slow grammar never holds up other requests' steps; a bad

@@ -47,16 +47,25 @@ class GroupWatch:
         error = self.engine_error()
         return None if error is None else f"the engine loop failed: {error!r}"
 
+    def exit_if_broken(self) -> None:
+        """End the process now when the group is broken (a caller about to answer a request's failure
+        calls this first: the request then sees the worker die, and migrates or retries)."""
+        problem = self.problem()
+        if problem is not None:
+            self._end(problem)
+
+    def _end(self, problem: str) -> None:
+        log.error("%s: tensor-parallel group broken (%s): stopping every rank and exiting for a restart",
+                  self.name, problem)
+        self.ranks.grace_s = 1.0
+        try:
+            self.ranks.close()
+        finally:
+            self._exit(EXIT_CODE)
+
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             problem = self.problem()
-            if problem is None:
-                continue
-            log.error("%s: tensor-parallel group broken (%s): stopping every rank and exiting for a restart",
-                      self.name, problem)
-            self.ranks.grace_s = 1.0
-            try:
-                self.ranks.close()
-            finally:
-                self._exit(EXIT_CODE)
-            return
+            if problem is not None:
+                self._end(problem)
+                return
