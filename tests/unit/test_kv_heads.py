@@ -71,3 +71,28 @@ def test_a_quantized_cache_moves_only_between_equal_head_ranges() -> None:
         check_compatible(one, info(half))
     assert err.value.field == "scale_region_bytes"
     check_compatible(one, info(one))
+
+
+def test_head_rows_address_exactly_the_heads_of_each_token() -> None:
+    """``KvSink``'s descriptors for a part of a rank's heads, read back through their addresses, are the
+    tensor's slice of those heads in every layer, block, K/V and token (NHD layout)."""
+    import ctypes
+
+    import numpy as np
+    import torch
+
+    from transfer.nixl_sink import _rows
+
+    layout = KvLayout("m", "float32", 3, 5, 4, 4, 8, 4).sharded(1, 0, 0, 4)
+    cache = torch.randn(layout.shape)
+    blocks = np.array([3, 1], dtype=np.int64)
+    table = _rows(cache.data_ptr(), layout, blocks, head=1, length=2 * 8 * 4, device=0)
+    assert table.shape == (3 * 2 * 2 * 4, 3)
+    got = b"".join(ctypes.string_at(int(addr), int(n)) for addr, n, _ in table)
+    assert got == cache[:, [3, 1], :, :, 1:3, :].contiguous().numpy().tobytes()
+    # a rank holding heads [2, 4) of 4: global head 3 is its second
+    shard = KvLayout("m", "float32", 3, 5, 4, 2, 8, 4).sharded(2, 1, 2, 4)
+    part = torch.randn(shard.shape)
+    table = _rows(part.data_ptr(), shard, blocks, head=3, length=8 * 4, device=0)
+    got = b"".join(ctypes.string_at(int(addr), int(n)) for addr, n, _ in table)
+    assert got == part[:, [3, 1], :, :, 1:2, :].contiguous().numpy().tobytes()
