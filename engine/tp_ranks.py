@@ -14,8 +14,8 @@ A caller that needs more of its ranks than the forward (a serving worker: each r
 imports nothing of the layers above it.
 
 Clean-up (``close``, idempotent): ``Stop`` to the children, join them, terminate (then kill) any that
-is still there after ``grace_s``. The children are daemonic, so they also end with this process (on Linux
-they get SIGKILL when it dies, even by SIGKILL: ``PR_SET_PDEATHSIG``), and a
+is still there after ``grace_s``. The children are daemonic, so they also end with this process (and
+within half a second when it dies some other way, even by SIGKILL: each watches its parent pid), and a
 child whose rank 0 died raises ``TpError`` at its next collective (gloo sees the closed connection;
 at the latest the group's deadline) and exits.
 """
@@ -25,7 +25,10 @@ from __future__ import annotations
 import importlib
 import logging
 import multiprocessing
+import os
 import sys
+import threading
+import time
 from collections.abc import Callable, Mapping
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -82,15 +85,18 @@ def rank_main(rank: int, size: int, port: int, model: str, config_json: bytes, e
         group.close()
 
 
-def _end_with_parent() -> None:
-    """Linux: SIGKILL this process when the one that started it dies, however it died (a killed actor
-    runs no exit handler). Elsewhere the group's deadline still ends it."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-        import signal
+def _end_with_parent(interval: float = 0.5) -> None:
+    """End this process when the one that started it dies, however it died (a killed actor runs no exit
+    handler): a daemon thread checks the parent pid every ``interval`` seconds. (``PR_SET_PDEATHSIG``
+    would follow the starting *thread*, which in a Ray actor may end long before its process.)"""
+    parent = os.getppid()
 
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="tp-parent-watch", daemon=True).start()
 
 
 class RankProcesses:

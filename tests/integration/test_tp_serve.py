@@ -5,6 +5,7 @@ worker down and back up (Ray restarts it), and the stream it was serving migrate
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -55,7 +56,10 @@ def workers(server: PdserveServer) -> dict[str, dict[str, Any]]:
 
 def rank_pids(pid: int) -> list[int]:
     """The tensor-parallel rank processes a worker's process started (multiprocessing spawn children)."""
-    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    children: list[str] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():  # any thread of it may have started them
+        with contextlib.suppress(FileNotFoundError):
+            children += (task / "children").read_text().split()
     return [int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
 
 
