@@ -72,7 +72,8 @@ def gone(pid: int) -> bool:
 
 def test_tp2_decode_over_http_equals_tp1(server: PdserveServer, model: Path) -> None:
     batch = prompts()
-    llm = LLM(model=str(model), dtype="float32", num_threads=1, kv_cache_memory=1024**2)
+    llm = LLM(model=str(model), dtype="float32", num_threads=1, kv_cache_memory=1024**2,
+              linear_kernel="plain")  # the server's kernel (SERVER_FLAGS)
     greedy = SamplingParams(max_tokens=16, temperature=0.0)
     expected = [llm.tokenizer.decode(o.token_ids) for o in llm.generate(batch, greedy)]
     seen = set()
