@@ -20,10 +20,11 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
     gpus = 1 if engine.device.startswith("cuda") else 0
 
     def workers(role: str) -> WorkerOptions:
-        # --prefill-tp / --decode-tp, else --tensor-parallel-size for both roles
-        tp = getattr(args, f"{role}_tp") or engine.tensor_parallel_size
+        # --prefill-tp / --decode-tp, else (0) --tensor-parallel-size for both roles (cluster/workers.py)
+        role_tp = getattr(args, f"{role}_tp")
+        tp = role_tp or engine.tensor_parallel_size
         if tp > 1:  # before any worker starts, naming the flag
-            flag = f"--{role}-tp" if getattr(args, f"{role}_tp") else "--tensor-parallel-size"
+            flag = f"--{role}-tp" if role_tp else "--tensor-parallel-size"
             try:
                 check_tp_size(load_model_source(resolve_model(args.model)).config, tp)
             except ValueError as exc:
@@ -32,7 +33,7 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
             num_cpus=args.worker_cpus, num_gpus=gpus, torch_threads=args.torch_threads,
             max_restarts=args.max_restarts, placement_timeout=args.placement_timeout,
             resources=dict(getattr(args, f"{role}_resources")), labels=dict(getattr(args, f"{role}_labels")),
-            tp=tp, resources_flag=f"--{role}-resources")
+            tp=role_tp, resources_flag=f"--{role}-resources")
 
     return ServeConfig(
         model=args.model, served_model_name=args.served_model_name,

@@ -86,7 +86,7 @@ class WorkerOptions:
     resources: dict[str, float] = field(default_factory=dict)
     max_restarts: int = 3
     torch_threads: int = 1
-    tp: int = 1
+    tp: int = 0  # ranks per worker; 0: the engine config's tensor_parallel_size
     placement_groups: bool = True
     placement_timeout: float = 300.0
     resources_flag: str = "--resources"
@@ -98,7 +98,7 @@ class WorkerOptions:
     @property
     def actor_gpus(self) -> int:
         """GPUs the worker's actor holds: one per tensor-parallel rank on CUDA."""
-        return self.num_gpus * self.tp
+        return self.num_gpus * max(self.tp, 1)
 
 
 UNPLACED = WorkerOptions(max_restarts=0, placement_groups=False)  # no reservation, no restart

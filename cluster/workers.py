@@ -69,6 +69,7 @@ class Launcher:
         opts = self.prefill_opts if role == "prefill" else self.decode_opts
         engine_config = self.engine_config
         config = unpack(engine_config, EngineConfig)
+        opts = dataclasses.replace(opts, tp=opts.tp or config.tensor_parallel_size)
         if config.tensor_parallel_size != opts.tp:  # the role's own size (--prefill-tp / --decode-tp)
             engine_config = pack(dataclasses.replace(config, tensor_parallel_size=opts.tp))
         pg = reserve(opts.placement(), name, opts.placement_timeout, opts.resources_flag) \
