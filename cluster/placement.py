@@ -72,7 +72,7 @@ class Placement:
     def bundles(self) -> list[dict[str, float]]:
         first: dict[str, float] = {"CPU": self.num_cpus, **self.resources}
         if self.num_gpus:
-            first["GPU"] = float(self.num_gpus * self.tp)
+            first["GPU"] = float(self.num_gpus * max(self.tp, 1))
         return [first]
 
 
