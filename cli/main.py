@@ -174,7 +174,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size, metavar="N",
                    help="devices one engine spans (tensor parallelism, vLLM's flag): N rank processes, each "
                         "holding 1/N of the heads, MLP and vocabulary; `pdserve generate` starts them itself "
-                        "(gloo on CPU, NCCL on CUDA); `pdserve serve` takes only 1 so far (default: 1)")
+                        "(gloo on CPU, NCCL on CUDA); under `pdserve serve` each worker does, for both "
+                        "roles unless --prefill-tp / --decode-tp say otherwise (default: 1)")
     g.add_argument("--tp-timeout", dest="tp_timeout_s", type=float, default=d.tp_timeout_s, metavar="SECONDS",
                    help="with --tensor-parallel-size above 1, the longest any collective of the rank group "
                         "waits: a dead or hung rank is an error after it, never a hang (default: 120)")

@@ -98,10 +98,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    metavar="KEY=VALUE[,...]",
                    help="Ray node labels decode workers must run on, e.g. pdserve-role=decode "
                         "(default: none)")
-    c.add_argument("--prefill-tp", type=_tp("--prefill-tp"), default=d.prefill.tp, metavar="N",
-                   help="devices per prefill worker (tensor parallelism); only 1 is supported so far")
-    c.add_argument("--decode-tp", type=_tp("--decode-tp"), default=d.decode.tp, metavar="N",
-                   help="devices per decode worker (tensor parallelism); only 1 is supported so far")
+    c.add_argument("--prefill-tp", type=_positive(int), default=d.prefill.tp, metavar="N",
+                   help="devices per prefill worker (tensor parallelism): rank 0 is the worker's Ray "
+                        "actor, ranks 1..N-1 its processes, each with its KV heads and NIXL agent; decode "
+                        "ranks read their heads from the prefill ranks holding them, so the two roles' "
+                        "sizes may differ (default: 0, which is --tensor-parallel-size)")
+    c.add_argument("--decode-tp", type=_positive(int), default=d.decode.tp, metavar="N",
+                   help="devices per decode worker (tensor parallelism), as --prefill-tp "
+                        "(default: 0, which is --tensor-parallel-size)")
     c.add_argument("--max-restarts", type=_non_negative, default=d.prefill.max_restarts, metavar="N",
                    help="times Ray restarts a worker whose process died; it then rejoins (default: 3)")
     c.add_argument("--placement-timeout", type=_positive(float), default=d.prefill.placement_timeout,
@@ -172,11 +176,3 @@ def _labels(flag: str) -> Any:
     return parsed_by(parse_labels, flag)
 
 
-def _tp(flag: str) -> Any:
-    def convert(text: str) -> int:
-        value = _positive(int)(text)
-        if value != 1:
-            raise argparse.ArgumentTypeError(f"{value}: tensor parallelism is not implemented yet; use 1")
-        return int(value)
-
-    return convert

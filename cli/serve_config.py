@@ -9,23 +9,31 @@ import argparse
 from cli.main import engine_config_from_args
 from cluster.config import PlannerOptions, ServeConfig, TraceFlags
 from cluster.placement import WorkerOptions
+from engine.loader import load_model_source, resolve_model
+from engine.tensor_parallel import check_tp_size
 from router.config import ClientConfig, KvFailurePolicy, RouterSettings
 
 
 def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
     """Build the ``ServeConfig``; raises ValueError naming the flag on a value argparse let through."""
     engine = engine_config_from_args(args)
-    if engine.tensor_parallel_size != 1:  # Ray workers spanning devices are not built yet
-        raise ValueError(f"--tensor-parallel-size {engine.tensor_parallel_size}: `pdserve serve` runs "
-                         "workers of one device so far; `pdserve generate` and LLM(...) take it")
     gpus = 1 if engine.device.startswith("cuda") else 0
 
     def workers(role: str) -> WorkerOptions:
+        # --prefill-tp / --decode-tp, else (0) --tensor-parallel-size for both roles (cluster/workers.py)
+        role_tp = getattr(args, f"{role}_tp")
+        tp = role_tp or engine.tensor_parallel_size
+        if tp > 1:  # before any worker starts, naming the flag
+            flag = f"--{role}-tp" if role_tp else "--tensor-parallel-size"
+            try:
+                check_tp_size(load_model_source(resolve_model(args.model)).config, tp)
+            except ValueError as exc:
+                raise ValueError(f"{flag} {tp}: {exc}") from None
         return WorkerOptions(
             num_cpus=args.worker_cpus, num_gpus=gpus, torch_threads=args.torch_threads,
             max_restarts=args.max_restarts, placement_timeout=args.placement_timeout,
             resources=dict(getattr(args, f"{role}_resources")), labels=dict(getattr(args, f"{role}_labels")),
-            tp=getattr(args, f"{role}_tp"), resources_flag=f"--{role}-resources")
+            tp=role_tp, resources_flag=f"--{role}-resources")
 
     return ServeConfig(
         model=args.model, served_model_name=args.served_model_name,

@@ -1,14 +1,15 @@
 """Where workers run: one Ray placement group per worker, on the nodes its role's resources select.
 
-A worker's group holds ``tp`` bundles packed on one node (``STRICT_PACK``):
-bundle 0 carries the worker's CPUs, its custom resources
-(``--prefill-resources`` / ``--decode-resources``, e.g. ``prefill_node=1``, which only the
-nodes started with that resource offer; ``--prefill-labels`` / ``--decode-labels`` select
-nodes by Ray node labels instead or as well) and one GPU when the engine runs on
-CUDA; bundles 1.. reserve one more GPU each for tensor-parallel ranks. The
-actor itself is scheduled into bundle 0, so a restarted actor returns to the
-same reservation. Groups are created by the driver and removed with it (they
-are never detached), so nothing outlives ``pdserve serve``.
+A worker's group is one bundle (``STRICT_PACK``: one node): the worker's CPUs, its custom
+resources (``--prefill-resources`` / ``--decode-resources``, e.g. ``prefill_node=1``, which
+only the nodes started with that resource offer; ``--prefill-labels`` / ``--decode-labels``
+select nodes by Ray node labels instead or as well) and, when the engine runs on CUDA, one
+GPU per tensor-parallel rank (``--prefill-tp`` / ``--decode-tp``): the actor is rank 0 and
+starts the other ranks as its own processes (``worker/base.py``), so Ray gives the actor all
+``tp`` GPUs (``CUDA_VISIBLE_DEVICES`` lists them, rank r takes ``cuda:r``). The actor is
+scheduled into that bundle, so a restarted actor returns to the same reservation. Groups are
+created by the driver and removed with it (they are never detached), so nothing outlives
+``pdserve serve``.
 """
 
 from __future__ import annotations
@@ -71,8 +72,8 @@ class Placement:
     def bundles(self) -> list[dict[str, float]]:
         first: dict[str, float] = {"CPU": self.num_cpus, **self.resources}
         if self.num_gpus:
-            first["GPU"] = float(self.num_gpus)
-        return [first] + [{"GPU": float(self.num_gpus)} for _ in range(self.tp - 1) if self.num_gpus]
+            first["GPU"] = float(self.num_gpus * max(self.tp, 1))
+        return [first]
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ class WorkerOptions:
     resources: dict[str, float] = field(default_factory=dict)
     max_restarts: int = 3
     torch_threads: int = 1
-    tp: int = 1
+    tp: int = 0  # ranks per worker; 0: the engine config's tensor_parallel_size
     placement_groups: bool = True
     placement_timeout: float = 300.0
     resources_flag: str = "--resources"
@@ -93,6 +94,11 @@ class WorkerOptions:
 
     def placement(self) -> Placement:
         return Placement(self.num_cpus, self.num_gpus, self.tp, dict(self.resources), dict(self.labels))
+
+    @property
+    def actor_gpus(self) -> int:
+        """GPUs the worker's actor holds: one per tensor-parallel rank on CUDA."""
+        return self.num_gpus * max(self.tp, 1)
 
 
 UNPLACED = WorkerOptions(max_restarts=0, placement_groups=False)  # no reservation, no restart

@@ -18,6 +18,7 @@ both).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 import uuid
@@ -30,7 +31,7 @@ from cluster.config import LEASE_SECONDS
 from cluster.placement import UNPLACED, WorkerOptions, release, reserve, scheduling
 from decode.worker import DecodeWorker
 from engine.config import EngineConfig
-from messages.codec import pack
+from messages.codec import pack, unpack
 from prefill.worker import PrefillWorker
 from telemetry.tracing import TraceConfig
 
@@ -66,16 +67,21 @@ class Launcher:
         worker_id = f"{role}-{index}"
         name = f"{self.prefix}-{worker_id}"
         opts = self.prefill_opts if role == "prefill" else self.decode_opts
+        engine_config = self.engine_config
+        config = unpack(engine_config, EngineConfig)
+        opts = dataclasses.replace(opts, tp=opts.tp or config.tensor_parallel_size)
+        if config.tensor_parallel_size != opts.tp:  # the role's own size (--prefill-tp / --decode-tp)
+            engine_config = pack(dataclasses.replace(config, tensor_parallel_size=opts.tp))
         pg = reserve(opts.placement(), name, opts.placement_timeout, opts.resources_flag) \
             if opts.placement_groups else None
         try:
             cls = _actor(PrefillWorker if role == "prefill" else DecodeWorker, name, opts, pg)
             if role == "prefill":
-                actor = cls.remote(worker_id, self.model, self.engine_config,
+                actor = cls.remote(worker_id, self.model, engine_config,
                                    lease_seconds=self.lease_seconds, torch_threads=opts.torch_threads,
                                    tracing=self.tracing)
             else:
-                actor = cls.remote(worker_id, self.model, self.engine_config,
+                actor = cls.remote(worker_id, self.model, engine_config,
                                    transfer_timeout=self.transfer_timeout, torch_threads=opts.torch_threads,
                                    tracing=self.tracing, transfer_failure_rate=self.transfer_failure_rate)
         except BaseException:
@@ -163,7 +169,7 @@ def _actor(cls: type, name: str, opts: WorkerOptions, group: Any) -> Any:
     options: dict[str, Any] = {
         "name": name,
         "num_cpus": opts.num_cpus,
-        "num_gpus": opts.num_gpus,
+        "num_gpus": opts.actor_gpus,
         "resources": dict(opts.resources),
         "max_restarts": opts.max_restarts,
         "max_task_retries": 0,

@@ -64,9 +64,9 @@ from messages.wire import (
 from telemetry.histogram import Histogram
 from telemetry.tracing import end_span, wall_ns
 from transfer.errors import IncompatibleKvError, TransferError
-from transfer.nixl_sink import KvSink
-from transfer.wire import AgentInfo, KvHandle, KvLayout
+from transfer.wire import AgentInfo, KvHandle
 from worker.base import WorkerBase
+from worker.tp_kv import open_sink, rank_layout
 
 PrefillRef = list[Any]  # [ObjectRef of PrefillWorker.prefill]; a list so Ray does not resolve it
 _PrefillDied = (ActorDiedError, ActorUnavailableError, RayActorError)
@@ -102,10 +102,9 @@ class DecodeWorker(WorkerBase):
         self.transfer_time = Histogram()
         self._traces: dict[str, _Trace] = {}
         self._kv_ready: dict[str, float] = {}
-        runner = self.engine.runner
-        self.layout = KvLayout.from_tensor(runner.kv_cache, self.engine.model_config.name, runner.kv_scales)
-        self.sink = KvSink(runner.kv_cache, self.layout, scales=runner.kv_scales,
-                           agent_name=f"{worker_id}-{uuid.uuid4().hex[:8]}")
+        self.layout = rank_layout(self.engine.runner, self.engine.model_config.name)
+        # one agent per tensor-parallel rank, each pulling its own KV heads (``worker/tp_kv.py``)
+        self.sink = open_sink(self.engine, f"{worker_id}-{uuid.uuid4().hex[:8]}")
         if transfer_failure_rate:
             seed = zlib.crc32(f"{self.engine.config.seed}:{worker_id}".encode())
             self.sink.inject_failure_rate(transfer_failure_rate, seed)
@@ -168,6 +167,7 @@ class DecodeWorker(WorkerBase):
         except TimeoutError:
             yield pack(WorkerError(ErrorKind.TIMEOUT, f"{rid}: no output for {self.request_timeout} s"))
         except RuntimeError as exc:  # the engine loop failed: this worker cannot serve
+            self.exit_if_group_broken()  # a broken tensor-parallel group: dies, the request migrates
             yield pack(WorkerError(ErrorKind.UNAVAILABLE, f"{self.worker_id}: {exc}"))
         finally:
             if final:

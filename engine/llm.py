@@ -22,6 +22,22 @@ from engine.tokenizer import Tokenizer
 from engine.tp_ranks import RankProcesses
 
 Prompt = str | list[int]
+
+
+def start_engine(model: str | None, config: EngineConfig, check_integrity: bool = False,
+                 extension: str = "") -> tuple[LLMEngine, RankProcesses | None]:
+    """An engine, with its rank processes when ``config.tensor_parallel_size`` > 1 (``extension``: see
+    ``engine/tp_ranks.py``); the caller closes the ranks. A failed start stops the ranks it started."""
+    if config.tensor_parallel_size == 1:
+        return LLMEngine(model, config, check_integrity=check_integrity), None
+    path = resolve_model(model)
+    check_tp_size(load_model_source(path).config, config.tensor_parallel_size)
+    ranks = RankProcesses(path, config, extension=extension)
+    try:
+        return LLMEngine(str(path), config, check_integrity=check_integrity, group=ranks.group), ranks
+    except BaseException:
+        ranks.close()
+        raise
 Message = dict[str, str]
 
 
@@ -32,20 +48,9 @@ class LLM:
         unknown = set(engine_args) - set(EngineConfig.__dataclass_fields__)
         if unknown:
             raise TypeError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
-        config = EngineConfig(**engine_args)
-        self.ranks: RankProcesses | None = None
-        if config.tensor_parallel_size == 1:
-            self.engine = LLMEngine(model, config, check_integrity=check_integrity)
-            return
-        path = resolve_model(model)
-        check_tp_size(load_model_source(path).config, config.tensor_parallel_size)
-        ranks = self.ranks = RankProcesses(path, config)
-        self._finalizer = weakref.finalize(self, ranks.close)
-        try:
-            self.engine = LLMEngine(str(path), config, check_integrity=check_integrity, group=ranks.group)
-        except BaseException:
-            self.close()
-            raise
+        self.engine, self.ranks = start_engine(model, EngineConfig(**engine_args), check_integrity)
+        if self.ranks is not None:
+            self._finalizer = weakref.finalize(self, self.ranks.close)
 
     def close(self) -> None:
         """Stop the tensor-parallel rank processes (nothing to do without them); idempotent."""

@@ -11,6 +11,7 @@ declines runs here.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -21,7 +22,7 @@ from engine.graph_runner import DecodeGraphRunner, graph_mode
 from engine.kv_cache import KVCacheManager
 from engine.model import CausalLM, allocate_kv_cache, allocate_kv_scales
 from engine.scheduler import SchedulerOutput
-from engine.tp_group import KeepAlive, StepPlan, Stop, TpGroup
+from engine.tp_group import Call, CallReply, StepPlan, Stop, TpGroup, run_handler
 from kernels import AttentionMetadata, get_attention_backend
 
 if TYPE_CHECKING:
@@ -100,15 +101,22 @@ class ModelRunner:
             self.group.send_plan(plan)
             return self.run(self.inputs(plan))
 
-    def follow(self) -> None:
-        """Ranks 1..N-1: run every step rank 0 plans until it sends ``Stop`` (raises ``TpError`` when the
-        group breaks)."""
+    def follow(self, handlers: Mapping[str, Callable[[bytes], bytes]] | None = None) -> None:
+        """Ranks 1..N-1: run every step rank 0 plans, and every ``Call`` by its handler (an unknown name
+        answers an error), until rank 0 sends ``Stop`` (raises ``TpError`` when the group breaks)."""
         assert self.group is not None and self.group.rank > 0
+        handlers = handlers or {}
         while True:
             plan = self.group.recv_plan()
             if isinstance(plan, Stop):
                 return
-            if not isinstance(plan, KeepAlive):
+            if isinstance(plan, Call):
+                handler = handlers.get(plan.name)
+                payload = plan.payload
+                reply = (run_handler(lambda: handler(payload)) if handler is not None  # noqa: B023
+                         else CallReply(error=f"rank {self.group.rank} has no handler {plan.name!r}"))
+                self.group.gather_replies(reply)
+            elif isinstance(plan, StepPlan):
                 self.run(self.inputs(plan))
 
     def prepare(self, out: SchedulerOutput, kv: KVCacheManager) -> StepInputs:

@@ -13,13 +13,19 @@ Contract (every rank of one worker, all on one host):
 - order: rank 0 holds ``lock`` around every use (a step's plan and its forward's collectives, a
   keep-alive), so collectives never interleave across threads;
 - plans: once per step rank 0 broadcasts a ``StepPlan`` (msgspec bytes: a length, then the bytes);
-  ``Stop`` ends the other ranks' loop.
+  ``Stop`` ends the other ranks' loop;
+- calls: ``call(name, payload, local)`` (rank 0, under ``lock``) broadcasts a ``Call``; every other
+  rank runs its handler for ``name`` (``ModelRunner.follow``'s ``handlers``) while rank 0 runs
+  ``local``, and each answers a ``CallReply`` (a raised exception becomes ``error``), gathered to
+  rank 0 in rank order. How a worker's ranks reach NIXL (``worker/tp_kv.py``): rank 0 asks, every
+  rank acts on its own shard. A handler must finish well within ``timeout_s``.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -51,9 +57,30 @@ class Stop(msgspec.Struct, tag="stop", frozen=True):
     pass
 
 
-Plan = StepPlan | KeepAlive | Stop
+class Call(msgspec.Struct, tag="call", frozen=True):
+    """Run the handler ``name`` on every rank with ``payload``; each answers a ``CallReply``."""
+
+    name: str
+    payload: bytes
+
+
+class CallReply(msgspec.Struct, frozen=True):
+    data: bytes = b""
+    error: str = ""  # non-empty: the handler raised (type and message)
+
+
+Plan = StepPlan | KeepAlive | Stop | Call
+_REPLY_DECODER = msgspec.msgpack.Decoder(CallReply)
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Plan)
+
+
+def run_handler(handler: Callable[[], bytes]) -> CallReply:
+    """``handler()``'s bytes as a reply; an exception it raises as the reply's ``error``."""
+    try:
+        return CallReply(handler())
+    except Exception as exc:  # noqa: BLE001 - every rank must answer the gather, whatever happened
+        return CallReply(error=f"{type(exc).__name__}: {exc}")
 
 
 class TpError(RuntimeError):
@@ -165,6 +192,36 @@ class TpGroup:
         buf = torch.empty(int(n.item()), dtype=torch.uint8)
         self._broadcast(buf)
         return _DECODER.decode(buf.numpy().tobytes())
+
+    def call(self, name: str, payload: bytes, local: Callable[[], bytes]) -> list[CallReply]:
+        """Rank 0: run ``name`` on every other rank and ``local`` here; the replies, rank 0's first."""
+        with self.lock:
+            self.send_plan(Call(name, payload))
+            return self.gather_replies(run_handler(local))
+
+    def gather_replies(self, mine: CallReply) -> list[CallReply]:
+        """Every rank's reply to the current ``Call``, gathered to rank 0 (others get ``[mine]``)."""
+        data = _ENCODER.encode(mine)
+        longest = torch.tensor([len(data)], dtype=torch.int64)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp(dist.ReduceOp.MAX)
+        opts.timeout = self.timeout
+        self._wait(self._plans.allreduce([longest], opts), "reply length all-reduce")
+        buf = torch.zeros(8 + int(longest.item()), dtype=torch.uint8)
+        buf[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+        buf[8:8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        parts = [torch.empty_like(buf) for _ in range(self.size)] if self.rank == 0 else []
+        gather = dist.GatherOptions()
+        gather.rootRank = 0
+        gather.timeout = self.timeout
+        self._wait(self._plans.gather([parts] if parts else [], [buf], gather), "reply gather")
+        if self.rank > 0:
+            return [mine]
+        replies = []
+        for part in parts:
+            n = int(part[:8].view(torch.int64).item())
+            replies.append(_REPLY_DECODER.decode(part[8:8 + n].numpy().tobytes()))
+        return replies
 
     def _keep_alive(self) -> None:
         period = self.timeout_s / 3

@@ -31,10 +31,9 @@ from engine.engine import LLMEngine
 from engine.outputs import RequestMetrics
 from messages.codec import pack, unpack
 from messages.wire import ErrorKind, GenerateRequest, PrefillResult, TokenLogprob, WorkerError, WorkerStats
-from transfer.compat import compat_hash
-from transfer.nixl_source import KvSource
-from transfer.wire import KvHandle, KvLayout
+from transfer.wire import KvHandle
 from worker.base import WorkerBase
+from worker.tp_kv import open_source
 
 log = logging.getLogger(__name__)
 
@@ -51,10 +50,8 @@ class PrefillWorker(WorkerBase):
         # speculation is decoding's business: a prefill worker emits one token per request
         config = dataclasses.replace(unpack(engine_config, EngineConfig), speculative_config=None)
         super().__init__(worker_id, model, config, torch_threads, tracing)
-        runner = self.engine.runner
-        self.layout = KvLayout.from_tensor(runner.kv_cache, self.engine.model_config.name, runner.kv_scales)
-        self.source = KvSource(runner.kv_cache, self.layout, scales=runner.kv_scales,
-                               agent_name=f"{worker_id}-{uuid.uuid4().hex[:8]}")
+        # one agent per tensor-parallel rank; leases live on rank 0's (``worker/tp_kv.py``)
+        self.source, self.agent = open_source(self.engine, f"{worker_id}-{uuid.uuid4().hex[:8]}")
         self.lease_seconds = lease_seconds
         self.poll_interval = poll_interval
         self.request_timeout = request_timeout
@@ -68,7 +65,7 @@ class PrefillWorker(WorkerBase):
         self.aengine.start()
         if self._poller is None:
             self._poller = asyncio.get_running_loop().create_task(self._poll_leases())
-        return pack(self.source.agent_info())
+        return pack(self.agent)
 
     async def prefill(self, request: bytes, lease_seconds: float | None = None) -> bytes:
         """``GenerateRequest`` bytes in; ``PrefillResult`` (or ``WorkerError``) bytes out, never a raise.
@@ -82,6 +79,7 @@ class PrefillWorker(WorkerBase):
         except TimeoutError:
             return pack(WorkerError(ErrorKind.TIMEOUT, f"prefill did not finish in {self.request_timeout} s"))
         except RuntimeError as exc:  # the engine loop failed: this worker cannot serve
+            self.exit_if_group_broken()  # a broken tensor-parallel group: dies, the prefill is retried
             return pack(WorkerError(ErrorKind.UNAVAILABLE, f"{self.worker_id}: {exc}"))
 
     async def _prefill(self, req: GenerateRequest,
@@ -114,10 +112,10 @@ class PrefillWorker(WorkerBase):
         deadline = time.time() + (self.lease_seconds if lease_seconds is None else lease_seconds)
         handle = KvHandle(
             request_id=rid,
-            agent_name=self.source.agent_info().agent_name,
+            agent_name=self.agent.agent_name,
             block_ids=blocks,
             num_tokens=len(req.prompt_token_ids),
-            compat_hash=compat_hash(self.layout),
+            compat_hash=self.agent.compat_hash,
             lease_deadline=deadline,
         )
         self.source.add_lease(rid, deadline)

@@ -13,17 +13,30 @@ Contract
   the source's regions (with the source's own ``num_blocks``) is prepared once.
   Calling it again with the same info is a no-op; with new info for the same name
   (a restarted source) it reconnects.
+- Tensor parallelism (``transfer/heads.py``): the sink is one rank's shard, the source
+  ``info`` a whole worker (rank 0's agent, the others in ``tp_ranks``). ``connect``
+  adds the source ranks that hold this rank's KV heads (and rank 0, which the
+  notifications go to) and checks every head is held (``IncompatibleKvError`` at the
+  handshake, naming the TP sizes, otherwise). ``read`` posts one READ per source
+  rank: a run of heads that is every head on both sides copies whole regions (the
+  prepared lists, as above); a part of a rank's heads is one descriptor per (layer,
+  block, K/V, token) row, ``len = heads * head_dim * element_size`` (the cache is
+  NHD: a token's heads are adjacent, its next token is a row further), built per
+  read with numpy. ``TransferStats.descriptors`` counts them all.
 - ``read(handle, remote_block_ids, local_block_ids, timeout)`` copies every layer of
   each ``remote_block_ids[i]`` into ``local_block_ids[i]``, as one READ built by
   index from the prepared lists (NIXL merges runs of address-contiguous regions;
   ``TransferStats.descriptors`` counts the merged descriptors). The decode worker
   owns and reserves the local blocks beforehand; the sink never frees anything.
 - Notification protocol: the READ carries ``done:<request_id>``, which NIXL delivers
-  to the source only once the READ completed; the source then ends the lease and
-  prefill frees the blocks. An empty read sends ``done:`` on its own. When decode
-  gives up on a handle without a successful read (abort, failure, retry elsewhere)
-  it must call ``release(handle)``, which sends ``release:<request_id>``; a failed
-  ``read`` does not release by itself, so the caller may retry the same handle.
+  to the source only once the READ completed (with several READs, or ``notify=False``
+  and a later ``notify_done``, the sink sends it itself once they all completed:
+  a tensor-parallel decode worker's rank 0 sends it after every rank's READs); the
+  source then ends the lease and prefill frees the blocks. An empty read sends
+  ``done:`` on its own. When decode gives up on a handle without a successful read
+  (abort, failure, retry elsewhere) it must call ``release(handle)``, which sends
+  ``release:<request_id>``; a failed ``read`` does not release by itself, so the
+  caller may retry the same handle.
 - Deadlines: a read never waits past ``min(now + timeout, handle.lease_deadline)``;
   ``TransferError.outcome`` is ``"timeout"`` or ``"expired"`` accordingly (a handle
   whose lease already ended is refused before posting). NIXL ``ERR`` raises
@@ -43,14 +56,16 @@ import logging
 import random
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 from nixl._api import nixl_agent, nixl_prepped_dlist_handle, nixl_xfer_handle
 
 from transfer.agent import ProgressPump, default_read_threads, new_agent
-from transfer.compat import check_compatible, compat_hash
+from transfer.compat import check_compatible
 from transfer.errors import IncompatibleKvError, TransferError
+from transfer.heads import HeadRun, head_reads, whole_rows
 from transfer.nixl_source import DONE_PREFIX, RELEASE_PREFIX, check_tensor, region_table, tensor_placement
 from transfer.wire import AgentInfo, KvHandle, KvLayout, TransferStats
 
@@ -62,24 +77,38 @@ PROGRESS_INTERVAL_S = 0.005
 
 
 @dataclass
-class _Remote:
+class _Peer:
+    """One rank of a source worker: its NIXL name, its whole-region list, the heads read from it."""
+
     info: AgentInfo
     nixl_name: str
-    dlist: nixl_prepped_dlist_handle
+    dlist: nixl_prepped_dlist_handle | None
+    runs: list[HeadRun]
+
+
+@dataclass
+class _Remote:
+    info: AgentInfo  # the source worker's rank 0 (its other ranks in ``tp_ranks``)
+    peers: list[_Peer]  # peers[0] is rank 0: notifications go there
+
+    @property
+    def nixl_name(self) -> str:
+        return self.peers[0].nixl_name
 
 
 @dataclass
 class _Pending:
-    xfer: nixl_xfer_handle
+    xfers: list[nixl_xfer_handle]
     request_id: str
     started: float
     deadline: float
     deadline_outcome: str
-    state: str
+    states: list[str]
+    notify_after: bytes  # a "done" notification to send once every READ completed (b"": none)
 
 
 class KvSink:
-    """Reads KV blocks from connected sources into this worker's KV cache."""
+    """Reads KV blocks from connected sources into this worker's KV cache (or this rank's shard)."""
 
     def __init__(
         self,
@@ -96,10 +125,10 @@ class KvSink:
         self.layout = layout
         self.agent_name = agent_name
         self.backend = backend
-        self._hash = compat_hash(layout)
         self._kv_cache = kv_cache
         self._scales = scales
         mem_type, device_id = tensor_placement(kv_cache)
+        self._mem_type, self._device_id = mem_type, device_id
         if read_threads is None:
             read_threads = default_read_threads(mem_type)
         if read_threads < 0:
@@ -122,17 +151,28 @@ class KvSink:
         known = self._remotes.get(info.agent_name)
         if known is not None and known.info == info:
             return
-        check_compatible(self.layout, info)
+        group = info.group
+        for rank in group:
+            check_compatible(self.layout, rank)
+        runs = head_reads(self.layout, [rank.layout for rank in group])
         if known is not None:
             self._disconnect(known)
         agent = self._live_agent()
-        nixl_name = agent.add_remote_agent(info.metadata)
-        if isinstance(nixl_name, bytes):
-            nixl_name = nixl_name.decode()
-        table = region_table(info.base_addr, info.layout, info.device_id, info.scales_addr)
-        dlist = agent.prep_xfer_dlist(nixl_name, table, info.mem_type, backends=[self.backend])
-        agent.make_connection(nixl_name, backends=[self.backend])
-        self._remotes[info.agent_name] = _Remote(info, nixl_name, dlist)
+        peers: list[_Peer] = []
+        for index, rank in enumerate(group):
+            mine = [run for run in runs if run.source == index]
+            if not mine and index > 0:
+                continue
+            nixl_name = agent.add_remote_agent(rank.metadata)
+            if isinstance(nixl_name, bytes):
+                nixl_name = nixl_name.decode()
+            dlist = None
+            if len(mine) == 1 and whole_rows(mine[0], self.layout, rank.layout):
+                table = region_table(rank.base_addr, rank.layout, rank.device_id, rank.scales_addr)
+                dlist = agent.prep_xfer_dlist(nixl_name, table, rank.mem_type, backends=[self.backend])
+            agent.make_connection(nixl_name, backends=[self.backend])
+            peers.append(_Peer(rank, nixl_name, dlist, mine))
+        self._remotes[info.agent_name] = _Remote(info, peers)
 
     def disconnect(self, agent_name: str) -> None:
         """Forget a source that left (its worker drained); unknown names are ignored."""
@@ -151,9 +191,10 @@ class KvSink:
         self._failure_rng = random.Random(seed)
 
     async def read(
-        self, handle: KvHandle, remote_block_ids: list[int], local_block_ids: list[int], timeout: float
+        self, handle: KvHandle, remote_block_ids: list[int], local_block_ids: list[int], timeout: float,
+        notify: bool = True,
     ) -> TransferStats:
-        pending, stats = self._post(handle, remote_block_ids, local_block_ids, timeout)
+        pending, stats = self._post(handle, remote_block_ids, local_block_ids, timeout, notify)
         if pending is None:
             return stats
         delay = MIN_POLL_S
@@ -163,12 +204,14 @@ class KvSink:
                 delay = min(delay * 2, MAX_POLL_S)
         finally:
             self._release_xfer(pending)
+        self._notify_after(handle, pending)
         return _finished(stats, pending)
 
     def read_blocking(
-        self, handle: KvHandle, remote_block_ids: list[int], local_block_ids: list[int], timeout: float
+        self, handle: KvHandle, remote_block_ids: list[int], local_block_ids: list[int], timeout: float,
+        notify: bool = True,
     ) -> TransferStats:
-        pending, stats = self._post(handle, remote_block_ids, local_block_ids, timeout)
+        pending, stats = self._post(handle, remote_block_ids, local_block_ids, timeout, notify)
         if pending is None:
             return stats
         try:
@@ -176,7 +219,13 @@ class KvSink:
                 time.sleep(MIN_POLL_S)
         finally:
             self._release_xfer(pending)
+        self._notify_after(handle, pending)
         return _finished(stats, pending)
+
+    def notify_done(self, handle: KvHandle) -> None:
+        """Tell the source its blocks were read (after reads with ``notify=False`` completed)."""
+        notif = (DONE_PREFIX + handle.request_id).encode()
+        self._live_agent().send_notif(self._remote(handle).nixl_name, notif)
 
     def release(self, handle: KvHandle) -> None:
         remote = self._remotes.get(handle.agent_name)
@@ -199,96 +248,148 @@ class KvSink:
             logger.exception("closing KV sink %s failed", self.agent_name)
         self._agent = None
 
+    def _remote(self, handle: KvHandle) -> _Remote:
+        remote = self._remotes.get(handle.agent_name)
+        if remote is None:
+            raise TransferError("unknown_agent", f"source {handle.agent_name!r} is not connected")
+        return remote
+
     def _post(
-        self, handle: KvHandle, remote_block_ids: list[int], local_block_ids: list[int], timeout: float
+        self, handle: KvHandle, remote_block_ids: list[int], local_block_ids: list[int], timeout: float,
+        notify: bool,
     ) -> tuple[_Pending | None, TransferStats]:
-        """Validate, then post one READ; ``None`` when there was nothing to move."""
+        """Validate, then post the READs (one per source rank); ``None`` when there was nothing to move."""
         if self._failures_to_inject > 0:
             self._failures_to_inject -= 1
             raise TransferError("injected", f"injected failure reading {handle.request_id}")
         if self._failure_rate > 0.0 and self._failure_rng.random() < self._failure_rate:
             raise TransferError("injected", f"injected failure (rate {self._failure_rate:g}) reading "
                                             f"{handle.request_id}")
-        remote = self._remotes.get(handle.agent_name)
-        if remote is None:
-            raise TransferError("unknown_agent", f"source {handle.agent_name!r} is not connected")
-        if handle.compat_hash != self._hash:
-            raise IncompatibleKvError("compat_hash", f"handle {handle.request_id} has another compat_hash")
-        remote_idx, local_idx = self._indices(remote, remote_block_ids, local_block_ids)
+        remote = self._remote(handle)
+        if handle.compat_hash != remote.info.compat_hash:
+            raise IncompatibleKvError("compat_hash", f"handle {handle.request_id} has another compat_hash "
+                                                     f"than its source {handle.agent_name!r}")
+        if len(remote_block_ids) != len(local_block_ids):
+            raise ValueError(f"{len(remote_block_ids)} remote blocks but {len(local_block_ids)} local blocks")
+        remote_blocks = np.asarray(remote_block_ids, dtype=np.int64)
+        local_blocks = np.asarray(local_block_ids, dtype=np.int64)
+        _check_range("local", local_blocks, self.layout.num_blocks)
+        requests = []
+        for peer in remote.peers:
+            _check_range("remote", remote_blocks, peer.info.layout.num_blocks)
+            if peer.runs and len(local_blocks):
+                requests.append((peer, *self._descriptors(peer, remote_blocks, local_blocks)))
         now = time.time()
         if handle.lease_deadline <= now:
             raise TransferError("expired", f"lease of {handle.request_id} ended before the read")
         agent = self._live_agent()
-        notif = (DONE_PREFIX + handle.request_id).encode()
+        notif = (DONE_PREFIX + handle.request_id).encode() if notify else b""
         started = time.perf_counter()
         stats = TransferStats(
             blocks=len(local_block_ids),
-            bytes=len(local_block_ids) * self.layout.num_layers
-            * (self.layout.region_bytes + self.layout.scale_region_bytes),
-            descriptors=merged_descriptor_count(local_idx, remote_idx),
+            bytes=sum(nbytes for _, _, _, nbytes, _ in requests),
+            descriptors=sum(count for _, _, _, _, count in requests),
             seconds=0.0,
             backend=self.backend,
         )
-        if len(local_idx) == 0:
-            agent.send_notif(remote.nixl_name, notif)
+        if not requests:
+            if notify:
+                agent.send_notif(remote.nixl_name, notif)
             return None, stats
-        xfer = agent.make_prepped_xfer("READ", self._local, local_idx, remote.dlist, remote_idx, notif)
+        # one READ to rank 0 carries the notification itself; otherwise it follows every READ
+        carried = notif if len(requests) == 1 and requests[0][0] is remote.peers[0] else b""
         outcome = "timeout" if now + timeout <= handle.lease_deadline else "expired"
         deadline = started + min(timeout, handle.lease_deadline - now)
-        pending = _Pending(xfer, handle.request_id, started, deadline, outcome, "PROC")
+        pending = _Pending([], handle.request_id, started, deadline, outcome, [],
+                           b"" if carried else notif)
         try:
-            pending.state = agent.transfer(xfer)
+            for peer, local_side, remote_side, _, _ in requests:
+                if isinstance(local_side, np.ndarray) and peer.dlist is not None:
+                    xfer = agent.make_prepped_xfer("READ", self._local, local_side, peer.dlist, remote_side,
+                                                   carried)
+                else:
+                    xfer = agent.initialize_xfer("READ", local_side, remote_side, peer.nixl_name, carried)
+                pending.xfers.append(xfer)
+                pending.states.append(agent.transfer(xfer))
         except BaseException:
             self._release_xfer(pending)
             raise
         return pending, stats
 
+    def _descriptors(self, peer: _Peer, remote_blocks: np.ndarray,
+                     local_blocks: np.ndarray) -> tuple[Any, Any, int, int]:
+        """``(local side, remote side, bytes, descriptors)`` of one source rank's READ: indices into the
+        prepared lists for whole regions, else descriptor lists of (layer, block, K/V, token) rows."""
+        src, dst = peer.info.layout, self.layout
+        blocks = len(local_blocks)
+        if peer.dlist is not None:
+            remote_idx, local_idx = self._indices(src, remote_blocks, local_blocks)
+            nbytes = blocks * dst.num_layers * (dst.region_bytes + dst.scale_region_bytes)
+            return local_idx, remote_idx, nbytes, merged_descriptor_count(local_idx, remote_idx)
+        agent = self._live_agent()
+        head_bytes = dst.head_dim * dst.element_size
+        local_rows, remote_rows = [], []
+        for run in peer.runs:
+            length = (run.stop - run.start) * head_bytes
+            remote_rows.append(_rows(peer.info.base_addr, src, remote_blocks, run.start, length,
+                                     peer.info.device_id))
+            local_rows.append(_rows(self._kv_cache.data_ptr(), dst, local_blocks, run.start, length,
+                                    self._device_id))
+        local_table, remote_table = np.concatenate(local_rows), np.concatenate(remote_rows)
+        nbytes = int(local_table[:, 1].sum())
+        return (agent.get_xfer_descs(local_table, self._mem_type),
+                agent.get_xfer_descs(remote_table, peer.info.mem_type), nbytes, len(local_table))
+
     def _progress(self, pending: _Pending) -> bool:
-        """True once the READ is done; raises on error or past the deadline."""
-        if pending.state == "PROC":
-            pending.state = self._live_agent().check_xfer_state(pending.xfer)
-        if pending.state == "DONE":
+        """True once every READ is done; raises on error or past the deadline."""
+        agent = self._live_agent()
+        for i, xfer in enumerate(pending.xfers):
+            if pending.states[i] == "PROC":
+                pending.states[i] = agent.check_xfer_state(xfer)
+            if pending.states[i] not in ("PROC", "DONE"):
+                state = pending.states[i]
+                raise TransferError("error", f"NIXL READ for {pending.request_id} failed ({state})")
+        if all(state == "DONE" for state in pending.states):
             return True
-        if pending.state != "PROC":
-            raise TransferError("error", f"NIXL READ for {pending.request_id} failed ({pending.state})")
         if time.perf_counter() >= pending.deadline:
             raise TransferError(
                 pending.deadline_outcome, f"READ for {pending.request_id} passed its deadline"
             )
         return False
 
+    def _notify_after(self, handle: KvHandle, pending: _Pending) -> None:
+        if pending.notify_after:
+            self._live_agent().send_notif(self._remote(handle).nixl_name, pending.notify_after)
+
     def _indices(
-        self, remote: _Remote, remote_block_ids: list[int], local_block_ids: list[int]
+        self, src: KvLayout, remote_blocks: np.ndarray, local_blocks: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
-        if len(remote_block_ids) != len(local_block_ids):
-            raise ValueError(f"{len(remote_block_ids)} remote blocks but {len(local_block_ids)} local blocks")
-        remote_blocks = np.asarray(remote_block_ids, dtype=np.int64)
-        local_blocks = np.asarray(local_block_ids, dtype=np.int64)
-        _check_range("remote", remote_blocks, remote.info.layout.num_blocks)
-        _check_range("local", local_blocks, self.layout.num_blocks)
         layers = np.arange(self.layout.num_layers, dtype=np.int64)[:, None]
-        remote_idx = (layers * remote.info.layout.num_blocks + remote_blocks[None, :]).ravel()
+        remote_idx = (layers * src.num_blocks + remote_blocks[None, :]).ravel()
         local_idx = (layers * self.layout.num_blocks + local_blocks[None, :]).ravel()
         if self.layout.scale_region_bytes:  # the scale regions follow the K/V regions in both tables
-            remote_count = self.layout.num_layers * remote.info.layout.num_blocks
+            remote_count = self.layout.num_layers * src.num_blocks
             local_count = self.layout.num_layers * self.layout.num_blocks
             remote_idx = np.concatenate((remote_idx, remote_idx + remote_count))
             local_idx = np.concatenate((local_idx, local_idx + local_count))
         return remote_idx.astype(np.int32), local_idx.astype(np.int32)
 
     def _release_xfer(self, pending: _Pending) -> None:
-        try:
-            pending.xfer.release()
-        except Exception:  # noqa: BLE001 - NIXL could not cancel; the agent keeps it for cleanup
-            logger.exception("releasing the READ of %s failed", pending.request_id)
+        for xfer in pending.xfers:
+            try:
+                xfer.release()
+            except Exception:  # noqa: BLE001 - NIXL could not cancel; the agent keeps it for cleanup
+                logger.exception("releasing the READ of %s failed", pending.request_id)
 
     def _disconnect(self, remote: _Remote) -> None:
         self._remotes.pop(remote.info.agent_name, None)
-        try:
-            remote.dlist.release()
-            self._live_agent().remove_remote_agent(remote.nixl_name)
-        except Exception:  # noqa: BLE001 - the remote may already be gone
-            logger.exception("disconnecting from %s failed", remote.info.agent_name)
+        for peer in remote.peers:
+            try:
+                if peer.dlist is not None:
+                    peer.dlist.release()
+                self._live_agent().remove_remote_agent(peer.nixl_name)
+            except Exception:  # noqa: BLE001 - the remote may already be gone
+                logger.exception("disconnecting from %s failed", peer.info.agent_name)
 
     def _live_agent(self) -> nixl_agent:
         if self._agent is None:
@@ -307,6 +408,22 @@ def merged_descriptor_count(local_idx: np.ndarray, remote_idx: np.ndarray) -> in
 def _check_range(side: str, blocks: np.ndarray, num_blocks: int) -> None:
     if blocks.size and (blocks.min() < 0 or blocks.max() >= num_blocks):
         raise ValueError(f"{side} block id out of range [0, {num_blocks}): {blocks.tolist()}")
+
+
+def _rows(base: int, layout: KvLayout, blocks: np.ndarray, head: int, length: int, device: int) -> np.ndarray:
+    """Nx3 ``(address, length, device)``: global KV head ``head`` onwards (``length`` bytes) of every
+    (layer, block, K/V, token) row of ``blocks`` in a cache of ``layout`` based at ``base``."""
+    row = layout.num_kv_heads * layout.head_dim * layout.element_size
+    offset = (head - layout.kv_head_start) * layout.head_dim * layout.element_size
+    layers = np.arange(layout.num_layers, dtype=np.uint64)[:, None, None]
+    regions = layers * np.uint64(layout.num_blocks) + blocks.astype(np.uint64)[None, :, None]
+    rows = np.arange(2 * layout.block_size, dtype=np.uint64)[None, None, :]
+    addr = np.uint64(base + offset) + regions * np.uint64(layout.region_bytes) + rows * np.uint64(row)
+    table = np.empty((addr.size, 3), dtype=np.uint64)
+    table[:, 0] = addr.ravel()
+    table[:, 1] = length
+    table[:, 2] = device
+    return table
 
 
 def _finished(stats: TransferStats, pending: _Pending) -> TransferStats:

@@ -12,10 +12,17 @@ meaning; peers with different versions refuse each other at the handshake.
   ``(layer, block)`` (``scale_region_bytes`` long, 0 when there are no scales) starts
   at ``scales_addr + (layer * num_blocks + block) * scale_region_bytes`` and moves
   with the block's K/V region in the same READ.
+  With tensor parallelism each rank's cache holds only its KV heads: ``num_kv_heads`` of the model's
+  ``total_kv_heads``, starting at global head ``kv_head_start``, on rank ``tp_rank`` of ``tp_size``
+  (``engine/tensor_parallel.py`` decides which; one head may be replicated on several ranks). The
+  defaults describe an unsharded cache.
 - ``AgentInfo`` is what a source publishes once (NIXL metadata, the tensor's address
-  and layout); a sink connects to it before its first read.
+  and layout); a sink connects to it before its first read. A tensor-parallel worker publishes its
+  rank 0's, with ranks 1..N-1's in ``tp_ranks`` (rank order): one agent per rank, each registering
+  its own KV shard.
 - ``KvHandle`` is what prefill hands decode per request: which source agent holds the
-  blocks, which blocks, and until when (``lease_deadline``, ``time.time()`` seconds).
+  blocks (rank 0's for a tensor-parallel worker: block ids are the same on every rank), which
+  blocks, and until when (``lease_deadline``, ``time.time()`` seconds).
 - ``TransferStats`` is what one read moved and how long it took.
 
 They cross processes through ``messages.codec.pack`` / ``unpack``, like every message.
@@ -26,7 +33,8 @@ from __future__ import annotations
 import msgspec
 import torch
 
-WIRE_VERSION: int = 2
+WIRE_VERSION: int = 3
+
 
 class KvLayout(msgspec.Struct, frozen=True):
     model: str
@@ -38,6 +46,28 @@ class KvLayout(msgspec.Struct, frozen=True):
     head_dim: int
     element_size: int
     scale_region_bytes: int = 0
+    tp_size: int = 1
+    tp_rank: int = 0
+    kv_head_start: int = 0
+    total_kv_heads: int = 0  # 0: num_kv_heads (an unsharded cache)
+
+    @property
+    def model_kv_heads(self) -> int:
+        """The model's KV heads (every rank's shard together)."""
+        return self.total_kv_heads or self.num_kv_heads
+
+    @property
+    def kv_head_range(self) -> tuple[int, int]:
+        """The global KV heads this cache holds, ``[start, stop)``."""
+        return self.kv_head_start, self.kv_head_start + self.num_kv_heads
+
+    def sharded(self, tp_size: int, tp_rank: int, kv_head_start: int, total_kv_heads: int) -> KvLayout:
+        """This layout as rank ``tp_rank`` of ``tp_size``'s shard of ``total_kv_heads`` heads."""
+        if not 0 <= kv_head_start <= total_kv_heads - self.num_kv_heads:
+            raise ValueError(f"KV heads [{kv_head_start}, {kv_head_start + self.num_kv_heads}) outside the "
+                             f"model's {total_kv_heads}")
+        return msgspec.structs.replace(self, tp_size=tp_size, tp_rank=tp_rank, kv_head_start=kv_head_start,
+                                       total_kv_heads=total_kv_heads)
 
     @property
     def region_bytes(self) -> int:
@@ -90,6 +120,12 @@ class AgentInfo(msgspec.Struct, frozen=True):
     mem_type: str  # "DRAM" or "VRAM"
     layout: KvLayout
     scales_addr: int = 0  # base of the scales tensor when layout.scale_region_bytes > 0
+    tp_ranks: list[AgentInfo] = []  # a tensor-parallel worker's ranks 1..N-1 (this is rank 0's)
+
+    @property
+    def group(self) -> list[AgentInfo]:
+        """Every rank's agent, rank 0 first."""
+        return [self, *self.tp_ranks]
 
 
 class KvHandle(msgspec.Struct, frozen=True):

@@ -11,6 +11,14 @@ the engine's lock), never straight from the event loop while a step runs.
 A role adds its own figures to ``WorkerStats`` by overriding ``role_stats``,
 which runs under that same lock.
 
+Tensor parallelism (``tensor_parallel_size`` N > 1): the worker is rank 0 and starts ranks 1..N-1 as
+processes of its own (``engine/tp_ranks.py``), each with its NIXL agent (``worker/tp_kv.py``);
+``GroupWatch`` ends the whole worker when any rank dies or the group breaks, so Ray restarts it as
+one. Why processes of one actor rather than N actors: the group then lives, dies and restarts as one
+Ray actor (the failure contract needs nothing more), and its step plans and KV calls never cross
+Ray; the ranks share the actor's node and the GPUs of its one placement-group bundle
+(``cluster/placement.py``).
+
 Methods called over Ray never raise for a request's sake: they answer a
 ``messages.wire.WorkerError`` instead.
 
@@ -25,6 +33,7 @@ came empty), after which the cluster removes its actor.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import time
 
@@ -37,11 +46,14 @@ from engine.engine import LLMEngine
 from engine.kv_digest import kv_digest
 from engine.kv_events import KvEventPublisher
 from engine.kv_sizing import kv_dtype_name
+from engine.llm import start_engine
 from engine.sampling_params import SamplingParams
 from messages.codec import pack
 from messages.wire import KvEvents, KvSnapshot, KvTierStats, WorkerStats
 from telemetry.histogram import Histogram
 from telemetry.tracing import TracedRole
+from worker.tp_kv import EXTENSION
+from worker.tp_watch import GroupWatch
 
 
 class WorkerBase(TracedRole):
@@ -51,11 +63,21 @@ class WorkerBase(TracedRole):
                  tracing: bytes | None = None) -> None:
         torch.set_num_threads(torch_threads)
         self.worker_id = worker_id
-        self.engine = LLMEngine(model, config)
+        if config.tensor_parallel_size > 1:  # the rank processes take the actor's thread count too
+            config = dataclasses.replace(config, num_threads=config.num_threads or torch_threads)
+        self.engine, self.ranks = start_engine(model, config, extension=EXTENSION)
         self.aengine = AsyncEngine(self.engine)
+        self.watch = (GroupWatch(self.ranks, lambda: self.aengine.error, worker_id).start()
+                      if self.ranks is not None else None)
         self.events = KvEventPublisher(self.engine.kv)
         self.queue_time = Histogram()
         self.init_tracing(tracing)
+
+    def exit_if_group_broken(self) -> None:
+        """A tensor-parallel worker whose group broke ends its process here (``GroupWatch``): call it
+        before answering an engine failure, so the caller sees a dead worker, not an error."""
+        if self.watch is not None:
+            self.watch.exit_if_broken()
 
     async def prepare_grammar(self, params: SamplingParams) -> None:
         """Compile a constrained request's grammar in the engine's grammar thread (cached), before the

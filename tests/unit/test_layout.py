@@ -79,6 +79,7 @@ IN_PROCESS_BENCHMARKS: dict[str, tuple[str, ...]] = {
     "bench.gpu": ("engine", "kernels", "transfer", "messages.codec"),
     "bench.tokenizer": ("engine.loader",),  # the client's tokenizer, from the model's local files
     "bench.transfer": ("transfer", "messages.codec"),
+    "bench.tp_transfer": ("engine", "worker.tp_kv", "transfer", "bench.tensor_parallel"),
     "bench.routing": ("router", "cluster.workers", "engine", "messages"),
     "bench.disagg": ("router", "cluster.workers", "engine", "messages"),
     "bench.router_overhead": ("router", "cluster", "engine", "messages"),

@@ -79,7 +79,8 @@ def test_placement_flags(capsys: pytest.CaptureFixture[str]) -> None:
     for argv, needle in ((["--prefill-resources", "GPU=1"], "argument --prefill-resources"),
                          (["--decode-resources", "a=-1"], "must be > 0"),
                          (["--decode-resources", "9x=1"], "invalid resource name"),
-                         (["--prefill-tp", "2"], "tensor parallelism is not implemented yet"),
+                         (["--prefill-tp", "0"], "argument --prefill-tp"),
+                         (["--decode-tp", "2"], "--decode-tp 2: tensor_parallel_size 2 does not divide"),
                          (["--decode-labels", "role"], "expected key=value"),
                          (["--prefill-labels", "role=-bad-"], "argument --prefill-labels: Invalid label"),
                          (["--max-restarts", "-1"], "argument --max-restarts")):
@@ -89,7 +90,7 @@ def test_placement_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "--decode-resources", "decode_node=1"]) == 2  # no --address: a local Ray
     assert "--decode-resources selects nodes of a Ray cluster: give its --address" in capsys.readouterr().err
     gpu = Placement(num_cpus=2, num_gpus=1, tp=2, resources={"decode_node": 1})
-    assert gpu.bundles() == [{"CPU": 2, "decode_node": 1, "GPU": 1.0}, {"GPU": 1.0}]
+    assert gpu.bundles() == [{"CPU": 2, "decode_node": 1, "GPU": 2.0}]  # the actor holds every rank's GPU
     assert Placement(num_cpus=0.5).bundles() == [{"CPU": 0.5}]
 
 

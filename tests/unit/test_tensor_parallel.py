@@ -157,4 +157,6 @@ def test_cli_sizes_that_cannot_run_name_the_flag(capsys: pytest.CaptureFixture[s
         capsys.readouterr().err
     assert main(["serve", "--tensor-parallel-size", "2"]) == 2
     err = capsys.readouterr().err
-    assert "--tensor-parallel-size 2: `pdserve serve` runs workers of one device so far" in err
+    assert "--tensor-parallel-size 2: tensor_parallel_size 2 does not divide the 9 query heads" in err
+    assert main(["serve", "--tensor-parallel-size", "3", "--prefill-tp", "2"]) == 2
+    assert "--prefill-tp 2: tensor_parallel_size 2 does not divide" in capsys.readouterr().err

@@ -1,0 +1,170 @@
+"""Disaggregation across tensor-parallel sizes, at the engine + transfer level: prefill engines of TP 1 and
+2 lend their KV over real NIXL (one agent per rank, rank processes from ``engine/tp_ranks.py``), decode
+engines of TP 1 and 2 pull it, every decode rank reading only its KV heads from the prefill ranks holding
+them. Greedy tokens equal colocated TP=1; each decode rank's KV bytes equal the prefill side's heads."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.llm import start_engine
+from engine.tp_ranks import RankProcesses
+from tests.integration.test_tensor_parallel import NEW_TOKENS, prompts, save
+from transfer.errors import IncompatibleKvError
+from transfer.nixl_sink import KvSink
+from transfer.nixl_source import KvSource
+from transfer.wire import AgentInfo, KvHandle
+from worker.tp_kv import EXTENSION, GroupSink, group_block_bytes, open_sink, open_source
+
+pytestmark = pytest.mark.slow
+
+ENGINE: dict[str, Any] = dict(dtype="float32", max_num_batched_tokens=32, num_threads=1,
+                              kv_cache_memory=1024**2, tp_timeout_s=20.0, block_size=8,
+                              enable_prefix_caching=False)
+WAIT_S = 20.0
+
+
+class Side:
+    def __init__(self, path: Path, size: int, role: str) -> None:
+        self.size = size
+        config = EngineConfig(tensor_parallel_size=size, **ENGINE)
+        self.engine: LLMEngine
+        self.ranks: RankProcesses | None
+        self.engine, self.ranks = start_engine(str(path), config, extension=EXTENSION)
+        name = f"{role}{size}-{uuid.uuid4().hex[:6]}"
+        self.source: KvSource | None = None
+        self.sink: KvSink | GroupSink | None = None
+        self.info: AgentInfo | None = None
+        if role == "prefill":
+            self.source, self.info = open_source(self.engine, name)
+        else:
+            self.sink = open_sink(self.engine, name)
+
+    def close(self) -> None:
+        for agent in (self.source, self.sink):
+            if agent is not None:
+                agent.close()
+        if self.ranks is not None:
+            self.ranks.close()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("llama")
+    save("llama", path)  # 8 query / 2 KV heads: one KV head per rank at TP=2
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(model: Path) -> list[list[int]]:
+    llm = LLM(model=str(model), **ENGINE)
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
+    return [o.token_ids for o in llm.generate(prompts(), greedy)]
+
+
+@pytest.fixture(scope="module")
+def sides(model: Path) -> Iterator[dict[tuple[str, int], Side]]:
+    made: dict[tuple[str, int], Side] = {}
+    try:
+        for role in ("prefill", "decode"):
+            for size in (1, 2):
+                made[role, size] = Side(model, size, role)
+        yield made
+    finally:
+        for side in made.values():
+            side.close()
+
+
+def heads_of(data: bytes, engine: LLMEngine, blocks: int, heads: int) -> torch.Tensor:
+    """One rank's ``block_bytes`` as ``[layers, blocks, 2, block_size, heads, head_dim]`` float32."""
+    c = engine.model_config
+    return torch.frombuffer(bytearray(data), dtype=torch.float32).view(
+        c.num_layers, blocks, 2, engine.config.block_size, heads, c.head_dim)
+
+
+def run_one(prefill: Side, decode: Side, ids: list[int]) -> tuple[list[int], int]:
+    """Prefill ``ids``, move its KV, check each decode rank's bytes, decode: (tokens, descriptors)."""
+    assert prefill.source is not None and prefill.info is not None and decode.sink is not None
+    pe, de, rid = prefill.engine, decode.engine, f"r-{uuid.uuid4().hex[:8]}"
+    pe.add_request(ids, SamplingParams(max_tokens=1, temperature=0.0), request_id=rid, hold_kv=True)
+    first = None
+    while pe.has_unfinished():
+        for out in pe.step():
+            if out.finished:
+                first = out.token_ids[0]
+    assert first is not None
+    blocks = pe.kv.blocks_of(rid)
+    deadline = time.time() + WAIT_S
+    prefill.source.add_lease(rid, deadline)
+    handle = KvHandle(rid, prefill.info.agent_name, blocks, len(ids), prefill.info.compat_hash, deadline)
+    request = de.make_request(ids, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0), request_id=rid)
+    assert de.reserve(request) is not None
+    local = de.kv.blocks_of(rid)[: len(blocks)]
+    stats = decode.sink.read_blocking(handle, blocks, local, WAIT_S)
+    head_dim, n = pe.model_config.head_dim, len(blocks)
+    kv_heads = pe.model_config.num_kv_heads
+    assert stats.bytes == pe.model_config.num_layers * n * 2 * pe.config.block_size * kv_heads * head_dim * 4
+
+    # every decode rank's bytes are exactly the prefill ranks' bytes of its heads
+    per_p = kv_heads // prefill.size
+    full = torch.cat([heads_of(b, pe, n, per_p) for b in group_block_bytes(pe, blocks)], dim=4)
+    per_d = kv_heads // decode.size
+    for rank, data in enumerate(group_block_bytes(de, local)):
+        want = full[:, :, :, :, rank * per_d:(rank + 1) * per_d].contiguous().numpy().tobytes()
+        assert data == want, f"decode rank {rank} of {decode.size} differs from prefill TP={prefill.size}"
+
+    # the done notification ends the lease on prefill rank 0, and prefill frees the blocks
+    end = time.monotonic() + WAIT_S
+    released: list[str] = []
+    while rid not in released and time.monotonic() < end:
+        released += prefill.source.poll()[0]
+        time.sleep(0.01)
+    assert rid in released
+    assert pe.release_kv(rid) == n and pe.kv.pool.num_used_blocks == 0
+
+    out = de.start_prefilled(rid, first)
+    while de.has_unfinished():
+        for o in de.step():
+            if o.finished:
+                out = o
+    assert de.kv.pool.num_used_blocks == 0
+    return out.token_ids, stats.descriptors
+
+
+@pytest.mark.parametrize(("p", "d"), [(2, 1), (1, 2), (2, 2), (1, 1)])
+def test_tokens_and_kv_bytes_across_tp_sizes(sides: dict[tuple[str, int], Side], reference: list[list[int]],
+                                             p: int, d: int) -> None:
+    prefill, decode = sides["prefill", p], sides["decode", d]
+    assert decode.sink is not None and prefill.info is not None
+    decode.sink.connect(prefill.info)
+    got, descriptors = zip(*(run_one(prefill, decode, ids) for ids in prompts()), strict=True)
+    assert list(got) == reference
+    c, bs = prefill.engine.model_config, ENGINE["block_size"]
+    blocks = sum(-(-len(ids) // bs) for ids in prompts())
+    # equal head ranges: one descriptor per (layer, run of contiguous blocks) and rank; a part of a
+    # rank's heads: one per (layer, block, K/V, token) row
+    if p == d:
+        assert sum(descriptors) <= c.num_layers * blocks * p
+    else:
+        assert sum(descriptors) == c.num_layers * blocks * 2 * bs * max(p, d)
+
+
+def test_a_source_group_without_its_other_ranks_is_refused_at_handshake(
+        sides: dict[tuple[str, int], Side]) -> None:
+    decode, prefill = sides["decode", 1], sides["prefill", 2]
+    assert decode.sink is not None and prefill.info is not None
+    partial = msgspec.structs.replace(prefill.info, agent_name="partial", tp_ranks=[])
+    with pytest.raises(IncompatibleKvError, match="incomplete") as err:
+        decode.sink.connect(partial)
+    assert err.value.field == "tp_size"
