@@ -52,6 +52,7 @@ from bench.chaos_report import Report, render, summarize
 SERVE_FLAGS = ("--num-prefill", "2", "--num-decode", "2", "--max-restarts", "1000", "--worker-cpus", "0.5",
                "--torch-threads", "1", "--kv-cache-memory", "256M", "--linear-kernel", "plain")
 API_KEY = "chaos-key"
+RETRY_PAUSE_S = 0.5  # a client's pause after a 503 before its next request
 
 
 @dataclass
@@ -102,8 +103,10 @@ class Chaos:
     async def one(self, rng: random.Random, phase: str) -> None:
         share = self.cfg.disconnect_share if self.cfg.faults else 0.0
         variant = pick_variant(rng, self.specs, share)
-        self.outcomes.append(await send(self.client, self.url, self.model, variant, phase, self.t0,
-                                        self.reference))
+        out = await send(self.client, self.url, self.model, variant, phase, self.t0, self.reference)
+        self.outcomes.append(out)
+        if out.kind == "fault_error" and out.status == 503:  # as a client honouring Retry-After would,
+            await asyncio.sleep(RETRY_PAUSE_S)  # if sooner than the 1 s it says: the run is short
 
     async def each_greedy(self, phase: str) -> None:
         """Every greedy spec once, non-streaming, ``n=1``, ``concurrency`` at a time; in the reference

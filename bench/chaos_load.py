@@ -163,7 +163,9 @@ def _error(outcome: Outcome, status: int, body: Any, headers: httpx.Headers | No
         outcome.detail = f"{status} without an OpenAI error body: {str(body)[:200]}"
         return
     outcome.code, outcome.detail = str(err.get("code")), err["message"][:300]
-    allowed = ALLOWED_ERRORS.get(status, {})
+    # a stream's error event (200 already sent) stands for the status its code belongs to
+    allowed = ALLOWED_ERRORS.get(status, {}) if status != 200 else \
+        {code: why for codes in ALLOWED_ERRORS.values() for code, why in codes.items()}
     if outcome.code not in allowed:
         outcome.kind = "violation"
     elif status == 503 and headers is not None and "retry-after" not in headers:

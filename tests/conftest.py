@@ -58,6 +58,12 @@ SHARED_SCOPES = {
         "tests/integration/test_structured.py", "tests/integration/test_structured_migration.py")),
     "transformers-reference": ("transformers_default_model", (  # the model transformers loads from the GGUF
         "tests/integration/test_engine_vs_hf.py", "tests/unit/test_loaders.py")),
+    # no shared fixture: the modules that start many worker processes (kills, restarts, rank groups) run
+    # one after another on one xdist worker, never beside each other, so that the timing bounds of one
+    # (e.g. the disconnect storm's 60 s to free everything) never meet the other's load on 2 cores
+    "worker-heavy": ("", (
+        "tests/integration/test_resilience.py", "tests/integration/test_chaos.py",
+        "tests/integration/test_tp_serve.py", "tests/integration/test_tensor_parallel.py")),
 }
 _SCOPE_OF_MODULE = {m: scope for scope, (_, modules) in SHARED_SCOPES.items() for m in modules}
 
