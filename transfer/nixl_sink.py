@@ -18,11 +18,16 @@ Contract
   adds the source ranks that hold this rank's KV heads (and rank 0, which the
   notifications go to) and checks every head is held (``IncompatibleKvError`` at the
   handshake, naming the TP sizes, otherwise). ``read`` posts one READ per source
-  rank: a run of heads that is every head on both sides copies whole regions (the
-  prepared lists, as above); a part of a rank's heads is one descriptor per (layer,
-  block, K/V, token) row, ``len = heads * head_dim * element_size`` (the cache is
-  NHD: a token's heads are adjacent, its next token is a row further), built per
-  read with numpy. ``TransferStats.descriptors`` counts them all.
+  rank whose heads equal this rank's (whole regions: the prepared lists, as below).
+  From a source rank holding other heads it stages (``transfer/staging.py``): READs
+  that rank's whole regions into one staging buffer (``staging_bytes``, default
+  ``DEFAULT_STAGING_BYTES`` = 32 MiB, registered with NIXL at the first connect that
+  needs it), in chunks of as many blocks as fit, one chunk at a time, and copies each
+  chunk's needed heads into the cache before the next chunk's READ. Descriptors: one
+  per (layer, run of consecutive blocks) and chunk. ``TransferStats.bytes`` counts the
+  KV bytes placed in the cache, ``staged_bytes`` what the staged READs moved (more
+  when the source rank holds heads this rank does not need). Async reads that stage
+  take turns on the buffer (the wait bounded by the read's deadline).
 - ``read(handle, remote_block_ids, local_block_ids, timeout)`` copies every layer of
   each ``remote_block_ids[i]`` into ``local_block_ids[i]``, as one READ built by
   index from the prepared lists (NIXL merges runs of address-contiguous regions;
@@ -58,6 +63,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import numpy as np
 import torch
 from nixl._api import nixl_agent, nixl_prepped_dlist_handle, nixl_xfer_handle
@@ -67,6 +73,7 @@ from transfer.compat import check_compatible
 from transfer.errors import IncompatibleKvError, TransferError
 from transfer.heads import HeadRun, head_reads, whole_rows
 from transfer.nixl_source import DONE_PREFIX, RELEASE_PREFIX, check_tensor, region_table, tensor_placement
+from transfer.staging import DEFAULT_STAGING_BYTES, blocks_per_chunk, chunks, copy_heads, read_tables
 from transfer.wire import AgentInfo, KvHandle, KvLayout, TransferStats
 
 logger = logging.getLogger(__name__)
@@ -82,8 +89,23 @@ class _Peer:
 
     info: AgentInfo
     nixl_name: str
-    dlist: nixl_prepped_dlist_handle | None
+    dlist: nixl_prepped_dlist_handle | None  # whole regions into whole regions; None: staged (or unread)
     runs: list[HeadRun]
+
+    @property
+    def staged(self) -> bool:
+        return bool(self.runs) and self.dlist is None
+
+
+@dataclass
+class _Chunk:
+    """One staged READ: every layer of ``remote_blocks`` of ``peer`` into staging, then ``local_blocks``."""
+
+    peer: _Peer
+    remote_blocks: np.ndarray
+    local_blocks: np.ndarray
+    local_table: np.ndarray
+    remote_table: np.ndarray
 
 
 @dataclass
@@ -105,6 +127,8 @@ class _Pending:
     deadline_outcome: str
     states: list[str]
     notify_after: bytes  # a "done" notification to send once every READ completed (b"": none)
+    chunks: list[_Chunk]  # staged READs still to post, in order
+    staged: _Chunk | None = None  # the staged READ in flight: the last of ``xfers``
 
 
 class KvSink:
@@ -120,6 +144,7 @@ class KvSink:
         progress_thread: bool = False,
         scales: torch.Tensor | None = None,
         read_threads: int | None = None,
+        staging_bytes: int = DEFAULT_STAGING_BYTES,
     ) -> None:
         check_tensor(kv_cache, layout, scales)
         self.layout = layout
@@ -143,6 +168,12 @@ class KvSink:
                              scales.data_ptr() if scales is not None else 0)
         self._local = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", table, mem_type, backends=[backend])
         self._remotes: dict[str, _Remote] = {}
+        if staging_bytes <= 0:
+            raise ValueError(f"staging_bytes must be > 0, got {staging_bytes}")
+        self.staging_bytes = staging_bytes
+        self._staging: torch.Tensor | None = None  # allocated and registered at the first staged connect
+        self._staging_reg: Any = None
+        self._staging_lock = asyncio.Lock()
         self._failures_to_inject = 0
         self._failure_rate = 0.0
         self._failure_rng = random.Random(0)
@@ -170,6 +201,9 @@ class KvSink:
             if len(mine) == 1 and whole_rows(mine[0], self.layout, rank.layout):
                 table = region_table(rank.base_addr, rank.layout, rank.device_id, rank.scales_addr)
                 dlist = agent.prep_xfer_dlist(nixl_name, table, rank.mem_type, backends=[self.backend])
+            elif mine:
+                blocks_per_chunk(rank.layout, self.staging_bytes)  # a buffer too small fails here
+                self._register_staging()
             agent.make_connection(nixl_name, backends=[self.backend])
             peers.append(_Peer(rank, nixl_name, dlist, mine))
         self._remotes[info.agent_name] = _Remote(info, peers)
@@ -194,6 +228,27 @@ class KvSink:
         self, handle: KvHandle, remote_block_ids: list[int], local_block_ids: list[int], timeout: float,
         notify: bool = True,
     ) -> TransferStats:
+        remote = self._remotes.get(handle.agent_name)
+        if remote is None or not any(peer.staged for peer in remote.peers):
+            return await self._read(handle, remote_block_ids, local_block_ids, timeout, notify)
+        started = time.monotonic()
+        wait = max(0.0, min(timeout, handle.lease_deadline - time.time()))
+        try:
+            await asyncio.wait_for(self._staging_lock.acquire(), wait)
+        except TimeoutError:
+            outcome = "timeout" if timeout < handle.lease_deadline - time.time() else "expired"
+            raise TransferError(outcome, f"the staging buffer stayed busy past the deadline of "
+                                         f"{handle.request_id}") from None
+        try:
+            left = max(0.0, timeout - (time.monotonic() - started))
+            return await self._read(handle, remote_block_ids, local_block_ids, left, notify)
+        finally:
+            self._staging_lock.release()
+
+    async def _read(
+        self, handle: KvHandle, remote_block_ids: list[int], local_block_ids: list[int], timeout: float,
+        notify: bool,
+    ) -> TransferStats:
         pending, stats = self._post(handle, remote_block_ids, local_block_ids, timeout, notify)
         if pending is None:
             return stats
@@ -211,6 +266,9 @@ class KvSink:
         self, handle: KvHandle, remote_block_ids: list[int], local_block_ids: list[int], timeout: float,
         notify: bool = True,
     ) -> TransferStats:
+        if self._staging_lock.locked():
+            raise RuntimeError(f"KV sink {self.agent_name}: a blocking read while an async read stages "
+                               f"(call every method from one thread)")
         pending, stats = self._post(handle, remote_block_ids, local_block_ids, timeout, notify)
         if pending is None:
             return stats
@@ -244,6 +302,8 @@ class KvSink:
         try:
             self._local.release()
             self._agent.deregister_memory(self._reg, backends=[self.backend])
+            if self._staging_reg is not None:
+                self._agent.deregister_memory(self._staging_reg, backends=[self.backend])
         except Exception:  # noqa: BLE001 - best effort on shutdown
             logger.exception("closing KV sink %s failed", self.agent_name)
         self._agent = None
@@ -274,71 +334,80 @@ class KvSink:
         remote_blocks = np.asarray(remote_block_ids, dtype=np.int64)
         local_blocks = np.asarray(local_block_ids, dtype=np.int64)
         _check_range("local", local_blocks, self.layout.num_blocks)
-        requests = []
+        direct, staged = [], []
         for peer in remote.peers:
             _check_range("remote", remote_blocks, peer.info.layout.num_blocks)
             if peer.runs and len(local_blocks):
-                requests.append((peer, *self._descriptors(peer, remote_blocks, local_blocks)))
+                if peer.staged:
+                    staged.extend(self._chunks(peer, remote_blocks, local_blocks))
+                else:
+                    direct.append((peer, *self._indices(peer.info.layout, remote_blocks, local_blocks)))
         now = time.time()
         if handle.lease_deadline <= now:
             raise TransferError("expired", f"lease of {handle.request_id} ended before the read")
         agent = self._live_agent()
         notif = (DONE_PREFIX + handle.request_id).encode() if notify else b""
         started = time.perf_counter()
+        dst, blocks = self.layout, len(local_block_ids)
+        row_bytes = 2 * dst.block_size * dst.head_dim * dst.element_size  # one head of a block, K and V
         stats = TransferStats(
-            blocks=len(local_block_ids),
-            bytes=sum(nbytes for _, _, _, nbytes, _ in requests),
-            descriptors=sum(count for _, _, _, _, count in requests),
+            blocks=blocks,
+            bytes=(len(direct) * blocks * dst.num_layers * (dst.region_bytes + dst.scale_region_bytes)
+                   + sum(blocks * dst.num_layers * row_bytes * (run.stop - run.start)
+                         for peer in remote.peers if peer.staged for run in peer.runs)),
+            descriptors=(sum(merged_descriptor_count(local_idx, remote_idx)
+                             for _, remote_idx, local_idx in direct)
+                         + sum(len(chunk.local_table) for chunk in staged)),
             seconds=0.0,
             backend=self.backend,
+            staged_bytes=sum(int(chunk.local_table[:, 1].sum()) for chunk in staged),
         )
-        if not requests:
+        if not direct and not staged:
             if notify:
                 agent.send_notif(remote.nixl_name, notif)
             return None, stats
         # one READ to rank 0 carries the notification itself; otherwise it follows every READ
-        carried = notif if len(requests) == 1 and requests[0][0] is remote.peers[0] else b""
+        carried = notif if not staged and len(direct) == 1 and direct[0][0] is remote.peers[0] else b""
         outcome = "timeout" if now + timeout <= handle.lease_deadline else "expired"
         deadline = started + min(timeout, handle.lease_deadline - now)
         pending = _Pending([], handle.request_id, started, deadline, outcome, [],
-                           b"" if carried else notif)
+                           b"" if carried else notif, staged)
         try:
-            for peer, local_side, remote_side, _, _ in requests:
-                if isinstance(local_side, np.ndarray) and peer.dlist is not None:
-                    xfer = agent.make_prepped_xfer("READ", self._local, local_side, peer.dlist, remote_side,
-                                                   carried)
-                else:
-                    xfer = agent.initialize_xfer("READ", local_side, remote_side, peer.nixl_name, carried)
+            for peer, remote_idx, local_idx in direct:
+                xfer = agent.make_prepped_xfer("READ", self._local, local_idx, peer.dlist, remote_idx,
+                                               carried)
                 pending.xfers.append(xfer)
                 pending.states.append(agent.transfer(xfer))
+            self._post_chunk(pending)
         except BaseException:
             self._release_xfer(pending)
             raise
         return pending, stats
 
-    def _descriptors(self, peer: _Peer, remote_blocks: np.ndarray,
-                     local_blocks: np.ndarray) -> tuple[Any, Any, int, int]:
-        """``(local side, remote side, bytes, descriptors)`` of one source rank's READ: indices into the
-        prepared lists for whole regions, else descriptor lists of (layer, block, K/V, token) rows."""
-        src, dst = peer.info.layout, self.layout
-        blocks = len(local_blocks)
-        if peer.dlist is not None:
-            remote_idx, local_idx = self._indices(src, remote_blocks, local_blocks)
-            nbytes = blocks * dst.num_layers * (dst.region_bytes + dst.scale_region_bytes)
-            return local_idx, remote_idx, nbytes, merged_descriptor_count(local_idx, remote_idx)
+    def _chunks(self, peer: _Peer, remote_blocks: np.ndarray, local_blocks: np.ndarray) -> list[_Chunk]:
+        """The staged READs of ``peer``'s whole regions of the blocks, as many blocks as fit each."""
+        assert self._staging is not None  # registered by connect
+        src, staging = peer.info.layout, self._staging
+        made = []
+        for part in chunks(len(local_blocks), blocks_per_chunk(src, self.staging_bytes)):
+            local_table, remote_table = read_tables(staging.data_ptr(), self._device_id, src,
+                                                    peer.info.base_addr, peer.info.device_id,
+                                                    remote_blocks[part])
+            made.append(_Chunk(peer, remote_blocks[part], local_blocks[part], local_table, remote_table))
+        return made
+
+    def _post_chunk(self, pending: _Pending) -> None:
+        """Post the next staged READ, if any (the staging buffer is free: the last one was copied out)."""
+        if not pending.chunks:
+            return
         agent = self._live_agent()
-        head_bytes = dst.head_dim * dst.element_size
-        local_rows, remote_rows = [], []
-        for run in peer.runs:
-            length = (run.stop - run.start) * head_bytes
-            remote_rows.append(_rows(peer.info.base_addr, src, remote_blocks, run.start, length,
-                                     peer.info.device_id))
-            local_rows.append(_rows(self._kv_cache.data_ptr(), dst, local_blocks, run.start, length,
-                                    self._device_id))
-        local_table, remote_table = np.concatenate(local_rows), np.concatenate(remote_rows)
-        nbytes = int(local_table[:, 1].sum())
-        return (agent.get_xfer_descs(local_table, self._mem_type),
-                agent.get_xfer_descs(remote_table, peer.info.mem_type), nbytes, len(local_table))
+        chunk = pending.chunks.pop(0)
+        xfer = agent.initialize_xfer("READ", agent.get_xfer_descs(chunk.local_table, self._mem_type),
+                                     agent.get_xfer_descs(chunk.remote_table, chunk.peer.info.mem_type),
+                                     chunk.peer.nixl_name, b"")
+        pending.xfers.append(xfer)
+        pending.states.append(agent.transfer(xfer))
+        pending.staged = chunk
 
     def _progress(self, pending: _Pending) -> bool:
         """True once every READ is done; raises on error or past the deadline."""
@@ -349,7 +418,14 @@ class KvSink:
             if pending.states[i] not in ("PROC", "DONE"):
                 state = pending.states[i]
                 raise TransferError("error", f"NIXL READ for {pending.request_id} failed ({state})")
-        if all(state == "DONE" for state in pending.states):
+        chunk = pending.staged
+        if chunk is not None and pending.states[-1] == "DONE":
+            assert self._staging is not None
+            copy_heads(self._kv_cache, self._staging, chunk.peer.info.layout, self.layout, chunk.peer.runs,
+                       chunk.local_blocks)
+            pending.staged = None
+            self._post_chunk(pending)
+        if pending.staged is None and all(state == "DONE" for state in pending.states):
             return True
         if time.perf_counter() >= pending.deadline:
             raise TransferError(
@@ -391,6 +467,11 @@ class KvSink:
             except Exception:  # noqa: BLE001 - the remote may already be gone
                 logger.exception("disconnecting from %s failed", peer.info.agent_name)
 
+    def _register_staging(self) -> None:
+        if self._staging is None:
+            self._staging = torch.empty(self.staging_bytes, dtype=torch.uint8, device=self._kv_cache.device)
+            self._staging_reg = self._live_agent().register_memory(self._staging, backends=[self.backend])
+
     def _live_agent(self) -> nixl_agent:
         if self._agent is None:
             raise RuntimeError(f"KV sink {self.agent_name} is closed")
@@ -410,22 +491,6 @@ def _check_range(side: str, blocks: np.ndarray, num_blocks: int) -> None:
         raise ValueError(f"{side} block id out of range [0, {num_blocks}): {blocks.tolist()}")
 
 
-def _rows(base: int, layout: KvLayout, blocks: np.ndarray, head: int, length: int, device: int) -> np.ndarray:
-    """Nx3 ``(address, length, device)``: global KV head ``head`` onwards (``length`` bytes) of every
-    (layer, block, K/V, token) row of ``blocks`` in a cache of ``layout`` based at ``base``."""
-    row = layout.num_kv_heads * layout.head_dim * layout.element_size
-    offset = (head - layout.kv_head_start) * layout.head_dim * layout.element_size
-    layers = np.arange(layout.num_layers, dtype=np.uint64)[:, None, None]
-    regions = layers * np.uint64(layout.num_blocks) + blocks.astype(np.uint64)[None, :, None]
-    rows = np.arange(2 * layout.block_size, dtype=np.uint64)[None, None, :]
-    addr = np.uint64(base + offset) + regions * np.uint64(layout.region_bytes) + rows * np.uint64(row)
-    table = np.empty((addr.size, 3), dtype=np.uint64)
-    table[:, 0] = addr.ravel()
-    table[:, 1] = length
-    table[:, 2] = device
-    return table
-
-
 def _finished(stats: TransferStats, pending: _Pending) -> TransferStats:
     seconds = time.perf_counter() - pending.started
-    return TransferStats(stats.blocks, stats.bytes, stats.descriptors, seconds, stats.backend)
+    return msgspec.structs.replace(stats, seconds=seconds)

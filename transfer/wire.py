@@ -23,7 +23,8 @@ meaning; peers with different versions refuse each other at the handshake.
 - ``KvHandle`` is what prefill hands decode per request: which source agent holds the
   blocks (rank 0's for a tensor-parallel worker: block ids are the same on every rank), which
   blocks, and until when (``lease_deadline``, ``time.time()`` seconds).
-- ``TransferStats`` is what one read moved and how long it took.
+- ``TransferStats`` is what one read moved and how long it took: ``bytes`` placed in the cache,
+  ``staged_bytes`` of them (and any more) read through a staging buffer first.
 
 They cross processes through ``messages.codec.pack`` / ``unpack``, like every message.
 """
@@ -143,6 +144,7 @@ class TransferStats(msgspec.Struct, frozen=True):
     descriptors: int
     seconds: float
     backend: str
+    staged_bytes: int = 0  # bytes READ into a staging buffer (``transfer/staging.py``) first
 
     @property
     def gb_per_s(self) -> float:

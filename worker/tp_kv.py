@@ -255,4 +255,4 @@ class GroupSink:
         parts = [unpack(data, Stats).stats for data in datas]
         self.sink.notify_done(handle)
         return TransferStats(parts[0].blocks, sum(p.bytes for p in parts), sum(p.descriptors for p in parts),
-                             max(p.seconds for p in parts), self.backend)
+                             max(p.seconds for p in parts), self.backend, sum(p.staged_bytes for p in parts))

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import numpy as np
 import pytest
 import torch
 
@@ -22,7 +23,7 @@ from engine.llm import start_engine
 from engine.tp_ranks import RankProcesses
 from tests.integration.test_tensor_parallel import NEW_TOKENS, prompts, save
 from transfer.errors import IncompatibleKvError
-from transfer.nixl_sink import KvSink
+from transfer.nixl_sink import KvSink, merged_descriptor_count
 from transfer.nixl_source import KvSource
 from transfer.wire import AgentInfo, KvHandle
 from worker.tp_kv import EXTENSION, GroupSink, group_block_bytes, open_sink, open_source
@@ -93,8 +94,25 @@ def heads_of(data: bytes, engine: LLMEngine, blocks: int, heads: int) -> torch.T
         c.num_layers, blocks, 2, engine.config.block_size, heads, c.head_dim)
 
 
-def run_one(prefill: Side, decode: Side, ids: list[int]) -> tuple[list[int], int]:
-    """Prefill ``ids``, move its KV, check each decode rank's bytes, decode: (tokens, descriptors)."""
+def descriptors_of(prefill: Side, decode: Side, remote: list[int], local: list[int]) -> int:
+    """The descriptors a read of ``remote`` into ``local`` takes, all decode ranks: equal head ranges read
+    whole regions into whole regions (one descriptor per (layer, run of blocks consecutive on both
+    sides)); different ones stage each needed source rank's whole regions (one per (layer, run of
+    consecutive source blocks)); every decode rank here needs max(p, d) // d source ranks."""
+    layers = prefill.engine.model_config.num_layers
+    r, lo = np.asarray(remote), np.asarray(local)
+    if prefill.size == decode.size:
+        idx = np.arange(layers)[:, None]
+        local_idx = (idx * decode.engine.runner.kv_cache.shape[1] + lo).ravel()
+        remote_idx = (idx * prefill.engine.runner.kv_cache.shape[1] + r).ravel()
+        return prefill.size * merged_descriptor_count(local_idx, remote_idx)
+    runs = 1 + int(np.count_nonzero(np.diff(r) != 1))
+    return max(prefill.size, decode.size) * layers * runs
+
+
+def run_one(prefill: Side, decode: Side, ids: list[int]) -> tuple[list[int], int, int]:
+    """Prefill ``ids``, move its KV, check each decode rank's bytes, decode: (tokens, descriptors, the
+    descriptors expected)."""
     assert prefill.source is not None and prefill.info is not None and decode.sink is not None
     pe, de, rid = prefill.engine, decode.engine, f"r-{uuid.uuid4().hex[:8]}"
     pe.add_request(ids, SamplingParams(max_tokens=1, temperature=0.0), request_id=rid, hold_kv=True)
@@ -114,7 +132,12 @@ def run_one(prefill: Side, decode: Side, ids: list[int]) -> tuple[list[int], int
     stats = decode.sink.read_blocking(handle, blocks, local, WAIT_S)
     head_dim, n = pe.model_config.head_dim, len(blocks)
     kv_heads = pe.model_config.num_kv_heads
-    assert stats.bytes == pe.model_config.num_layers * n * 2 * pe.config.block_size * kv_heads * head_dim * 4
+    kv_bytes = pe.model_config.num_layers * n * 2 * pe.config.block_size * kv_heads * head_dim * 4
+    assert stats.bytes == kv_bytes
+    # staging reads each needed source rank's whole regions: 2:1 no extra bytes, 1:2 each decode rank
+    # reads both heads to keep one
+    staged = 0 if prefill.size == decode.size else kv_bytes * max(1, decode.size // prefill.size)
+    assert stats.staged_bytes == staged
 
     # every decode rank's bytes are exactly the prefill ranks' bytes of its heads
     per_p = kv_heads // prefill.size
@@ -139,7 +162,7 @@ def run_one(prefill: Side, decode: Side, ids: list[int]) -> tuple[list[int], int
             if o.finished:
                 out = o
     assert de.kv.pool.num_used_blocks == 0
-    return out.token_ids, stats.descriptors
+    return out.token_ids, stats.descriptors, descriptors_of(prefill, decode, blocks, local)
 
 
 @pytest.mark.parametrize(("p", "d"), [(2, 1), (1, 2), (2, 2), (1, 1)])
@@ -148,16 +171,9 @@ def test_tokens_and_kv_bytes_across_tp_sizes(sides: dict[tuple[str, int], Side],
     prefill, decode = sides["prefill", p], sides["decode", d]
     assert decode.sink is not None and prefill.info is not None
     decode.sink.connect(prefill.info)
-    got, descriptors = zip(*(run_one(prefill, decode, ids) for ids in prompts()), strict=True)
+    got, descriptors, expected = zip(*(run_one(prefill, decode, ids) for ids in prompts()), strict=True)
     assert list(got) == reference
-    c, bs = prefill.engine.model_config, ENGINE["block_size"]
-    blocks = sum(-(-len(ids) // bs) for ids in prompts())
-    # equal head ranges: one descriptor per (layer, run of contiguous blocks) and rank; a part of a
-    # rank's heads: one per (layer, block, K/V, token) row
-    if p == d:
-        assert sum(descriptors) <= c.num_layers * blocks * p
-    else:
-        assert sum(descriptors) == c.num_layers * blocks * 2 * bs * max(p, d)
+    assert descriptors == expected
 
 
 def test_a_source_group_without_its_other_ranks_is_refused_at_handshake(

@@ -73,26 +73,53 @@ def test_a_quantized_cache_moves_only_between_equal_head_ranges() -> None:
     check_compatible(one, info(one))
 
 
-def test_head_rows_address_exactly_the_heads_of_each_token() -> None:
-    """``KvSink``'s descriptors for a part of a rank's heads, read back through their addresses, are the
-    tensor's slice of those heads in every layer, block, K/V and token (NHD layout)."""
+def test_staging_chunks_a_read_in_order_by_what_fits() -> None:
+    from transfer.staging import blocks_per_chunk, chunks
+
+    src = shard(1, 0, 2)  # 2 layers of 2 * 4 tokens * 2 heads * 8 * 4 bytes = 512-byte regions
+    assert blocks_per_chunk(src, 3 * 2 * 512) == 3
+    assert blocks_per_chunk(src, 3 * 2 * 512 + 1023) == 3
+    assert chunks(7, 3) == [slice(0, 3), slice(3, 6), slice(6, 7)]
+    assert chunks(6, 3) == [slice(0, 3), slice(3, 6)]
+    assert chunks(0, 3) == []
+    with pytest.raises(ValueError, match="staging_bytes 1023 is below one block"):
+        blocks_per_chunk(src, 1023)
+
+
+@pytest.mark.parametrize(("p", "d", "total"),
+                         [(2, 1, 2), (1, 2, 2), (4, 2, 8), (2, 4, 8), (4, 1, 2), (2, 4, 1)])
+def test_a_staged_read_places_each_source_rank_heads_where_the_sink_holds_them(p: int, d: int,
+                                                                              total: int) -> None:
+    """``read_tables``' descriptors, followed through their addresses (as a READ would) into staging, then
+    ``copy_heads``, leave every decode rank's cache equal to the model's KV of its heads; a run of
+    consecutive blocks is one descriptor per layer."""
     import ctypes
 
     import numpy as np
     import torch
 
-    from transfer.nixl_sink import _rows
+    from transfer.staging import blocks_per_chunk, chunks, copy_heads, read_tables
 
-    layout = KvLayout("m", "float32", 3, 5, 4, 4, 8, 4).sharded(1, 0, 0, 4)
-    cache = torch.randn(layout.shape)
-    blocks = np.array([3, 1], dtype=np.int64)
-    table = _rows(cache.data_ptr(), layout, blocks, head=1, length=2 * 8 * 4, device=0)
-    assert table.shape == (3 * 2 * 2 * 4, 3)
-    got = b"".join(ctypes.string_at(int(addr), int(n)) for addr, n, _ in table)
-    assert got == cache[:, [3, 1], :, :, 1:3, :].contiguous().numpy().tobytes()
-    # a rank holding heads [2, 4) of 4: global head 3 is its second
-    shard = KvLayout("m", "float32", 3, 5, 4, 2, 8, 4).sharded(2, 1, 2, 4)
-    part = torch.randn(shard.shape)
-    table = _rows(part.data_ptr(), shard, blocks, head=3, length=8 * 4, device=0)
-    got = b"".join(ctypes.string_at(int(addr), int(n)) for addr, n, _ in table)
-    assert got == part[:, [3, 1], :, :, 1:2, :].contiguous().numpy().tobytes()
+    sources, sinks = group(p, total), group(d, total)
+    full = torch.randn(2, 8, 2, 4, total, 8)  # the model's KV: [layers, blocks, K/V, tokens, heads, dim]
+    caches = [full[:, :, :, :, slice(*s.kv_head_range)].contiguous() for s in sources]
+    remote = np.array([5, 6, 7, 1, 2], dtype=np.int64)
+    local = np.array([0, 3, 4, 6, 2], dtype=np.int64)
+    for sink in sinks:
+        cache = torch.zeros(sink.shape)
+        for i in {run.source for run in head_reads(sink, sources)}:
+            runs = [run for run in head_reads(sink, sources) if run.source == i]
+            src = sources[i]
+            staging = torch.empty(3 * src.num_layers * src.region_bytes, dtype=torch.uint8)
+            per = blocks_per_chunk(src, staging.numel())
+            for part in chunks(len(remote), per):
+                staged, source_side = read_tables(staging.data_ptr(), 0, src, caches[i].data_ptr(), 0,
+                                                  remote[part])
+                # [5, 6, 7] then [1, 2]: each a run of consecutive blocks, one descriptor per layer
+                assert len(staged) == src.num_layers and (staged[:, 1] == source_side[:, 1]).all()
+                for (to, n, _), (frm, _, _) in zip(staged, source_side, strict=True):
+                    ctypes.memmove(int(to), int(frm), int(n))
+                copy_heads(cache, staging, src, sink, runs, local[part])
+        want = torch.zeros(sink.shape)
+        want[:, local] = full[:, remote][:, :, :, :, slice(*sink.kv_head_range)]
+        assert torch.equal(cache, want)
