@@ -5,9 +5,10 @@ and decode engines of the bench's Llama (``bench/tensor_parallel.py``: 30 layers
 fp32: 30,720 KV bytes a token) at each TP size of the pairs, with rank processes and one NIXL agent per
 rank as a serving worker has them (``worker/tp_kv.py``), fills prefill rank 0's KV with seeded random
 bytes, and per pair ``P:D`` times ``--repeats`` pulls of ``--blocks`` blocks (16 tokens each) into
-decode, every decode rank reading its KV heads from the prefill ranks holding them. Prints per pair:
-bytes, descriptors (all ranks), median seconds and GB/s, and a plain ``torch`` copy of the same bytes
-in this process for scale. The engines share the machine's cores; on a CPU host UCX moves the bytes
+decode, every decode rank reading its KV heads from the prefill ranks holding them (through its
+staging buffer where the head ranges differ, ``transfer/staging.py``). Prints per pair: KV bytes placed,
+bytes read through staging (all ranks), descriptors (all ranks), median seconds and GB/s of the KV
+bytes, and a plain ``torch`` copy of the same bytes in this process for scale. The engines share the machine's cores; on a CPU host UCX moves the bytes
 with ``process_vm_readv`` (cma).
 """
 
@@ -44,7 +45,7 @@ def measure(source: KvSource, info: AgentInfo, sink: KvSink | GroupSink, blocks:
             repeats: int) -> dict[str, Any]:
     sink.connect(info)
     ids = list(range(blocks))
-    seconds, descriptors, nbytes = [], 0, 0
+    seconds, descriptors, nbytes, staged = [], 0, 0, 0
     for i in range(repeats + 1):  # the first pull warms the connections up
         handle = KvHandle(f"bench-{i}-{time.monotonic_ns()}", info.agent_name, ids, blocks * 16,
                           info.compat_hash, time.time() + 120)
@@ -52,10 +53,10 @@ def measure(source: KvSource, info: AgentInfo, sink: KvSink | GroupSink, blocks:
         stats = sink.read_blocking(handle, ids, ids, 120.0)
         if i:
             seconds.append(time.perf_counter() - start)
-        descriptors, nbytes = stats.descriptors, stats.bytes
+        descriptors, nbytes, staged = stats.descriptors, stats.bytes, stats.staged_bytes
         source.poll()
     median = statistics.median(seconds)
-    return {"bytes": nbytes, "descriptors": descriptors, "median_s": round(median, 4),
+    return {"bytes": nbytes, "staged_bytes": staged, "descriptors": descriptors, "median_s": round(median, 4),
             "gb_s": round(nbytes / median / 1e9, 3)}
 
 
