@@ -8,7 +8,8 @@ bytes, and per pair ``P:D`` times ``--repeats`` pulls of ``--blocks`` blocks (16
 decode, every decode rank reading its KV heads from the prefill ranks holding them (through its
 staging buffer where the head ranges differ, ``transfer/staging.py``). Prints per pair: KV bytes placed,
 bytes read through staging (all ranks), descriptors (all ranks), median seconds and GB/s of the KV
-bytes, and a plain ``torch`` copy of the same bytes in this process for scale. The engines share the machine's cores; on a CPU host UCX moves the bytes
+bytes, and a plain ``torch`` copy of the same bytes in this process for scale. The engines share
+the machine's cores; on a CPU host UCX moves the bytes
 with ``process_vm_readv`` (cma).
 """
 
