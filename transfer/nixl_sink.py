@@ -173,7 +173,7 @@ class KvSink:
         self.staging_bytes = staging_bytes
         self._staging: torch.Tensor | None = None  # allocated and registered at the first staged connect
         self._staging_reg: Any = None
-        self._staging_lock = asyncio.Lock()
+        self._staging_busy = False  # an async read is using the staging buffer
         self._failures_to_inject = 0
         self._failure_rate = 0.0
         self._failure_rng = random.Random(0)
@@ -232,18 +232,20 @@ class KvSink:
         if remote is None or not any(peer.staged for peer in remote.peers):
             return await self._read(handle, remote_block_ids, local_block_ids, timeout, notify)
         started = time.monotonic()
-        wait = max(0.0, min(timeout, handle.lease_deadline - time.time()))
-        try:
-            await asyncio.wait_for(self._staging_lock.acquire(), wait)
-        except TimeoutError:
-            outcome = "timeout" if timeout < handle.lease_deadline - time.time() else "expired"
-            raise TransferError(outcome, f"the staging buffer stayed busy past the deadline of "
-                                         f"{handle.request_id}") from None
+        delay = MIN_POLL_S
+        while self._staging_busy:  # another read stages: wait for it, within this read's deadline
+            if time.monotonic() - started >= timeout or time.time() >= handle.lease_deadline:
+                outcome = "timeout" if time.time() < handle.lease_deadline else "expired"
+                raise TransferError(outcome, f"the staging buffer stayed busy past the deadline of "
+                                             f"{handle.request_id}")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, MAX_POLL_S)
+        self._staging_busy = True
         try:
             left = max(0.0, timeout - (time.monotonic() - started))
             return await self._read(handle, remote_block_ids, local_block_ids, left, notify)
         finally:
-            self._staging_lock.release()
+            self._staging_busy = False
 
     async def _read(
         self, handle: KvHandle, remote_block_ids: list[int], local_block_ids: list[int], timeout: float,
@@ -266,7 +268,7 @@ class KvSink:
         self, handle: KvHandle, remote_block_ids: list[int], local_block_ids: list[int], timeout: float,
         notify: bool = True,
     ) -> TransferStats:
-        if self._staging_lock.locked():
+        if self._staging_busy:
             raise RuntimeError(f"KV sink {self.agent_name}: a blocking read while an async read stages "
                                f"(call every method from one thread)")
         pending, stats = self._post(handle, remote_block_ids, local_block_ids, timeout, notify)

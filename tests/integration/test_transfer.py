@@ -290,3 +290,39 @@ def test_read_threads_move_exact_bytes(source: SourcePeer, read_threads: int) ->
 def test_no_lease_left_behind(source: SourcePeer) -> None:
     """Runs last: every lease above ended by read, release or expiry."""
     assert source.call(Command("poll")).num_leases == 0
+
+
+def test_a_rank_with_other_heads_reads_through_staging_in_chunks(source: SourcePeer) -> None:
+    """A sink holding KV head 1 of 2 (rank 1 of TP=2) from the unsharded source: each chunk of 3 blocks
+    (the staging buffer's size) of the source's whole regions is staged, then head 1 copied; two reads at
+    once take turns on the buffer, and each ends its lease."""
+    from transfer.nixl_sink import KvSink
+
+    layout = KvLayout("tiny", "float32", 3, 16, 4, 1, 8, 4).sharded(2, 1, 1, 2)
+    per_block = SRC_LAYOUT.num_layers * SRC_LAYOUT.region_bytes
+    sink = KvSink(torch.full(layout.shape, -7.0), layout, "decode-staged", staging_bytes=3 * per_block + 5)
+    try:
+        sink.connect(source.info)
+        torch.manual_seed(0)
+        want = torch.randn(SRC_LAYOUT.shape)[:, :, :, :, 1:2]  # the source's cache (source_main's seed)
+        reads = [("req-staged-a", [9, 2, 3, 4, 5, 6, 7], [0, 1, 2, 3, 4, 5, 6]),
+                 ("req-staged-b", [0, 1], [8, 9])]
+        handles = [source.lease(rid) for rid, _, _ in reads]
+
+        async def both() -> list[Any]:
+            return await asyncio.gather(*(sink.read(h, remote, local, timeout=WAIT_S)
+                                          for h, (_, remote, local) in zip(handles, reads, strict=True)))
+
+        stats = asyncio.run(both())
+        kv = sink._kv_cache
+        for (rid, remote, local), got in zip(reads, stats, strict=True):
+            assert torch.equal(kv[:, local], want[:, remote])
+            assert got.bytes == len(local) * SRC_LAYOUT.num_layers * layout.region_bytes
+            assert got.staged_bytes == len(local) * per_block  # both source heads read, one kept
+            source.wait_released(rid)
+        # [9, 2, 3] [4, 5, 6] [7]: 2 + 1 + 1 runs of consecutive source blocks, one descriptor per layer
+        assert stats[0].descriptors == 4 * SRC_LAYOUT.num_layers
+        assert stats[1].descriptors == SRC_LAYOUT.num_layers
+        assert torch.equal(kv[:, 10:], torch.full_like(kv[:, 10:], -7.0))
+    finally:
+        sink.close()
