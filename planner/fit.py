@@ -54,6 +54,15 @@ def fit_prefill(samples: Sequence[PrefillSample]) -> PrefillCost:
 
 
 def fit_decode(samples: Sequence[DecodeSample]) -> DecodeCost:
+    """Step time = base + per request x batch + per context token x tokens held. When every sample has
+    one batch size (an engine whose ``max_num_seqs`` is 1 runs no other), the per-request cost cannot
+    be told from the base: it is folded into the base and fitted as 0, exact for that batch size."""
+    if len({s.batch for s in samples}) == 1:
+        if len({s.context_tokens for s in samples}) < 2:
+            raise ValueError(f"need decode samples at 2 context sizes at least to fit, got {len(samples)}")
+        rows = [[1.0, s.context_tokens] for s in samples]
+        base, per_context = _relative(rows, [s.seconds for s in samples])
+        return DecodeCost(float(base), 0.0, float(per_context))
     if len(samples) < 3:
         raise ValueError(f"need at least 3 decode samples to fit, got {len(samples)}")
     rows = [[1.0, s.batch, s.context_tokens] for s in samples]

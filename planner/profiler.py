@@ -5,9 +5,9 @@ torch threads, as ``--torch-threads`` gives each worker), in this process:
 
 - prefill: one step computing a prompt of ``new`` tokens after ``cached`` tokens of prefix-cache hit;
   each point is the median of ``repeats`` steps over fresh random prompts (no accidental cache hits);
-- decode: ``batch`` requests of ``context`` distinct random tokens each, then the median of ``steps``
-  decode steps with every request running; the sample's context is the tokens the batch holds at the
-  middle step;
+- decode: ``batch`` requests (at most the engine's ``max_num_seqs``) of ``context`` distinct random
+  tokens each, then the median of ``steps`` decode steps with every request running; the sample's
+  context is the tokens the batch holds at the middle step;
 - transfer: a ``KvSink.read_blocking`` of ``n`` blocks of this model's KV layout from a ``KvSource``
   in the same process (NIXL over UCX, as between two workers on one host), median of ``repeats``.
 
@@ -127,9 +127,12 @@ def measure_decode(engine: LLMEngine, grid: Grid, progress: Progress) -> list[De
     vocab = engine.model_config.vocab_size
     room = engine.kv.num_blocks * engine.kv.block_size
     out = []
+    seen: set[tuple[int, int]] = set()
     for batch, context in grid.decode:
-        if batch > engine.config.max_num_seqs or batch * (context + grid.steps + 32) > 0.9 * room:
+        batch = min(batch, engine.config.max_num_seqs)  # the largest batch this engine runs
+        if (batch, context) in seen or batch * (context + grid.steps + 32) > 0.9 * room:
             continue
+        seen.add((batch, context))
         ids = [f"d-{batch}-{context}-{i}" for i in range(batch)]
         placed = [rid for rid in ids if _place(engine, _prompt(gen, vocab, context), rid, 10**6)]
         engine.step()  # the first step with this batch (buffers sized), untimed

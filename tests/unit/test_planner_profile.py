@@ -66,6 +66,15 @@ def test_fits_recover_exact_linear_costs() -> None:
     assert (t.base_s, t.bytes_per_s) == pytest.approx((0.001, 2e9), rel=1e-6)
 
 
+def test_decode_fit_at_one_batch_size_folds_the_per_request_cost_into_the_base() -> None:
+    # an engine with max_num_seqs 1 runs batch 1 only: base and per-request cost cannot be told apart
+    dec = [DecodeSample(1, c, 0.021 + 2e-6 * c) for c in (128, 512, 1024)]
+    d = fit_decode(dec)
+    assert (d.base_s, d.per_seq_s, d.per_context_s) == pytest.approx((0.021, 0.0, 2e-6), rel=1e-6)
+    with pytest.raises(ValueError, match="2 context sizes"):
+        fit_decode([DecodeSample(1, 128, 0.02), DecodeSample(1, 128, 0.021)])
+
+
 def test_nonnegative_lstsq_fixes_a_negative_column_at_zero() -> None:
     a = np.array([[1.0, 1.0], [1.0, 2.0], [1.0, 3.0]])
     y = np.array([3.0, 2.0, 1.0])  # falling: the slope would be negative
