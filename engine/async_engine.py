@@ -8,19 +8,51 @@ from the event loop while a step runs may see a dict change size under it).
 Each request's outputs go to its own queue; ``stream`` yields them in per-step
 batches, and a consumer that stops early (a client that went away) aborts the
 request, freeing its blocks.
+
+Step clocks (``StepClock``): every step's wall time and the CPU time of the thread that ran it
+(``time.perf_counter`` and ``time.thread_time``, read in the stepping thread just before and after
+``engine.step()``: four clock reads a step) are added to running totals with the step count.
+Wall / CPU over many steps is how much the host stretched the steps: a worker that shares its cores
+with other busy processes waits for one, and that wait is wall time without CPU. The CPU counted is
+the stepping thread's alone: with one torch thread (the workers' default) the whole forward runs on
+it; with more, torch's intra-op threads' CPU is missing and the ratio overstates the stretch.
+The worker reports the totals in ``WorkerStats`` (``step_count``, ``step_wall_seconds``,
+``step_cpu_seconds``), which ``pdserve profile --calibrate`` reads from ``GET /v1/workers``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import TypeVar
 
 from engine.engine import LLMEngine
 from engine.outputs import RequestOutput
 
 T = TypeVar("T")
+
+
+@dataclass
+class StepClock:
+    """Running totals over the engine's steps: how many, their wall seconds, and the CPU seconds of
+    the thread that ran them (see the module docstring)."""
+
+    steps: int = 0
+    wall_s: float = 0.0
+    cpu_s: float = 0.0
+
+    def timed(self, step: Callable[[], T]) -> T:
+        """Run ``step()`` in this thread and add its wall and thread CPU time."""
+        w0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            return step()
+        finally:
+            self.cpu_s += time.thread_time() - c0
+            self.wall_s += time.perf_counter() - w0
+            self.steps += 1
 
 
 class AsyncEngine:
@@ -31,6 +63,7 @@ class AsyncEngine:
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._task: asyncio.Task[None] | None = None
         self.error: BaseException | None = None
+        self.clock = StepClock()
 
     def start(self) -> None:
         if self._task is None:
@@ -96,7 +129,7 @@ class AsyncEngine:
                 continue
             try:
                 async with self._lock:
-                    outputs = await asyncio.to_thread(self.engine.step)
+                    outputs = await asyncio.to_thread(self.clock.timed, self.engine.step)
             except Exception as exc:  # the loop must not die silently: end every waiter's stream
                 self.error = exc
                 for rid in list(self._queues):

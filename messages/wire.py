@@ -110,6 +110,11 @@ class WorkerStats(msgspec.Struct, frozen=True, kw_only=True):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = []  # accepted tokens by position in the draft (0: first)
+    # engine steps since the worker started (``engine.async_engine.StepClock``), cumulative: their
+    # count, wall seconds and the stepping thread's CPU seconds (wall / CPU: the host's stretch)
+    step_count: int = 0
+    step_wall_seconds: float = 0.0
+    step_cpu_seconds: float = 0.0
 
 
 class KvEvents(msgspec.Struct, frozen=True):

@@ -131,6 +131,8 @@ class WorkerBase(TracedRole):
             structured_requests=g.constrained_requests, grammar_compiles=g.compiles,
             grammar_cache_hits=g.cache_hits, grammar_compile_seconds=g.compile_seconds,
             grammar_mask_steps=g.mask_steps, grammar_mask_seconds=g.mask_seconds,
+            step_count=self.aengine.clock.steps, step_wall_seconds=self.aengine.clock.wall_s,
+            step_cpu_seconds=self.aengine.clock.cpu_s,
         )
         if s.spec is not None:
             common = msgspec.structs.replace(

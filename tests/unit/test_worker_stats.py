@@ -22,9 +22,10 @@ from messages.codec import pack, unpack
 from messages.wire import GenerateRequest, TokenBatch, WorkerError, WorkerStats
 
 
-def _instrument(worker: DecodeWorker) -> list[str]:
-    """Make each step hold its thread a little longer (as a large model's would) and record every
-    engine read that happens while a step runs."""
+def _instrument(worker: DecodeWorker, steps: list[int] | None = None) -> list[str]:
+    """Make each step hold its thread a little longer (as a large model's would, but sleeping: wall
+    time without CPU) and record every engine read that happens while a step runs; ``steps`` gets a 1
+    a step."""
     engine = worker.engine
     stepping = threading.Event()
     touched: list[str] = []
@@ -32,6 +33,8 @@ def _instrument(worker: DecodeWorker) -> list[str]:
 
     def step() -> Any:
         stepping.set()
+        if steps is not None:
+            steps.append(1)
         try:
             time.sleep(0.002)
             return real_step()
@@ -58,7 +61,8 @@ def _instrument(worker: DecodeWorker) -> list[str]:
 def test_stats_in_a_tight_loop_never_read_the_engine_mid_step(tiny_model_dir: Path) -> None:
     config = EngineConfig(num_kv_blocks=128, block_size=16, max_num_seqs=16)
     worker = DecodeWorker("decode-t", str(tiny_model_dir), pack(config))
-    touched = _instrument(worker)
+    steps: list[int] = []
+    touched = _instrument(worker, steps)
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
     prompts = [[(7 * i + j) % 250 + 1 for j in range(40)] for i in range(16)]
     requests = [GenerateRequest(request_id=f"r{i}", prompt_token_ids=p, sampling=params)
@@ -94,3 +98,7 @@ def test_stats_in_a_tight_loop_never_read_the_engine_mid_step(tiny_model_dir: Pa
     assert errors == []
     assert touched == [], f"{len(touched)} engine reads during a step, e.g. {touched[:3]}"
     assert final.num_used_blocks == 0 and final.num_running == 0
+    # the step clocks (AsyncEngine.clock): every step counted; its 2 ms sleep is wall time, not CPU
+    assert final.step_count == len(steps) >= 48
+    assert final.step_wall_seconds - final.step_cpu_seconds >= 0.002 * len(steps)
+    assert final.step_cpu_seconds > 0
