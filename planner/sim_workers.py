@@ -105,7 +105,9 @@ class PrefillSim:
     chunks: list[tuple[Req, int]] = field(default_factory=list)
     busy: bool = False
     step_t0: float = 0.0
-    busy_s: float = 0.0
+    busy_s: float = 0.0  # wall time stepping (stretched when the host is shared)
+    work_s: float = 0.0  # the same steps' costs at full speed
+    step_work: float = 0.0  # the running step's cost at full speed
     load: int = 0  # tokens the router has charged and not yet released
     load_version: int = 0
     version: int = 0  # of the step running: an end event of an older one is stale
@@ -135,7 +137,7 @@ class PrefillSim:
             self.chunks.append((r, n))
         self.busy = True
         self.step_t0 = now
-        self.work_left = self.cost.step_s(new, attended)
+        self.work_left = self.step_work = self.cost.step_s(new, attended)
         self.rate, self.t_update = 1.0 / slowdown, now
         self.version += 1
         return now + self.work_left / self.rate
@@ -150,6 +152,7 @@ class PrefillSim:
     def end_step(self, now: float) -> list[Req]:
         """Advance the chunks; the requests whose prompt is done (they leave the queue)."""
         self.busy_s += now - self.step_t0
+        self.work_s += self.step_work
         done = []
         for r, n in self.chunks:
             r.computed += n
@@ -183,7 +186,9 @@ class DecodeSim:
     seg_a: float = 0.0  # the segment's first step time
     seg_inc: float = 0.0  # how much each later step adds
     seg_n: int = 0  # steps the segment runs
-    busy_s: float = 0.0
+    seg_slowdown: float = 1.0  # the host's stretch of the segment's steps
+    busy_s: float = 0.0  # wall time stepping (stretched when the host is shared)
+    work_s: float = 0.0  # the same steps' costs at full speed
     load: int = 0
     load_version: int = 0
     steps_done: int = 0
@@ -218,6 +223,7 @@ class DecodeSim:
         self.busy = True
         self.version += 1
         self.seg_t0 = now
+        self.seg_slowdown = slowdown
         self.seg_a = self.cost.step_s(self.batch, self.context) * slowdown
         self.seg_inc = self.cost.per_context_s * self.batch * slowdown
         self.seg_n = self.finishing[0][0] - self.step + 1
@@ -254,6 +260,7 @@ class DecodeSim:
         n, batch = self.seg_n, self.batch
         record = (self.seg_a, self.seg_inc, n, batch)
         self.busy_s += now - self.seg_t0
+        self.work_s += (now - self.seg_t0) / self.seg_slowdown
         self.steps_done += n
         self.step += n
         self.context += batch * n

@@ -352,6 +352,7 @@ class Simulation:
             decode_utilisation=sum(d.busy_s for d in self.decode) / (run_span * len(self.decode)),
             mean_decode_batch=batch_tokens / steps if steps else 0.0,
             events=self.n_events, wall_s=wall_s,
+            prefill_stretch=_stretch(self.prefill), decode_stretch=_stretch(self.decode),
         )
 
     def _itl_points(self) -> tuple[np.ndarray, np.ndarray]:
@@ -370,6 +371,12 @@ class Simulation:
                 values.append(a + inc * ((j + 0.5) * n / m - 0.5))
                 weights.append(n * batch / m)
         return np.array(values), np.array(weights)
+
+
+def _stretch(workers: list[PrefillSim] | list[DecodeSim]) -> float:
+    """Stepping wall time over the same steps' costs at full speed (1 when nothing stepped)."""
+    work = sum(w.work_s for w in workers)
+    return sum(w.busy_s for w in workers) / work if work > 0 else 1.0
 
 
 def simulate(profile: Profile, cluster: Cluster, specs: Iterable[RequestSpec], *,

@@ -190,5 +190,12 @@ def test_workers_sharing_one_core_run_at_half_speed_while_both_are_busy() -> Non
     assert r1.end == pytest.approx(0.285, abs=EXACT)
     assert r2.first == pytest.approx(0.315, abs=EXACT)
     assert r2.end == pytest.approx(0.395, abs=EXACT)
+    # the stretches: decode ran 0.16 s of stretched steps and 0.08 alone for 0.16 s of work; prefill
+    # 0.30 s (0.01-0.31) for 0.22 s of work
+    res = sim._result(0.0)
+    assert res.decode_stretch == pytest.approx(0.24 / 0.16, abs=EXACT)
+    assert res.prefill_stretch == pytest.approx(0.30 / 0.22, abs=EXACT)
     alone = run(make_profile(), [RequestSpec(100, 5), RequestSpec(100, 5)])
     assert alone.reqs[1].end == pytest.approx(0.315, abs=EXACT)  # each worker on its own core
+    assert alone._result(0.0).decode_stretch == pytest.approx(1.0, abs=EXACT)
+    assert alone._result(0.0).prefill_stretch == pytest.approx(1.0, abs=EXACT)
