@@ -8,8 +8,13 @@ threads) in this process, measures prefill steps against prompt and cached token
 against batch size and context, and NIXL reads against bytes (``planner/profiler.py``), fits the cost
 models and writes the versioned profile JSON (``planner/profile.py``) that ``pdserve simulate`` and
 ``pdserve serve --planner`` read. ``--quick`` measures a small grid (under a minute for the default
-model on two cores). ``--calibrate URL`` then adds the fixed costs of the serving stack, measured on a
-running server one request at a time (``planner/calibrate.py``).
+model on two cores). ``--calibrate URL`` then measures, on a running server, the fixed costs of the
+serving stack (one request at a time) and how much sharing the host's cores stretches the workers'
+steps under a load of its own (``--calibrate-concurrency`` clients sending ``--calibrate-input-len``
+random tokens for ``--calibrate-output-len`` tokens, for ``--calibrate-duration`` seconds): each
+worker's step wall and CPU time, read from ``/v1/workers`` before and after, give the stretch, and
+the profile's ``host_cores`` is fitted so the simulator stretches the decode steps of that same load
+as much (``planner/calibrate.py``).
 """
 
 from __future__ import annotations
@@ -41,8 +46,18 @@ def add_profile_parser(sub: Any, add_engine_args: Callable[[argparse.ArgumentPar
                         "Ray calls) (default: 0.02)")
     p.add_argument("--calibrate", default=None, metavar="URL",
                    help="instead of measuring an engine: read the profile --output names, measure the "
-                        "serving stack's fixed costs (request overhead, per decode step) on the server at "
-                        "URL with one request at a time, and write the profile back")
+                        "serving stack's fixed costs (request overhead, per decode step; one request at a "
+                        "time) and the host's stretch of the workers' steps under the --calibrate-* load "
+                        "(its host_cores) on the server at URL, and write the profile back")
+    p.add_argument("--calibrate-concurrency", type=positive(int), default=4, metavar="N",
+                   help="--calibrate's host load: clients, each sending its next request when the last "
+                        "ends (default: 4)")
+    p.add_argument("--calibrate-input-len", type=positive(int), default=256, metavar="TOKENS",
+                   help="--calibrate's host load: prompt tokens a request (default: 256)")
+    p.add_argument("--calibrate-output-len", type=positive(int), default=32, metavar="TOKENS",
+                   help="--calibrate's host load: output tokens a request (default: 32)")
+    p.add_argument("--calibrate-duration", type=positive(float), default=20.0, metavar="SECONDS",
+                   help="--calibrate's host load: how long clients send (default: 20)")
     p.add_argument("--api-key", default=None, help="API key for --calibrate's server")
     add_engine_args(p)
     p.set_defaults(handler=run_profile_command)
@@ -53,12 +68,17 @@ def run_profile_command(args: argparse.Namespace) -> int:
     from planner.profile import load_profile, save_profile
 
     if args.calibrate is not None:
-        from planner.calibrate import calibrate
+        from planner.calibrate import HostLoad, calibrate
 
-        calibrated = calibrate(load_profile(args.output), args.calibrate, api_key=args.api_key)
+        load = HostLoad(concurrency=args.calibrate_concurrency, input_len=args.calibrate_input_len,
+                        output_len=args.calibrate_output_len, duration_s=args.calibrate_duration)
+        calibrated = calibrate(load_profile(args.output), args.calibrate, load=load, api_key=args.api_key,
+                               progress=lambda m: print(m, file=sys.stderr))
         save_profile(calibrated, args.output)
+        cores = "none" if calibrated.host_cores is None else f"{calibrated.host_cores:.2f}"
         print(f"request overhead {calibrated.request_overhead_s * 1000:.1f} ms, decode step base "
-              f"{calibrated.decode.base_s * 1000:.2f} ms; profile written to {args.output}")
+              f"{calibrated.decode.base_s * 1000:.2f} ms, host_cores {cores}; "
+              f"profile written to {args.output}")
         return 0
     from planner.profiler import DEFAULT_REQUEST_OVERHEAD_S, run_profile
 

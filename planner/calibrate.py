@@ -1,45 +1,85 @@
-"""Serving costs outside the engine, measured on a running server with one and a few requests at a time.
+"""Serving costs outside the engine, and how much sharing the host stretches the workers' steps, measured
+on a running server.
 
-``pdserve profile --calibrate URL`` sends ``n`` streaming completions one after another (short prompts,
-each starting with a different word so no prefix-cache hit helps, ``max_tokens`` tokens each) and
-compares what the client saw with what the profile's engine costs predict for an idle cluster:
+``pdserve profile --calibrate URL`` does two things on the server at ``URL``:
 
-- request overhead = median over requests of (TTFT - prefill of its prompt - the KV transfer): HTTP,
-  tokenization, the router, the Ray calls and the token's way back;
-- decode step overhead = median gap between two tokens - the decode step of one request: the worker's
-  event loop and the stream back, per step; then ``BATCH_STREAMS`` requests decode together, and the
-  overhead at that batch less the one at one request, over the extra requests, is the part each
-  request in a step adds (its stream object, the router's work). They are added to
-  ``DecodeCost.base_s`` and ``per_seq_s``.
+1. One request at a time (``n`` streaming completions, short prompts, each starting with a different
+   word so no prefix-cache hit helps, ``max_tokens`` tokens each), it compares what the client saw
+   with what the profile's engine costs predict for an idle cluster:
 
-All are clipped at zero. Then, for workers sharing one host's CPU, the interference: while one
-request streams, a long prompt is sent; the median gap between its tokens during that prompt's
-prefill over the median gap before it is how much a decode step stretches with two workers busy, and
-``host_cores`` = 2 / that stretch (``planner/profile.py``; none when it is under 1.05). The loads are
-one to four short requests at a time, never the load the simulator is later checked against.
+   - request overhead = median over requests of (TTFT - prefill of its prompt - the KV transfer): HTTP,
+     tokenization, the router, the Ray calls and the token's way back;
+   - decode step overhead = median gap between two tokens - the decode step of one request: the
+     worker's event loop and the stream back, per step. It is added to ``DecodeCost.base_s``.
+
+   Both are clipped at zero. With one request in flight no two workers compute at once, so these are
+   the serving stack's own costs, never the host's sharing.
+
+2. Under a load of its own (``HostLoad``: ``concurrency`` clients in a closed loop for ``duration_s``
+   seconds, each sending prompts of ``input_len`` random token ids from its own seeded generator and
+   asking for ``output_len`` tokens), it reads every worker's step clocks from ``GET /v1/workers``
+   before and after (``WorkerStats.step_wall_seconds`` and ``step_cpu_seconds``: wall and stepping-thread
+   CPU time of the engine's steps, ``engine/async_engine.py``): per role, wall over CPU is how much
+   the steps stretched while the workers, the router and the client shared the host's cores. The
+   simulator models that as ``host_cores`` (``planner/profile.py``: a step's time stretches by busy
+   workers / ``host_cores`` while that is above 1), so ``fit_host_cores`` simulates the same load (the
+   server's P:D, the requests' measured lengths) and bisects for the ``host_cores`` whose simulated
+   decode stretch equals the measured one: the decode workers bound throughput and the gap between
+   tokens. The prefill stretch measured and the one simulated with the fitted figure go in the
+   profile's notes. A measured decode stretch under ``MIN_STRETCH`` models no sharing (``None``).
+
+The calibration's loads are its own; never the load the simulator is later checked against.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import random
 import statistics
 import threading
 import time
+from collections.abc import Callable
 
 import httpx
 
 from planner.profile import Profile
+from planner.simulator import Cluster, RequestSpec, simulate
 
-BUSY_IN_PROBE = 2  # workers busy while the interference probe runs: one prefill, one decode
-INTERFERENCE_TOKENS = 64
-BATCH_STREAMS = 4  # requests decoding together in the second probe
+MIN_STRETCH = 1.05  # a measured decode stretch below this models no host sharing
+CALIBRATION_SEED = 19_041  # the host load's prompts: never the seed of a load it is checked against
+TOKEN_RANGE = (1000, 8000)  # the host load's prompt token ids (plain words in the default vocabulary)
+HOST_CORES_RANGE = (0.05, 64.0)  # where fit_host_cores searches
 
 WORDS = ("apple", "river", "stone", "cloud", "paper", "glass", "music", "tiger", "light", "sugar", "ocean",
          "maple", "bread", "silver", "forest", "candle")
 
 
-def _one(client: httpx.Client, url: str, model: str, prompt: str, max_tokens: int,
+@dataclasses.dataclass(frozen=True)
+class HostLoad:
+    """The load under which the host's stretch is measured (``pdserve profile --calibrate-*``)."""
+
+    concurrency: int = 4
+    input_len: int = 256
+    output_len: int = 32
+    duration_s: float = 20.0
+    seed: int = CALIBRATION_SEED
+
+
+@dataclasses.dataclass(frozen=True)
+class StepClocks:
+    """Step clocks summed over a role's workers between two reads of ``/v1/workers``."""
+
+    steps: int
+    wall_s: float
+    cpu_s: float
+
+    @property
+    def stretch(self) -> float:
+        return self.wall_s / self.cpu_s if self.cpu_s > 0 else 1.0
+
+
+def _one(client: httpx.Client, url: str, model: str, prompt: str | list[int], max_tokens: int,
          stamps: list[float] | None = None) -> tuple[float, list[float], int]:
     """(TTFT, gaps between text chunks, prompt tokens) of one streamed completion; ``stamps`` collects
     the ``time.perf_counter()`` of every text chunk as it arrives."""
@@ -74,83 +114,150 @@ def _one(client: httpx.Client, url: str, model: str, prompt: str, max_tokens: in
 
 
 def calibrate(profile: Profile, url: str, *, requests: int = 10, max_tokens: int = 16,
-              api_key: str | None = None, timeout: float = 120.0) -> Profile:
-    """``profile`` with ``request_overhead_s`` and the decode step base measured on ``url`` (see above)."""
+              load: HostLoad = HostLoad(), api_key: str | None = None, timeout: float = 120.0,
+              progress: Callable[[str], None] = lambda m: None) -> Profile:
+    """``profile`` with the request overhead, the decode step base and ``host_cores`` measured on
+    ``url`` (see the module docstring)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     url = url.rstrip("/")
     samples: list[tuple[float, list[float], int]] = []
     with httpx.Client(timeout=timeout, headers=headers) as client:
         model = client.get(f"{url}/v1/models").raise_for_status().json()["data"][0]["id"]
         _one(client, url, model, "warm up " * 8, 2)
+        progress(f"calibrate: {requests} requests one at a time")
         for i in range(requests):
             prompt = f"{WORDS[i % len(WORDS)]} {i} " + "the quick brown fox jumps over the lazy dog " * 3
             samples.append(_one(client, url, model, prompt, max_tokens))
-        batch = _concurrent(client, url, model, BATCH_STREAMS, 3 * max_tokens)
-        stretch = _interference(client, url, model, timeout)
-    calibrated = apply_calibration(profile, samples, max_tokens, f"{url} ({requests} requests one at a time, "
-                                   f"then {BATCH_STREAMS} at once)", batch)
-    return apply_interference(calibrated, stretch)
+        where = f"{url} ({requests} requests one at a time)"
+        calibrated = apply_calibration(profile, samples, max_tokens, where)
+        progress(f"calibrate: {load.concurrency} clients for {load.duration_s:g} s, {load.input_len}-token "
+                 f"prompts, {load.output_len} tokens out")
+        before = _worker_stats(client, url)
+        lengths = _host_load(client, url, model, load, timeout)
+        after = _worker_stats(client, url)
+    clocks = {role: _clocks(before, after, role) for role in ("prefill", "decode")}
+    cluster = Cluster(_count(after, "prefill"), _count(after, "decode"))
+    return apply_host_load(calibrated, cluster, load, lengths, clocks["prefill"], clocks["decode"])
 
 
-def apply_interference(profile: Profile, stretch: float) -> Profile:
-    """``profile`` with ``host_cores`` from the interference probe's ``stretch`` (none under 1.05: no
-    sharing is modelled then)."""
-    host_cores = BUSY_IN_PROBE / stretch if stretch > 1.05 else None
-    cores = f"{host_cores:.2f} effective cores" if host_cores is not None else "no host sharing modelled"
-    return dataclasses.replace(profile, host_cores=host_cores,
-                               notes=profile.notes + f"; a decode step took {stretch:.2f}x as long while "
-                               f"the prefill worker computed a long prompt: {cores}")
+def _worker_stats(client: httpx.Client, url: str) -> list[dict[str, object]]:
+    workers = client.get(f"{url}/v1/workers").raise_for_status().json()["workers"]
+    assert isinstance(workers, list)
+    return workers
 
 
-def _concurrent(client: httpx.Client, url: str, model: str, streams: int,
-                max_tokens: int) -> tuple[int, list[float], int]:
-    """(streams, their pooled token gaps, prompt tokens of one) with ``streams`` short requests at once."""
-    results: list[tuple[float, list[float], int]] = []
+def _count(stats: list[dict[str, object]], role: str) -> int:
+    n = sum(1 for w in stats if w.get("role") == role)
+    if n == 0:
+        raise RuntimeError(f"--calibrate: the server lists no {role} worker in /v1/workers (the host load "
+                           f"is simulated disaggregated)")
+    return n
 
-    def one(i: int) -> None:
-        prompt = f"{WORDS[(i + 5) % len(WORDS)]} {i} " + "the quick brown fox jumps over the lazy dog " * 3
-        results.append(_one(client, url, model, prompt, max_tokens))
 
-    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(streams)]
+def _clocks(before: list[dict[str, object]], after: list[dict[str, object]], role: str) -> StepClocks:
+    """A role's step clocks between the two reads (a worker that restarted between them is left out)."""
+    old = {w["worker_id"]: w for w in before}
+    steps, wall, cpu = 0, 0.0, 0.0
+    for w in after:
+        b = old.get(w["worker_id"])
+        if w.get("role") != role or b is None:
+            continue
+        d = [float(w[k]) - float(b[k])  # type: ignore[arg-type]
+             for k in ("step_count", "step_wall_seconds", "step_cpu_seconds")]
+        if min(d) < 0:
+            continue
+        steps, wall, cpu = steps + int(d[0]), wall + d[1], cpu + d[2]
+    return StepClocks(steps, wall, cpu)
+
+
+def _host_load(client: httpx.Client, url: str, model: str, load: HostLoad,
+               timeout: float) -> list[tuple[int, int]]:
+    """Run the closed-loop load; (prompt tokens, output tokens) of every request, in the order sent."""
+    rng = random.Random(load.seed)
+    lock = threading.Lock()
+    sent: list[tuple[int, int]] = []
+    errors: list[BaseException] = []
+    stop_at = time.perf_counter() + load.duration_s
+
+    def client_loop() -> None:
+        while time.perf_counter() < stop_at and not errors:
+            with lock:
+                prompt = [rng.randrange(*TOKEN_RANGE) for _ in range(load.input_len)]
+                index = len(sent)
+                sent.append((load.input_len, load.output_len))
+            try:
+                _, _, n = _one(client, url, model, prompt, load.output_len)
+            except BaseException as exc:  # noqa: BLE001 - reported after the load ends
+                errors.append(exc)
+                return
+            with lock:
+                sent[index] = (n or load.input_len, load.output_len)
+
+    threads = [threading.Thread(target=client_loop, daemon=True) for _ in range(load.concurrency)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
-    if len(results) < streams:
-        raise RuntimeError(f"--calibrate: {streams - len(results)} of {streams} concurrent requests failed")
-    return streams, [g for _, gaps, _ in results for g in gaps], results[0][2]
+        t.join(load.duration_s + timeout)
+    if errors:
+        raise RuntimeError(f"--calibrate: a request of the host load failed: {errors[0]}")
+    if any(t.is_alive() for t in threads):
+        raise RuntimeError(f"--calibrate: the host load did not end within {load.duration_s + timeout:g} s")
+    return sent
 
 
-def _interference(client: httpx.Client, url: str, model: str, timeout: float) -> float:
-    """How much longer a decode step takes while a prefill worker computes: one request streams
-    (``INTERFERENCE_TOKENS`` tokens) while a long prompt is sent; the median gap between its tokens
-    during that prompt's prefill over the median gap before it."""
-    stamps: list[float] = []
-    prompt = "zebra 0 " + "the quick brown fox jumps over the lazy dog " * 3
-    stream = threading.Thread(target=_one, args=(client, url, model, prompt, INTERFERENCE_TOKENS, stamps),
-                              daemon=True)
-    stream.start()
-    deadline = time.perf_counter() + timeout
-    while len(stamps) < 8 and stream.is_alive() and time.perf_counter() < deadline:
-        time.sleep(0.01)
-    b_start = time.perf_counter()
-    ttft_b, _, _ = _one(client, url, model, "yak 1 " + "the quick brown fox jumps over the lazy dog " * 60, 1)
-    b_end = b_start + ttft_b
-    stream.join(timeout)
-    pairs = list(zip(stamps, stamps[1:], strict=False))
-    before = [b - a for a, b in pairs if b < b_start]
-    during = [b - a for a, b in pairs if a >= b_start + 0.1 * ttft_b and b <= b_end]
-    if len(before) < 3 or len(during) < 3:
-        raise RuntimeError(f"--calibrate: too few tokens to compare ({len(before)} before the long prompt, "
-                           f"{len(during)} during it)")
-    return statistics.median(during) / statistics.median(before)
+def fit_host_cores(profile: Profile, cluster: Cluster, load: HostLoad, lengths: list[tuple[int, int]],
+                   decode_stretch: float, iterations: int = 40) -> float | None:
+    """The ``host_cores`` at which simulating the host load (closed loop, ``load.concurrency`` clients
+    for ``load.duration_s``, requests of ``lengths``) stretches the decode steps by
+    ``decode_stretch``; None under ``MIN_STRETCH`` (no sharing modelled). The simulated stretch falls
+    as ``host_cores`` grows: bisected in log space within ``HOST_CORES_RANGE`` (clamped to its ends)."""
+    if decode_stretch < MIN_STRETCH:
+        return None
+
+    def simulated(host_cores: float) -> float:
+        specs = [RequestSpec(n_in, n_out) for n_in, n_out in lengths]
+        result = simulate(profile, cluster, specs, concurrency=load.concurrency, duration_s=load.duration_s,
+                          host_cores=host_cores)
+        return result.decode_stretch
+
+    lo, hi = HOST_CORES_RANGE  # simulated(lo) is the largest stretch, simulated(hi) the smallest
+    if simulated(lo) <= decode_stretch:
+        return lo
+    if simulated(hi) >= decode_stretch:
+        return hi
+    for _ in range(iterations):
+        mid = (lo * hi) ** 0.5
+        if simulated(mid) > decode_stretch:
+            lo = mid
+        else:
+            hi = mid
+    return (lo * hi) ** 0.5
+
+
+def apply_host_load(profile: Profile, cluster: Cluster, load: HostLoad, lengths: list[tuple[int, int]],
+                    prefill: StepClocks, decode: StepClocks) -> Profile:
+    """``profile`` with ``host_cores`` fitted to the decode stretch measured under the host load, and
+    the figures in its notes."""
+    host_cores = fit_host_cores(profile, cluster, load, lengths, decode.stretch)
+    if host_cores is None:
+        fitted = "no host sharing modelled"
+    else:
+        specs = [RequestSpec(n_in, n_out) for n_in, n_out in lengths]
+        sim = simulate(profile, cluster, specs, concurrency=load.concurrency, duration_s=load.duration_s,
+                       host_cores=host_cores)
+        fitted = (f"host_cores {host_cores:.2f} (simulated stretch: decode {sim.decode_stretch:.2f}, "
+                  f"prefill {sim.prefill_stretch:.2f})")
+    note = (f"; host load on {cluster.num_prefill}P:{cluster.num_decode}D ({load.concurrency} clients, "
+            f"{load.duration_s:g} s, {len(lengths)} requests of {load.input_len} -> {load.output_len} "
+            f"tokens, seed {load.seed}): steps took wall / CPU {decode.stretch:.2f}x on decode "
+            f"({decode.steps} steps), {prefill.stretch:.2f}x on prefill ({prefill.steps} steps): {fitted}")
+    return dataclasses.replace(profile, host_cores=host_cores, notes=profile.notes + note)
 
 
 def apply_calibration(profile: Profile, samples: list[tuple[float, list[float], int]], max_tokens: int,
-                      where: str, batch: tuple[int, list[float], int] | None = None) -> Profile:
+                      where: str) -> Profile:
     """``profile`` with the overheads of ``samples`` = (TTFT, gaps, prompt tokens) per request, one at
-    a time, and ``batch`` = (streams, their pooled gaps, prompt tokens) of requests decoding together:
-    the step overhead at one request and at ``streams`` give a fixed and a per-request part."""
+    a time (see the module docstring)."""
     overheads: list[float] = []
     gaps_all: list[float] = []
     contexts: list[int] = []
@@ -161,17 +268,10 @@ def apply_calibration(profile: Profile, samples: list[tuple[float, list[float], 
         gaps_all.extend(gaps)
         contexts.append(n + max_tokens // 2)
     step = profile.decode.step_s(1, int(statistics.median(contexts)))
-    one = statistics.median(gaps_all) - step if gaps_all else 0.0
-    per_seq = 0.0
-    if batch is not None and batch[1] and batch[0] > 1:
-        streams, gaps, n = batch
-        many = statistics.median(gaps) - profile.decode.step_s(streams, streams * (n + max_tokens))
-        per_seq = max(0.0, (many - one) / (streams - 1))
-    step_overhead = max(0.0, one - per_seq)
+    step_overhead = max(0.0, statistics.median(gaps_all) - step if gaps_all else 0.0)
     overhead = max(0.0, statistics.median(overheads))
-    decode = dataclasses.replace(profile.decode, base_s=profile.decode.base_s + step_overhead,
-                                 per_seq_s=profile.decode.per_seq_s + per_seq)
+    decode = dataclasses.replace(profile.decode, base_s=profile.decode.base_s + step_overhead)
     note = (f"; calibrated on {where}: request overhead {overhead * 1000:.1f} ms, "
-            f"decode step +{step_overhead * 1000:.1f} ms +{per_seq * 1000:.1f} ms per request")
+            f"decode step +{step_overhead * 1000:.1f} ms")
     return dataclasses.replace(profile, request_overhead_s=overhead, decode=decode,
                                notes=profile.notes + note)

@@ -11,7 +11,7 @@ import pytest
 
 from cli.main import main
 from engine.config import EngineConfig
-from planner.calibrate import apply_calibration, apply_interference
+from planner.calibrate import apply_calibration
 from planner.fit import fit_decode, fit_prefill, fit_transfer, nonnegative_lstsq
 from planner.profile import (
     DecodeSample,
@@ -176,11 +176,8 @@ def test_calibration_takes_the_median_overheads_beyond_the_engine() -> None:
     cal = apply_calibration(prof, samples, 16, "a test")
     assert cal.request_overhead_s == pytest.approx(0.030)
     assert cal.decode.base_s == pytest.approx(0.023)
-    assert "request overhead 30.0 ms, decode step +3.0 ms +0.0 ms per request" in cal.notes
-    # four streams at once: 35 ms gaps around a 20 ms step = 15 ms over, of which 3 ms at one request:
-    # 4 ms per request more, none of it fixed
-    both = apply_calibration(prof, samples, 16, "a test", (4, [0.034, 0.035, 0.036], 40))
-    assert both.decode.per_seq_s == pytest.approx(0.004) and both.decode.base_s == pytest.approx(0.02)
+    assert cal.decode.per_seq_s == prof.decode.per_seq_s  # host sharing is host_cores', not a request's
+    assert "request overhead 30.0 ms, decode step +3.0 ms" in cal.notes
     faster = apply_calibration(prof, [(0.01, [0.01], 40)], 16, "x")  # never below the engine's own costs
     assert faster.request_overhead_s == 0.0 and faster.decode.base_s == prof.decode.base_s
 
@@ -217,11 +214,3 @@ def test_simulate_uses_the_profiles_host_cores_unless_told(tmp_path: Path) -> No
     prof.write_text(json.dumps(data))
     with pytest.raises(ValueError, match="host_cores must be > 0"):
         load_profile(prof)
-
-
-def test_interference_sets_host_cores_only_when_a_step_stretches() -> None:
-    # regression: a probe that measured no stretch (0.79x) crashed formatting the missing host_cores
-    none = apply_interference(make_profile(), 0.79)
-    assert none.host_cores is None and "0.79x as long" in none.notes and "no host sharing" in none.notes
-    shared = apply_interference(make_profile(), 1.6)
-    assert shared.host_cores == pytest.approx(1.25) and "1.25 effective cores" in shared.notes
