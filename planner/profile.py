@@ -15,8 +15,9 @@ the model it was measured with, three fitted cost models and the samples they we
 ``request_overhead_s`` is the fixed latency a request pays outside the engines before its first token
 (HTTP, router, the Ray calls); the simulator adds it to every time to first token.
 ``host_cores`` (set by ``pdserve profile --calibrate``) is for workers that share one host's CPU: the
-effective cores they share, from how much a decode step stretches while a prefill worker computes
-(``pdserve simulate`` then stretches every step by busy workers / ``host_cores``); None: each worker
+effective cores they share (``pdserve simulate`` stretches every step by busy workers / ``host_cores``
+while that is above 1), fitted so that simulating the calibration's own load stretches the decode
+steps as much as the server's step clocks (wall over stepping-thread CPU) measured; None: each worker
 has its own device.
 
 The contract with the live planner (``cluster/``): ``Profile``, ``load_profile`` and ``save_profile``
