@@ -72,8 +72,11 @@ for config in $CONFIGS; do
         params=${w#*:}
         dir=$OUT/${P}p${D}d_${name}
         echo "${P}P:${D}D $name: load average at start $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$OUT/loadavg.txt"
+        curl -sf "http://127.0.0.1:$PORT/v1/workers" >"$dir.workers_before.json" || true
         "${PDSERVE[@]}" bench --url "http://127.0.0.1:$PORT" --workload "$name" --param "$params" \
             --concurrency "$CONC" --duration "$DURATION" --output "$dir" --no-progress >"$dir.bench.txt" 2>&1 || true
+        # the workers' stats after the run (step clocks, prefix hits, queue and transfer times)
+        curl -sf "http://127.0.0.1:$PORT/v1/workers" >"$dir.workers_after.json" || true
         "${PDSERVE[@]}" simulate --profile "$PROFILE" --workload "$name" --param "$params" --concurrency "$CONC" \
             --duration "$DURATION" --num-prefill "$P" --num-decode "$D" --host-cores 0 --json "$dir.sim.json" >"$dir.sim.txt"
         "${PDSERVE[@]}" simulate --profile "$PROFILE" --workload "$name" --param "$params" --concurrency "$CONC" \
