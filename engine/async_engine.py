@@ -7,7 +7,10 @@ lock, so the engine is never touched by two threads at once (a read straight
 from the event loop while a step runs may see a dict change size under it).
 Each request's outputs go to its own queue; ``stream`` yields them in per-step
 batches, and a consumer that stops early (a client that went away) aborts the
-request, freeing its blocks.
+request, freeing its blocks. Hand-off: after delivering a step's outputs the loop
+yields once before taking the lock for the next step; a consumer woken by that
+delivery runs in that turn, so a ``read`` or ``mutate`` it makes right away comes
+before the next step.
 
 Step clocks (``StepClock``): every step's wall time and the CPU time of the thread that ran it
 (``time.perf_counter`` and ``time.thread_time``, read in the stepping thread just before and after
@@ -108,7 +111,12 @@ class AsyncEngine:
         finished = False
         try:
             while not finished:
-                first = await asyncio.wait_for(queue.get(), timeout)
+                # not ``wait_for``: it runs the get as a task of its own, so the caller resumes one
+                # loop turn after the delivery, when the engine loop has taken the lock for the next
+                # step; a caller that reads the engine once its request ends (a prefill worker's
+                # lease) then waits that whole step
+                async with asyncio.timeout(timeout):
+                    first = await queue.get()
                 batch = [first]
                 while not queue.empty():
                     batch.append(queue.get_nowait())
