@@ -83,13 +83,14 @@ def gemm_floor(engine: LLMEngine, rows: int, head_rows: int, repeats: int) -> fl
     return total
 
 
-CONFIG_KERNELS: dict[str, LinearKernel] = {
-    "plain": "plain", "prepacked": "prepacked", "fused": "prepacked", "native": "native", "compiled": "prepacked"}
+CONFIG_KERNELS: dict[str, LinearKernel] = {"plain": "plain", "prepacked": "prepacked", "fused": "prepacked",
+                                           "native": "native", "compiled": "prepacked"}
 
 
 def set_config(engine: LLMEngine, config: str) -> None:
     if config not in CONFIG_KERNELS:
-        raise SystemExit(f"--configs: unknown configuration {config!r}; choose from {', '.join(CONFIG_KERNELS)}")
+        raise SystemExit(f"--configs: unknown configuration {config!r}; "
+                         f"choose from {', '.join(CONFIG_KERNELS)}")
     model = engine.runner.model
     if model.linear_kernel != CONFIG_KERNELS[config]:
         model.prepare_linears(CONFIG_KERNELS[config])
@@ -190,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     configs = args.configs.split(",")
     for config in configs:
         if config not in CONFIG_KERNELS:
-            parser.error(f"--configs: unknown configuration {config!r}; choose from {', '.join(CONFIG_KERNELS)}")
+            parser.error(f"--configs: unknown configuration {config!r}; "
+                         f"choose from {', '.join(CONFIG_KERNELS)}")
     batches = [int(b) for b in args.batches.split(",")]
     engine = LLMEngine(args.model, EngineConfig(
         enable_prefix_caching=False, max_num_seqs=max(batches), kv_cache_memory=1024**3,

@@ -170,7 +170,7 @@ class CausalLM(nn.Module):
     """Decoder-only LM; ``forward`` returns final-normed hidden states, ``compute_logits`` the scores."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu",
-                 linear_kernel: LinearKernel = "prepacked", shard: TpShard | None = None,
+                 linear_kernel: LinearKernel = "native", shard: TpShard | None = None,
                  group: TpGroup | None = None) -> None:
         super().__init__()
         self.config = config
@@ -274,7 +274,8 @@ class CausalLM(nn.Module):
             for i, layer in enumerate(self.layers):
                 assert isinstance(layer, DecoderLayer)
                 scales = kv_scales[i] if kv_scales is not None else None
-                hidden, delta = layer.forward_fused(hidden, delta, cos, sin, kv_cache[i], backend, ops, scales)
+                hidden, delta = layer.forward_fused(hidden, delta, cos, sin, kv_cache[i], backend, ops,
+                                                    scales)
             return ops.add_rms_norm(hidden, delta, self.norm, self.config.rms_norm_eps)
         for i, layer in enumerate(self.layers):
             scales = kv_scales[i] if kv_scales is not None else None

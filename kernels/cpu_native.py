@@ -130,7 +130,7 @@ def bind_ops(lib: ctypes.CDLL) -> None:
     signatures = {
         "pdserve_gemv_f32": [ptr, ptr, ptr, ptr, i64, i64, i32],  # w, x, bias, y, n, k, threads
         "pdserve_add_rms_norm_f32": [ptr, ptr, ptr, ptr, i64, i64, f32, i32],  # h, delta, w, out, rows, dim
-        "pdserve_rope_f32": [ptr, i64, ptr, ptr, i64, i32, i32, i32],  # x, stride, cos, sin, tokens, heads, hd
+        "pdserve_rope_f32": [ptr, i64, ptr, ptr, i64, i32, i32, i32],  # x, stride, cos, sin, T, heads, hd
         "pdserve_silu_mul_f32": [ptr, ptr, i64, i64, i32],  # gate_up, out, rows, inter, threads
     }
     for name, argtypes in signatures.items():

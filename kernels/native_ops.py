@@ -63,7 +63,8 @@ class NativeOps:
         return out
 
     def rope_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> None:
-        """Rotate heads ``0..heads-1`` of ``x`` (``[T, H, head_dim]``) in place; ``cos``/``sin`` ``[T, 1, head_dim]``."""
+        """Rotate heads ``0..heads-1`` of ``x`` (``[T, H, head_dim]``) in place by ``cos``/``sin``
+        (``[T, 1, head_dim]``)."""
         tokens, _, head_dim = x.shape
         if x.stride(2) != 1 or x.stride(1) != head_dim or not (cos.is_contiguous() and sin.is_contiguous()):
             raise ValueError("rope_ needs contiguous heads and contiguous cos/sin")
@@ -80,7 +81,7 @@ class NativeOps:
         return out
 
     def gemv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``F.linear(x, weight, bias)`` for one contiguous row ``x`` (``[1, in]``) and contiguous ``weight``."""
+        """``F.linear(x, weight, bias)`` for one row ``x`` (``[1, in]``) and a contiguous ``weight``."""
         out_features, in_features = weight.shape
         if not x.is_contiguous():
             x = x.contiguous()
