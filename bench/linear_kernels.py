@@ -7,6 +7,8 @@ count, times (best of ``--repeats``, candidates interleaved so load hits all ali
 - ``mkl_packed``: MKL packed SGEMM with the weight packed for exactly that row count;
 - ``onednn``: oneDNN inner product (``torch.ops.mkldnn._linear_pointwise``);
 - ``mm_t``: ``x @ w_t`` with the weight stored transposed (``[in, out]``);
+- ``native``: ``kernels.native_ops.NativeOps.gemv`` at one row (the ``[out, in]``
+  weight in place; other row counts: not timed, shown as inf);
 - ``prepared``: ``kernels.linear.PreparedLinear`` (what the engine runs).
 
 and the per-step total (every layer's four products plus the LM head).
@@ -27,8 +29,9 @@ import torch.nn.functional as F
 from bench.gemm_floor import layer_shapes
 from engine.loader import load_model_source, resolve_model
 from kernels.linear import PreparedLinear, mkl_linear, mkl_pack, onednn_linear
+from kernels.native_ops import native_ops
 
-CANDIDATES = ("plain", "mkl_packed", "onednn", "mm_t", "prepared")
+CANDIDATES = ("plain", "mkl_packed", "onednn", "mm_t", "native", "prepared")
 
 
 def best_of(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
@@ -49,13 +52,17 @@ def candidates(x: torch.Tensor, w: torch.Tensor, w_t: torch.Tensor,
     """Every candidate product of ``x`` (``m`` rows) with ``w``, as zero-argument calls."""
     m = x.shape[0]
     packed = mkl_pack(w, m)
-    return {
+    fns: dict[str, Callable[[], object]] = {
         "plain": lambda: F.linear(x, w),
         "mkl_packed": lambda: mkl_linear(x, packed, w, None, m),
         "onednn": lambda: onednn_linear(x, w, None),
         "mm_t": lambda: torch.mm(x, w_t),
         "prepared": lambda: prepared(x),
     }
+    ops = native_ops()
+    if ops is not None and m == 1:
+        fns["native"] = lambda: ops.gemv(x, w, None)
+    return fns
 
 
 def sweep_shape(out_f: int, in_f: int, rows: list[int], repeats: int) -> dict[int, dict[str, float]]:
@@ -66,7 +73,8 @@ def sweep_shape(out_f: int, in_f: int, rows: list[int], repeats: int) -> dict[in
     result = {}
     with torch.inference_mode():
         for m in rows:
-            result[m] = best_of(candidates(torch.randn(m, in_f), w, w_t, prepared), repeats)
+            times = best_of(candidates(torch.randn(m, in_f), w, w_t, prepared), repeats)
+            result[m] = {c: times.get(c, float("inf")) for c in CANDIDATES}
     return result
 
 

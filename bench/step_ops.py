@@ -3,7 +3,8 @@
 Each profiled op's self time goes to the class of its nearest labelled ancestor
 (itself included): ranges named ``attention`` (the backend's ``forward``),
 ``norm`` / ``rope`` / ``act`` (``rms_norm``, ``apply_rotary``, ``silu_mul`` as
-``engine.model`` calls them) and GEMM ops by name; the rest is ``other``.
+``engine.model`` calls them, and the native fused ops of ``kernels.native_ops``),
+``gemm`` (the native one-row product) and GEMM ops by name; the rest is ``other``.
 Self times partition the profiled time, so the classes add up to it.
 """
 
@@ -19,9 +20,11 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 import engine.model as model_module
 from kernels.attention import AttentionBackend
+from kernels.native_ops import native_ops
 
 OP_CLASSES = ("gemm", "attention", "norm_rope_act", "other")
-_LABELS = {"attention": "attention", "norm": "norm_rope_act", "rope": "norm_rope_act", "act": "norm_rope_act"}
+_LABELS = {"attention": "attention", "norm": "norm_rope_act", "rope": "norm_rope_act", "act": "norm_rope_act",
+           "gemm": "gemm"}
 _GEMM_OPS = frozenset({"aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "mkl::_mkl_linear",
                        "mkldnn::_linear_pointwise"})
 
@@ -41,6 +44,11 @@ def labels(backend: AttentionBackend) -> Iterator[None]:
             stack.enter_context(mock.patch.object(model_module, name,
                                                   _labelled(label, getattr(model_module, name))))
         stack.enter_context(mock.patch.object(backend, "forward", _labelled("attention", backend.forward)))
+        ops = native_ops()
+        if ops is not None:
+            for name, label in (("add_rms_norm", "norm"), ("rope_", "rope"), ("silu_mul", "act"),
+                                ("gemv", "gemm")):
+                stack.enter_context(mock.patch.object(ops, name, _labelled(label, getattr(ops, name))))
         yield
 
 

@@ -2,8 +2,11 @@
 
 For each scenario (decode at ``--batches`` rows with ``--context`` tokens of
 context each, and one ``--prefill``-token prompt chunk) and each configuration
-(``--configs``: ``plain`` is torch's default ``F.linear``, the "before";
-``prepacked`` is ``kernels.linear.PreparedLinear``; ``compiled`` adds the
+(``--configs``: ``plain`` is torch's default ``F.linear``; ``prepacked`` is
+``kernels.linear.PreparedLinear`` with MKL's packed product at one row; both run
+the decoder's small ops as torch ops; ``fused`` is ``prepacked`` with the native
+fused small ops (``kernels/native_ops.py``); ``native`` is ``fused`` with the
+native one-row product (linear kernel ``native``); ``compiled`` adds the
 torch.compile'd decoder layers), the configurations run interleaved on one engine (the
 weights are re-prepared between them), and each phase keeps its best time of
 ``--repeats`` steps:
@@ -37,6 +40,7 @@ from bench.step_ops import OP_CLASSES, op_class_split
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.sampling import SamplingParams
+from kernels.linear import LinearKernel
 
 PHASES = ("schedule", "metadata", "forward", "sampling", "output")
 
@@ -79,9 +83,18 @@ def gemm_floor(engine: LLMEngine, rows: int, head_rows: int, repeats: int) -> fl
     return total
 
 
+CONFIG_KERNELS: dict[str, LinearKernel] = {"plain": "plain", "prepacked": "prepacked", "fused": "prepacked",
+                                           "native": "native", "compiled": "prepacked"}
+
+
 def set_config(engine: LLMEngine, config: str) -> None:
+    if config not in CONFIG_KERNELS:
+        raise SystemExit(f"--configs: unknown configuration {config!r}; "
+                         f"choose from {', '.join(CONFIG_KERNELS)}")
     model = engine.runner.model
-    model.prepare_linears("plain" if config == "plain" else "prepacked")
+    if model.linear_kernel != CONFIG_KERNELS[config]:
+        model.prepare_linears(CONFIG_KERNELS[config])
+    model.use_native_ops = config in ("fused", "native")
     engine.runner.set_compiled(config == "compiled")
 
 
@@ -176,6 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--md", default=None)
     args = parser.parse_args(argv)
     configs = args.configs.split(",")
+    for config in configs:
+        if config not in CONFIG_KERNELS:
+            parser.error(f"--configs: unknown configuration {config!r}; "
+                         f"choose from {', '.join(CONFIG_KERNELS)}")
     batches = [int(b) for b in args.batches.split(",")]
     engine = LLMEngine(args.model, EngineConfig(
         enable_prefix_caching=False, max_num_seqs=max(batches), kv_cache_memory=1024**3,

@@ -155,9 +155,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true", default=d.enforce_eager,
                    help="run the model eagerly: no compiled forward (--compile-cpu), no CUDA graphs")
     g.add_argument("--linear-kernel", choices=LINEAR_KERNELS, default=d.linear_kernel,
-                   help="matrix products on CPU: prepacked (weights packed once at load for MKL at one row "
-                        "and oneDNN above; an extra copy of the weights) or plain (torch's F.linear) "
-                        "(default: prepacked)")
+                   help="matrix products on CPU: native (a native one-row product reading the weights in "
+                        "place, oneDNN above; prepacked where the native kernels cannot be built), prepacked "
+                        "(weights packed once at load for MKL at one row and oneDNN above; an extra copy of "
+                        "the weights) or plain (torch's F.linear) (default: native)")
     g.add_argument("--compile-cpu", action=argparse.BooleanOptionalAction, default=d.compile_cpu,
                    help="compile the decoder layers with torch.compile (inductor) for decode batches padded "
                         "to buckets, cached on disk under $PDSERVE_CACHE/inductor; it did not pay on the "

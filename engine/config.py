@@ -129,12 +129,13 @@ class EngineConfig:
     # paged attention kernels: auto (flashinfer, else triton on CUDA; the native/torch kernels on CPU),
     # or one of ATTENTION_BACKENDS by name
     attention_backend: str = "auto"
-    # decode step speed (engine/model_runner.py, kernels/linear.py): the linear kernel ("prepacked" packs
-    # weights at load for MKL / oneDNN on CPU fp32, "plain" is torch's F.linear); compile_cpu compiles
+    # decode step speed (engine/model_runner.py, kernels/linear.py): the linear kernel ("native": the
+    # native one-row GEMV and oneDNN above, no extra weight copy; "prepacked" packs weights at load for
+    # MKL / oneDNN on CPU fp32; "plain" is torch's F.linear); compile_cpu compiles
     # the decoder layers with inductor for decode batches padded to buckets; enforce_eager turns off
     # both compilation and CUDA graphs (engine/graph_runner.py); num_threads sets torch's intra-op
     # threads when the engine starts (None leaves them as they are)
-    linear_kernel: str = "prepacked"
+    linear_kernel: str = "native"
     enforce_eager: bool = False
     # pure-decode steps through the CUDA-graph path's padded static buffers with no capture, on any
     # device (engine/graph_runner.py): how CPU tests check that path (it runs the steps it takes instead

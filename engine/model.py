@@ -14,6 +14,12 @@ the model holds one rank's shard (its query and KV heads, its MLP columns, its v
 row-parallel products and the embedding are summed over the group, the logits gathered to rank 0.
 ``load_weights`` takes either whole Hugging Face tensors (each is cut to the shard) or tensors a loader
 already cut (``ModelSource.iter_weights(shard)``): a tensor of the shard's shape is taken as it is.
+
+Fused small ops: on float32 CPU, with the native kernels built (``kernels/native_ops.py``), the forward
+runs ``DecoderLayer.forward_fused``: each residual add is done in place together with the norm after it
+(the last layer's with the final norm), rope rotates q and k in place in the QKV product's output, and
+SiLU*up is one call. Same values as the torch path up to the norm's and SiLU's rounding;
+``use_native_ops`` (or ``PDSERVE_NATIVE_KERNELS=0``) turns it off.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from engine.tp_group import TpGroup
 from kernels.activation import silu_mul
 from kernels.attention import AttentionBackend, AttentionMetadata
 from kernels.linear import LinearKernel, PreparedLinear
+from kernels.native_ops import NativeOps, native_ops
 from kernels.norm import rms_norm
 from kernels.rope import RotaryEmbedding, apply_rotary
 
@@ -133,12 +140,37 @@ class DecoderLayer(nn.Module):
         x = rms_norm(hidden, self.post_norm, self.eps)
         return hidden + self._reduce(self.down_linear(silu_mul(self.gate_up_linear(x))))
 
+    def forward_fused(
+        self,
+        hidden: torch.Tensor,
+        delta: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_layer: torch.Tensor,
+        backend: AttentionBackend,
+        ops: NativeOps,
+        kv_scales: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` with the residual adds deferred: the layer's input is ``hidden + delta`` (``delta``
+        None: ``hidden``), and it returns ``(residual, delta)`` whose sum is its output. ``hidden`` is
+        updated in place."""
+        tokens = hidden.shape[0]
+        h, kv_h = self.num_heads, self.num_kv_heads
+        x = ops.add_rms_norm(hidden, delta, self.input_norm, self.eps)
+        qkv = self.qkv_linear(x).view(tokens, h + 2 * kv_h, self.head_dim)
+        ops.rope_(qkv, cos, sin, h + kv_h)
+        attn = backend.forward(qkv[:, :h], qkv[:, h : h + kv_h], qkv[:, h + kv_h :], kv_layer, self.scale,
+                               kv_scales)
+        x = ops.add_rms_norm(hidden, self._reduce(self.o_linear(attn.reshape(tokens, h * self.head_dim))),
+                             self.post_norm, self.eps)
+        return hidden, self._reduce(self.down_linear(ops.silu_mul(self.gate_up_linear(x))))
+
 
 class CausalLM(nn.Module):
     """Decoder-only LM; ``forward`` returns final-normed hidden states, ``compute_logits`` the scores."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu",
-                 linear_kernel: LinearKernel = "prepacked", shard: TpShard | None = None,
+                 linear_kernel: LinearKernel = "native", shard: TpShard | None = None,
                  group: TpGroup | None = None) -> None:
         super().__init__()
         self.config = config
@@ -161,6 +193,7 @@ class CausalLM(nn.Module):
             self.lm_head.data.zero_()
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, device)
         self.lm_head_linear = PreparedLinear(self.lm_head, None, "plain")
+        self.use_native_ops = True
 
     def prepare_linears(self, kernel: LinearKernel | None = None) -> None:
         """Pack every matrix for ``kernel`` (default: ``linear_kernel``) from the current weights."""
@@ -235,6 +268,15 @@ class CausalLM(nn.Module):
             raise ValueError(f"got {input_ids.shape[0]} tokens but the metadata describes {meta.num_tokens}")
         hidden = self._embed(input_ids)
         cos, sin = self.rotary.cos_sin(positions, self.dtype)
+        ops = native_ops() if self.use_native_ops else None
+        if ops is not None and ops.usable(hidden, cos):
+            delta: torch.Tensor | None = None
+            for i, layer in enumerate(self.layers):
+                assert isinstance(layer, DecoderLayer)
+                scales = kv_scales[i] if kv_scales is not None else None
+                hidden, delta = layer.forward_fused(hidden, delta, cos, sin, kv_cache[i], backend, ops,
+                                                    scales)
+            return ops.add_rms_norm(hidden, delta, self.norm, self.config.rms_norm_eps)
         for i, layer in enumerate(self.layers):
             scales = kv_scales[i] if kv_scales is not None else None
             hidden = layer(hidden, cos, sin, kv_cache[i], backend, scales)

@@ -10,13 +10,14 @@
  * rows of that KV head, so each K/V row loaded serves every query head of the
  * group (GQA) and every token of a prefill chunk. Keys are visited block by block
  * with an online softmax (running max m, running sum l, float32 accumulators), as
- * flash-decoding does. Items are shared by `num_threads` pthreads through an
- * atomic counter. Cache, q and out are float32 (dtype 0) or bfloat16 (dtype 1).
+ * flash-decoding does. Items are shared by `num_threads` OpenMP threads through an
+ * atomic counter: the library links libgomp.so.1, which resolves to the copy torch
+ * loaded, so the kernel runs on torch's own thread team rather than starting threads
+ * that would compete with torch's spinning ones. Cache, q and out are float32 (dtype 0) or bfloat16 (dtype 1).
  *
  * Plain C with GCC vector extensions (8 floats), so it builds on x86_64 and aarch64.
  */
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -313,16 +314,14 @@ int pdserve_paged_attention(const void *q, int64_t q_token_stride, const void *k
     }
 
     Work work = {&args, items, (int32_t)num_items, 0};
-    int extra = num_threads - 1;
-    if (extra > num_items - 1) extra = (int)(num_items - 1);
-    if (extra > 63) extra = 63;
-    pthread_t threads[64];
-    int started = 0;
-    for (; started < extra; started++) {
-        if (pthread_create(&threads[started], NULL, worker, &work) != 0) break;
+    int threads = num_threads < 1 ? 1 : num_threads;
+    if (threads > num_items) threads = (int)num_items;
+    if (threads == 1) {
+        worker(&work);
+    } else {
+#pragma omp parallel num_threads(threads)
+        worker(&work);
     }
-    worker(&work);
-    for (int i = 0; i < started; i++) pthread_join(threads[i], NULL);
     free(items);
     return 0;
 }

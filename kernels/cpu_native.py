@@ -1,11 +1,17 @@
 """The native CPU attention backend: ``cpu_attention.c`` built on first use and called through ctypes.
 
+The same library holds ``cpu_ops.c`` (the per-layer small ops and the one-row product;
+``kernels/native_ops.py`` wraps them). Both run their threads through OpenMP
+(``-fopenmp``): the library's ``libgomp.so.1`` resolves to the copy torch already
+loaded, so the kernels share torch's thread team instead of starting threads that
+compete with its spinning ones for the same cores.
+
 The kernel reads K/V in place from the paged cache (no gather), which is what makes
 CPU decode fast: the torch reference copies every sequence's K/V into a workspace
 before ``scaled_dot_product_attention`` reads it again.
 
 Build cache: ``$PDSERVE_CACHE/kernels`` (default ``~/.cache/pdserve/kernels``); the
-library's file name carries a hash of the C source, the compiler's version, the
+library's file name carries a hash of the C sources, the compiler's version, the
 flags and the CPU model, so an edit (or a new compiler) builds a new library and
 a stale one is never loaded. Each build writes a temporary file and renames it into
 place, so concurrent processes never load a half-written library.
@@ -35,8 +41,8 @@ from kernels.torch_ref import TorchAttentionBackend
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_attention.c")
-CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-shared", "-fPIC", "-pthread")
+SOURCES = (Path(__file__).with_name("cpu_attention.c"), Path(__file__).with_name("cpu_ops.c"))
+CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-shared", "-fPIC", "-fopenmp")
 SUPPORTED_MACHINES = ("x86_64", "aarch64")
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _MAX_HEAD_DIM = 256
@@ -63,7 +69,7 @@ def library_name(source: bytes, compiler_version: str, cpu_model: str = "") -> s
     for part in (source, compiler_version.encode(), " ".join(CFLAGS).encode(), cpu_model.encode()):
         digest.update(part)
         digest.update(b"\0")
-    return f"cpu_attention-{digest.hexdigest()[:20]}.so"
+    return f"cpu_kernels-{digest.hexdigest()[:20]}.so"
 
 
 def _compiler_version(cc: str) -> str:
@@ -72,12 +78,12 @@ def _compiler_version(cc: str) -> str:
 
 
 def build_library(directory: Path | None = None) -> Path:
-    """Compile ``cpu_attention.c`` unless the cache already holds this exact build; return its path."""
+    """Compile the C sources unless the cache already holds this exact build; return its path."""
     cc = os.environ.get("CC", "gcc")
     if shutil.which(cc) is None:
         raise RuntimeError(f"C compiler {cc!r} not found")
     directory = directory or cache_dir()
-    source = SOURCE.read_bytes()
+    source = b"\0".join(src.read_bytes() for src in SOURCES)
     path = directory / library_name(source, _compiler_version(cc), _cpu_model())
     if path.exists():
         return path
@@ -86,7 +92,7 @@ def build_library(directory: Path | None = None) -> Path:
     os.close(fd)
     try:
         result = subprocess.run(
-            [cc, *CFLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300
+            [cc, *CFLAGS, "-o", tmp, *map(str, SOURCES)], capture_output=True, text=True, timeout=300
         )
         if result.returncode != 0:
             raise RuntimeError(f"{cc} failed: {result.stderr.strip()[-2000:]}")
@@ -114,7 +120,23 @@ def load_library() -> ctypes.CDLL | None:
         ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32,  # heads, kv heads, head_dim, block
         ctypes.c_float, ctypes.c_int32, ctypes.c_int32,  # scale, dtype, num_threads
     ]
+    bind_ops(lib)
     return lib
+
+
+def bind_ops(lib: ctypes.CDLL) -> None:
+    """Declare the signatures of ``cpu_ops.c``'s functions (pointers as ``c_void_p``)."""
+    ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
+    signatures = {
+        "pdserve_gemv_f32": [ptr, ptr, ptr, ptr, i64, i64, i32],  # w, x, bias, y, n, k, threads
+        "pdserve_add_rms_norm_f32": [ptr, ptr, ptr, ptr, i64, i64, f32, i32],  # h, delta, w, out, rows, dim
+        "pdserve_rope_f32": [ptr, i64, ptr, ptr, i64, i32, i32, i32],  # x, stride, cos, sin, T, heads, hd
+        "pdserve_silu_mul_f32": [ptr, ptr, i64, i64, i32],  # gate_up, out, rows, inter, threads
+    }
+    for name, argtypes in signatures.items():
+        fn = getattr(lib, name)
+        fn.restype = None
+        fn.argtypes = argtypes
 
 
 def native_available() -> bool:

@@ -28,6 +28,11 @@ The packed MKL copy costs one more copy of each weight (for SmolLM2-135M fp32:
 +538 MB); MKL's packed product only serves the row count it was packed for
 (other row counts fall back to torch's default), so only the single-row pack is
 kept. Other dtypes and devices use ``"plain"``.
+
+``"native"`` is ``"prepacked"`` with the one-row product taken by the native GEMV
+(``kernels.native_ops.NativeOps.gemv``: the ``[out, in]`` weight read once in place,
+so no packed copy is kept); where the native library cannot be built it is
+``"prepacked"``.
 """
 
 from __future__ import annotations
@@ -37,8 +42,10 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-LinearKernel = Literal["plain", "prepacked"]
-LINEAR_KERNELS: tuple[LinearKernel, ...] = ("plain", "prepacked")
+from kernels.native_ops import native_ops
+
+LinearKernel = Literal["plain", "prepacked", "native"]
+LINEAR_KERNELS: tuple[LinearKernel, ...] = ("plain", "prepacked", "native")
 
 
 def prepacked_available(weight: torch.Tensor) -> bool:
@@ -87,9 +94,17 @@ class PreparedLinear:
         self.bias = bias.detach() if bias is not None else None
         self.out_features, self.in_features = weight.shape
         self.kernel: LinearKernel = kernel if prepacked_available(weight) else "plain"
+        self._native = native_ops() if self.kernel == "native" and self.weight.is_contiguous() else None
+        if self.kernel == "native" and self._native is None:
+            self.kernel = "prepacked"
         self.packed_row = mkl_pack(self.weight, 1) if self.kernel == "prepacked" else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._native is not None and x.dim() == 2 and x.dtype == torch.float32:
+            if x.shape[0] == 1:
+                return self._native.gemv(x, self.weight, self.bias)
+            if x.shape[0]:
+                return onednn_linear(x, self.weight, self.bias)
         return prepared_linear(x, self.weight, self.packed_row, self.bias)
 
     @property

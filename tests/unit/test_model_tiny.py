@@ -18,6 +18,7 @@ from engine.config import ModelConfig, RopeScaling
 from engine.model import CausalLM, allocate_kv_cache
 from kernels import AttentionBackend, get_attention_backend
 from kernels.attention import AttentionMetadata
+from kernels.native_ops import native_ops
 
 if TYPE_CHECKING:
     from engine.compiled import CompiledDecoder
@@ -188,3 +189,14 @@ def test_load_weights_names_the_bad_parameter() -> None:
         model.load_weights([("model.layers.9.foo", torch.zeros(1))])
     with pytest.raises(ValueError, match=r"'model\.norm\.weight' has shape \(3,\), expected \(64,\)"):
         model.load_weights([("model.norm.weight", torch.zeros(3))])
+
+
+@pytest.mark.skipif(native_ops() is None, reason="native CPU kernels cannot be built here")
+def test_fused_native_ops_match_the_torch_ops() -> None:
+    hf = hf_model("llama3")
+    fused, unfused = PagedRunner(hf), PagedRunner(hf)
+    unfused.model.use_native_ops = False
+    tokens = prompt(21, seed=5)
+    for work in ([(0, tokens), (1, tokens[:7])], [(0, [3]), (1, [9])], [(0, [4])]):  # prefill, x2, x1
+        for got, want in zip(fused.step(work), unfused.step(work), strict=True):
+            torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)

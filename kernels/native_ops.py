@@ -1,0 +1,101 @@
+"""The decoder's per-layer small ops and the one-row product as native calls (``cpu_ops.c``).
+
+At decode sizes each torch op costs more in dispatch and allocation than in
+arithmetic (a norm of one 576-float row, a rope over 15 heads), so a decode layer
+spends as much time in its dozen small ops as in reading its weights. ``NativeOps``
+does each group in one call through ctypes, on float32 CPU tensors only:
+
+- ``add_rms_norm(hidden, delta, weight, eps)``: ``hidden += delta`` in place (when
+  ``delta`` is given), returns ``rms_norm(hidden, weight, eps)`` (``kernels.norm``);
+  the residual add is bitwise torch's, the norm equal to rounding (the sum of
+  squares is taken in another order);
+- ``rope_(x, cos, sin, heads)``: rotates the first ``heads`` heads of ``x``
+  (``[T, >= heads, head_dim]``, contiguous heads) in place, bitwise
+  ``kernels.rope.apply_rotary``;
+- ``silu_mul(gate_up)``: ``kernels.activation.silu_mul``, equal to rounding (a
+  polynomial ``exp``, about 1 ulp);
+- ``gemv(x, weight, bias)``: ``F.linear`` for one row, the ``[out, in]`` weight read
+  once in place (no packed copy), output rows split over the threads; equal to
+  rounding (another summation order).
+
+Callers check ``usable`` for their tensors (float32, CPU, contiguous where
+stated) and take the torch path otherwise. Threads: ``torch.get_num_threads()``
+at each call, on torch's OpenMP team (see ``kernels/cpu_native.py``).
+``native_ops()`` is ``None`` when the library cannot be built or
+``PDSERVE_NATIVE_KERNELS=0``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from kernels.cpu_native import load_library, native_available
+
+
+class NativeOps:
+    """ctypes calls into ``cpu_ops.c``; see the module docstring for each op's contract."""
+
+    def __init__(self) -> None:
+        lib = load_library()
+        if lib is None:
+            raise RuntimeError("native CPU kernel library is unavailable")
+        self._gemv = lib.pdserve_gemv_f32
+        self._norm = lib.pdserve_add_rms_norm_f32
+        self._rope = lib.pdserve_rope_f32
+        self._silu_mul = lib.pdserve_silu_mul_f32
+
+    @staticmethod
+    def usable(*tensors: torch.Tensor) -> bool:
+        """Whether every tensor is a float32 CPU tensor (the only kind these kernels take)."""
+        return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+
+    def add_rms_norm(self, hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+        """``hidden += delta`` (in place), then ``rms_norm(hidden, weight, eps)`` as a new tensor."""
+        rows, dim = hidden.shape
+        if not hidden.is_contiguous() or (delta is not None and not delta.is_contiguous()):
+            raise ValueError("add_rms_norm needs contiguous hidden and delta")
+        out = torch.empty_like(hidden)
+        self._norm(hidden.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(),
+                   out.data_ptr(), rows, dim, eps, torch.get_num_threads())
+        return out
+
+    def rope_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> None:
+        """Rotate heads ``0..heads-1`` of ``x`` (``[T, H, head_dim]``) in place by ``cos``/``sin``
+        (``[T, 1, head_dim]``)."""
+        tokens, _, head_dim = x.shape
+        if x.stride(2) != 1 or x.stride(1) != head_dim or not (cos.is_contiguous() and sin.is_contiguous()):
+            raise ValueError("rope_ needs contiguous heads and contiguous cos/sin")
+        self._rope(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), tokens, heads, head_dim,
+                   torch.get_num_threads())
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` for contiguous ``gate_up = [gate | up]``."""
+        rows, width = gate_up.shape
+        if not gate_up.is_contiguous():
+            gate_up = gate_up.contiguous()
+        out = gate_up.new_empty(rows, width // 2)
+        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
+        return out
+
+    def gemv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``F.linear(x, weight, bias)`` for one row ``x`` (``[1, in]``) and a contiguous ``weight``."""
+        out_features, in_features = weight.shape
+        if not x.is_contiguous():
+            x = x.contiguous()
+        y = x.new_empty(1, out_features)
+        self._gemv(weight.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
+                   out_features, in_features, torch.get_num_threads())
+        return y
+
+
+@functools.lru_cache(maxsize=1)
+def _ops() -> NativeOps | None:
+    return NativeOps() if native_available() else None
+
+
+def native_ops() -> NativeOps | None:
+    """The shared ``NativeOps``, or ``None`` when native kernels are off or cannot be built here."""
+    return _ops() if native_available() else None

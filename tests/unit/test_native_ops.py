@@ -1,0 +1,80 @@
+"""The native small ops and one-row product (``kernels/native_ops.py``) against the torch expressions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.activation import silu_mul
+from kernels.linear import PreparedLinear
+from kernels.native_ops import NativeOps, native_ops
+from kernels.norm import rms_norm
+from kernels.rope import apply_rotary
+
+pytestmark = pytest.mark.skipif(native_ops() is None, reason="native CPU kernels cannot be built here")
+
+
+def ops() -> NativeOps:
+    found = native_ops()
+    assert found is not None
+    return found
+
+
+@pytest.mark.parametrize(("rows", "dim"), [(1, 576), (3, 13), (70, 40)])  # 70 rows: the threaded path
+@pytest.mark.parametrize("with_delta", [False, True])
+def test_add_rms_norm(rows: int, dim: int, with_delta: bool) -> None:
+    gen = torch.Generator().manual_seed(rows * dim)
+    hidden = torch.randn(rows, dim, generator=gen)
+    delta = torch.randn(rows, dim, generator=gen) if with_delta else None
+    weight = torch.randn(dim, generator=gen)
+    summed = hidden + delta if delta is not None else hidden.clone()
+    out = ops().add_rms_norm(hidden, delta, weight, 1e-5)
+    assert torch.equal(hidden, summed)  # the residual add: in place, bitwise torch's
+    torch.testing.assert_close(out, rms_norm(summed, weight, 1e-5), atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize(("tokens", "head_dim"), [(1, 64), (5, 16), (66, 128), (3, 20)])
+def test_rope_is_bitwise_apply_rotary(tokens: int, head_dim: int) -> None:
+    gen = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, 15, head_dim, generator=gen)
+    cos = torch.randn(tokens, 1, head_dim, generator=gen)
+    sin = torch.randn(tokens, 1, head_dim, generator=gen)
+    expected = apply_rotary(qkv[:, :12], cos, sin)
+    untouched = qkv[:, 12:].clone()
+    ops().rope_(qkv, cos, sin, 12)
+    assert torch.equal(qkv[:, :12], expected)
+    assert torch.equal(qkv[:, 12:], untouched)
+
+
+@pytest.mark.parametrize(("rows", "inter"), [(1, 1536), (17, 37)])
+def test_silu_mul(rows: int, inter: int) -> None:
+    gate_up = torch.randn(rows, 2 * inter, generator=torch.Generator().manual_seed(inter)) * 6
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # saturation at both ends
+    torch.testing.assert_close(ops().silu_mul(gate_up), silu_mul(gate_up), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize(("out_f", "in_f"), [(960, 576), (13, 40), (131, 7), (1000, 1536)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemv_matches_f_linear(out_f: int, in_f: int, with_bias: bool) -> None:
+    gen = torch.Generator().manual_seed(out_f + in_f)
+    weight = torch.randn(out_f, in_f, generator=gen)
+    bias = torch.randn(out_f, generator=gen) if with_bias else None
+    x = torch.randn(1, in_f, generator=gen)
+    torch.testing.assert_close(ops().gemv(x, weight, bias), F.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 5])
+def test_native_linear_kernel_keeps_no_packed_copy(rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    weight, bias = torch.randn(96, 40, generator=gen), torch.randn(96, generator=gen)
+    layer = PreparedLinear(weight, bias, "native")
+    assert layer.kernel == "native" and layer.extra_bytes == 0
+    x = torch.randn(rows, 40, generator=gen)
+    torch.testing.assert_close(layer(x), F.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
+
+
+def test_disabled_by_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDSERVE_NATIVE_KERNELS", "0")
+    assert native_ops() is None
+    assert PreparedLinear(torch.randn(8, 4), kernel="native").kernel == "prepacked"
