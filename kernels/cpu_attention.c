@@ -21,13 +21,13 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "cpu_simd.h"
+
 #define MAX_ROWS 32
 #define MAX_HEAD_DIM 256
 #define KEY_TILE 32
 #define PF_DIST 1 /* tiles ahead to prefetch (1 measured best; 2 and 3 no better) */
 
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));
 typedef uint16_t u16x8 __attribute__((vector_size(16), aligned(2), may_alias));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
 
@@ -86,7 +86,6 @@ static inline void store1(void *p, int64_t i, float x, int bf16) {
     }
 }
 
-typedef int32_t i32x8 __attribute__((vector_size(32)));
 
 static inline v8 vmax8(v8 a, v8 b) {
     const i32x8 a_wins = a > b;
@@ -106,23 +105,6 @@ static inline v8 reduce8(const v8 a[8]) {
         y[i] = __builtin_shuffle(x[2 * i], x[2 * i + 1], lo2) + __builtin_shuffle(x[2 * i], x[2 * i + 1], hi2);
     }
     return __builtin_shuffle(y[0], y[1], lo4) + __builtin_shuffle(y[0], y[1], hi4);
-}
-
-/* exp for x <= 0 (Cephes' expf polynomial, about 1 ulp); below -87.3 the result is ~1e-38 */
-static inline v8 exp8(v8 x) {
-    const v8 lo = {-87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f};
-    x = vmax8(x, lo);
-    const v8 round = x * 1.44269504088896341f + 12582912.0f; /* 1.5 * 2^23: round to nearest */
-    const v8 n = round - 12582912.0f;
-    const v8 r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-    v8 p = 1.9875691500e-4f * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * (r * r) + r + 1.0f;
-    const i32x8 bits = (__builtin_convertvector(n, i32x8) + 127) << 23;
-    return p * (v8)bits;
 }
 
 static inline float hsum(v8 a) {

@@ -42,6 +42,7 @@ from kernels.torch_ref import TorchAttentionBackend
 logger = logging.getLogger(__name__)
 
 SOURCES = (Path(__file__).with_name("cpu_attention.c"), Path(__file__).with_name("cpu_ops.c"))
+HEADERS = (Path(__file__).with_name("cpu_simd.h"),)  # included by the sources: part of the build's hash
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-shared", "-fPIC", "-fopenmp")
 SUPPORTED_MACHINES = ("x86_64", "aarch64")
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
@@ -83,7 +84,7 @@ def build_library(directory: Path | None = None) -> Path:
     if shutil.which(cc) is None:
         raise RuntimeError(f"C compiler {cc!r} not found")
     directory = directory or cache_dir()
-    source = b"\0".join(src.read_bytes() for src in SOURCES)
+    source = b"\0".join(src.read_bytes() for src in (*SOURCES, *HEADERS))
     path = directory / library_name(source, _compiler_version(cc), _cpu_model())
     if path.exists():
         return path

@@ -15,9 +15,8 @@
 #include <omp.h>
 #include <stdint.h>
 
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias));
-typedef int32_t i32x8 __attribute__((vector_size(32)));
+#include "cpu_simd.h"
+
 
 #define NO_CONTRACT __attribute__((optimize("fp-contract=off")))
 
@@ -148,26 +147,6 @@ void pdserve_rope_f32(float *x, int64_t token_stride, const float *cos_t, const 
     }
 }
 
-/* exp(x) for any float x: clamped to [-87.3, 88.3], Cephes' expf polynomial (about 1 ulp) */
-static inline v8 exp8_any(v8 x) {
-    const v8 lo = {-87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f};
-    const v8 hi = {88.3f, 88.3f, 88.3f, 88.3f, 88.3f, 88.3f, 88.3f, 88.3f};
-    i32x8 m = x < lo;
-    x = (v8)(((i32x8)lo & m) | ((i32x8)x & ~m));
-    m = x > hi;
-    x = (v8)(((i32x8)hi & m) | ((i32x8)x & ~m));
-    const v8 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* 1.5 * 2^23: to nearest */
-    const v8 r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-    v8 p = 1.9875691500e-4f * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * (r * r) + r + 1.0f;
-    const i32x8 bits = (__builtin_convertvector(n, i32x8) + 127) << 23;
-    return p * (v8)bits;
-}
-
 /* out[r, i] = silu(gate_up[r, i]) * gate_up[r, inter + i], silu(g) = g / (1 + exp(-g)) */
 void pdserve_silu_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t inter, int32_t num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (rows >= 16 && num_threads > 1) schedule(static)
@@ -177,7 +156,7 @@ void pdserve_silu_mul_f32(const float *gate_up, float *out, int64_t rows, int64_
         int64_t i = 0;
         for (; i + 8 <= inter; i += 8) {
             const v8 gv = ld(g + i);
-            st(o + i, gv / (1.0f + exp8_any(-gv)) * ld(u + i));
+            st(o + i, gv / (1.0f + exp8(-gv)) * ld(u + i));
         }
         for (; i < inter; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
