@@ -7,8 +7,8 @@ count, times (best of ``--repeats``, candidates interleaved so load hits all ali
 - ``mkl_packed``: MKL packed SGEMM with the weight packed for exactly that row count;
 - ``onednn``: oneDNN inner product (``torch.ops.mkldnn._linear_pointwise``);
 - ``mm_t``: ``x @ w_t`` with the weight stored transposed (``[in, out]``);
-- ``native``: ``kernels.native_ops.NativeOps.gemv`` at one row (the ``[out, in]``
-  weight in place; other row counts: not timed, shown as inf);
+- ``native``: ``kernels.native_ops.NativeOps.linear`` (the ``[out, in]`` weight in
+  place; what ``--linear-kernel native`` runs up to ``kernels.linear.NATIVE_MAX_ROWS`` rows);
 - ``prepared``: ``kernels.linear.PreparedLinear`` (what the engine runs).
 
 and the per-step total (every layer's four products plus the LM head).
@@ -60,8 +60,8 @@ def candidates(x: torch.Tensor, w: torch.Tensor, w_t: torch.Tensor,
         "prepared": lambda: prepared(x),
     }
     ops = native_ops()
-    if ops is not None and m == 1:
-        fns["native"] = lambda: ops.gemv(x, w, None)
+    if ops is not None:
+        fns["native"] = lambda: ops.linear(x, w, None)
     return fns
 
 

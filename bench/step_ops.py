@@ -47,7 +47,7 @@ def labels(backend: AttentionBackend) -> Iterator[None]:
         ops = native_ops()
         if ops is not None:
             for name, label in (("add_rms_norm", "norm"), ("rope_", "rope"), ("silu_mul", "act"),
-                                ("gemv", "gemm")):
+                                ("linear", "gemm")):
                 stack.enter_context(mock.patch.object(ops, name, _labelled(label, getattr(ops, name))))
         yield
 

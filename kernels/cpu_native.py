@@ -1,6 +1,6 @@
 """The native CPU attention backend: ``cpu_attention.c`` built on first use and called through ctypes.
 
-The same library holds ``cpu_ops.c`` (the per-layer small ops and the one-row product;
+The same library holds ``cpu_ops.c`` (the per-layer small ops and the few-row product;
 ``kernels/native_ops.py`` wraps them). Both run their threads through OpenMP
 (``-fopenmp``): the library's ``libgomp.so.1`` resolves to the copy torch already
 loaded, so the kernels share torch's thread team instead of starting threads that
@@ -129,7 +129,7 @@ def bind_ops(lib: ctypes.CDLL) -> None:
     """Declare the signatures of ``cpu_ops.c``'s functions (pointers as ``c_void_p``)."""
     ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
     signatures = {
-        "pdserve_gemv_f32": [ptr, ptr, ptr, ptr, i64, i64, i32],  # w, x, bias, y, n, k, threads
+        "pdserve_gemm_f32": [ptr, ptr, ptr, ptr, i64, i64, i64, i32],  # w, x, bias, y, m, n, k, threads
         "pdserve_add_rms_norm_f32": [ptr, ptr, ptr, ptr, i64, i64, f32, i32],  # h, delta, w, out, rows, dim
         "pdserve_rope_f32": [ptr, i64, ptr, ptr, i64, i32, i32, i32],  # x, stride, cos, sin, T, heads, hd
         "pdserve_silu_mul_f32": [ptr, ptr, i64, i64, i32],  # gate_up, out, rows, inter, threads

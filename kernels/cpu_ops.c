@@ -1,4 +1,4 @@
-/* The decoder's per-layer small ops and the one-row product, float32, on CPU.
+/* The decoder's per-layer small ops and the few-row product of decode steps, float32, on CPU.
  *
  * Built into the same library as cpu_attention.c (kernels/cpu_native.py) and called
  * through ctypes; kernels/native_ops.py holds the contract of each function and the
@@ -27,60 +27,96 @@ static inline float hsum8(v8 a) {
     return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
 }
 
-/* y[n] = W[n, k] . x[k] (+ bias[n]). W row-major as torch holds it ([out, in]), streamed
- * once: the threads split the output rows in contiguous ranges of 8. */
+/* Y[m, n] = X[m, k] . W[n, k]^T (+ bias[n]) for the few rows of a decode step. W is row-major as
+ * torch holds it ([out, in]) and is read in place, once: the threads split the output features in
+ * contiguous ranges of 4, and each block of 4 weight rows (4k floats, in L1) is multiplied by the
+ * activation rows 3 at a time, 12 AVX2 accumulators summing along k (one horizontal sum per output
+ * at the end). While a block is in use its successor is prefetched, spread evenly over the block's
+ * row groups, so the DRAM stream overlaps the arithmetic: at 16 rows that is what makes the product
+ * compute-bound instead of latency-bound. The empty asm statements pin the loaded vectors to
+ * registers (otherwise GCC re-reads each one from memory for every FMA that uses it). */
 static inline v8 fma8(v8 a, v8 b, v8 c) { return a * b + c; }
+#define PIN(v) __asm__("" : "+x"(v))
 
-static void gemv_rows(const float *w, const float *x, const float *bias, float *y, int64_t r0, int64_t r1,
-                      int64_t k) {
-    const int64_t kv = k & ~(int64_t)15;
-    int64_t r = r0;
-    for (; r + 4 <= r1; r += 4) {
-        const float *w0 = w + r * k, *w1 = w0 + k, *w2 = w1 + k, *w3 = w2 + k;
-        v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
-        for (int64_t i = 0; i < kv; i += 16) {
-            const v8 x0 = ld(x + i), x1 = ld(x + i + 8);
-            a0 = fma8(ld(w0 + i), x0, a0); b0 = fma8(ld(w0 + i + 8), x1, b0);
-            a1 = fma8(ld(w1 + i), x0, a1); b1 = fma8(ld(w1 + i + 8), x1, b1);
-            a2 = fma8(ld(w2 + i), x0, a2); b2 = fma8(ld(w2 + i + 8), x1, b2);
-            a3 = fma8(ld(w3 + i), x0, a3); b3 = fma8(ld(w3 + i + 8), x1, b3);
-        }
-        float s0 = hsum8(a0 + b0), s1 = hsum8(a1 + b1), s2 = hsum8(a2 + b2), s3 = hsum8(a3 + b3);
-        for (int64_t i = kv; i < k; i++) {
-            s0 += w0[i] * x[i]; s1 += w1[i] * x[i]; s2 += w2[i] * x[i]; s3 += w3[i] * x[i];
-        }
-        if (bias) { s0 += bias[r]; s1 += bias[r + 1]; s2 += bias[r + 2]; s3 += bias[r + 3]; }
-        y[r] = s0; y[r + 1] = s1; y[r + 2] = s2; y[r + 3] = s3;
+#define GEMM_BLOCK(WR, MR)                                                                            \
+    static inline void block_##WR##x##MR(const float *w, const float *x, float *y, int64_t k,          \
+                                         int64_t kv, int64_t ldy, const float *bias, const float *pf,  \
+                                         int64_t pstep) {                                             \
+        v8 acc[WR][MR];                                                                               \
+        for (int a = 0; a < WR; a++)                                                                  \
+            for (int b = 0; b < MR; b++) acc[a][b] = (v8){0};                                         \
+        for (int64_t i = 0; i < kv; i += 8) {                                                         \
+            __builtin_prefetch(pf);                                                                   \
+            __builtin_prefetch(pf + 16);                                                              \
+            pf += pstep;                                                                              \
+            v8 xv[MR];                                                                                \
+            for (int b = 0; b < MR; b++) {                                                            \
+                xv[b] = ld(x + b * k + i);                                                            \
+                PIN(xv[b]);                                                                           \
+            }                                                                                         \
+            for (int a = 0; a < WR; a++) {                                                            \
+                v8 q = ld(w + a * k + i);                                                             \
+                PIN(q);                                                                               \
+                for (int b = 0; b < MR; b++) acc[a][b] = fma8(q, xv[b], acc[a][b]);                   \
+            }                                                                                         \
+        }                                                                                             \
+        for (int b = 0; b < MR; b++)                                                                  \
+            for (int a = 0; a < WR; a++) {                                                            \
+                float s = hsum8(acc[a][b]);                                                           \
+                for (int64_t i = kv; i < k; i++) s += w[a * k + i] * x[b * k + i];                    \
+                y[b * ldy + a] = bias ? s + bias[a] : s;                                              \
+            }                                                                                         \
     }
-    for (; r < r1; r++) {
-        const float *w0 = w + r * k;
-        v8 a0 = {0}, b0 = {0};
-        for (int64_t i = 0; i < kv; i += 16) {
-            a0 = fma8(ld(w0 + i), ld(x + i), a0);
-            b0 = fma8(ld(w0 + i + 8), ld(x + i + 8), b0);
+GEMM_BLOCK(4, 1)
+GEMM_BLOCK(4, 2)
+GEMM_BLOCK(4, 3)
+GEMM_BLOCK(1, 1)
+GEMM_BLOCK(1, 2)
+GEMM_BLOCK(1, 3)
+
+/* Output features r0..r1 of every row: weight blocks of 4 (then single rows at the end of n). */
+static void gemm_features(const float *w, const float *x, const float *bias, float *y, int64_t m, int64_t n,
+                          int64_t k, int64_t r0, int64_t r1) {
+    const int64_t kv = k & ~(int64_t)7;
+    const int64_t groups = (m + 2) / 3;
+    /* floats of the next block to prefetch per k step: the block (4k floats) over groups * kv / 8 steps */
+    const int64_t pstep = groups >= 2 ? (32 + groups - 1) / groups : 16;
+    const int64_t gspan = pstep * (kv / 8);
+    for (int64_t r = r0; r < r1;) {
+        const int wide = r + 4 <= r1;
+        const float *wr = w + r * k, *br = bias ? bias + r : 0;
+        const float *next = r + 4 < r1 ? wr + 4 * k : wr;
+        int64_t b = 0, g = 0;
+        for (; b + 3 <= m; b += 3, g++) {
+            if (wide) block_4x3(wr, x + b * k, y + b * n + r, k, kv, n, br, next + g * gspan, pstep);
+            else block_1x3(wr, x + b * k, y + b * n + r, k, kv, n, br, next + g * gspan, pstep);
         }
-        float s = hsum8(a0 + b0);
-        for (int64_t i = kv; i < k; i++) s += w0[i] * x[i];
-        y[r] = bias ? s + bias[r] : s;
+        if (m - b == 2) {
+            if (wide) block_4x2(wr, x + b * k, y + b * n + r, k, kv, n, br, next + g * gspan, pstep);
+            else block_1x2(wr, x + b * k, y + b * n + r, k, kv, n, br, next + g * gspan, pstep);
+        } else if (m - b == 1) {
+            if (wide) block_4x1(wr, x + b * k, y + b * n + r, k, kv, n, br, next + g * gspan, pstep);
+            else block_1x1(wr, x + b * k, y + b * n + r, k, kv, n, br, next + g * gspan, pstep);
+        }
+        r += wide ? 4 : 1;
     }
 }
 
-void pdserve_gemv_f32(const float *w, const float *x, const float *bias, float *y, int64_t n, int64_t k,
-                      int32_t num_threads) {
-    const int64_t per_thread_min = 64; /* rows: below this, one thread */
+void pdserve_gemm_f32(const float *w, const float *x, const float *bias, float *y, int64_t m, int64_t n,
+                      int64_t k, int32_t num_threads) {
+    const int64_t per_thread_min = 64; /* output features: below this per thread, fewer threads */
     int threads = num_threads < 1 ? 1 : num_threads;
     if (n / per_thread_min < threads) threads = (int)(n / per_thread_min) > 0 ? (int)(n / per_thread_min) : 1;
-    if (threads == 1) {
-        gemv_rows(w, x, bias, y, 0, n, k);
+    if (threads == 1 || m < 1) {
+        if (m >= 1) gemm_features(w, x, bias, y, m, n, k, 0, n);
         return;
     }
 #pragma omp parallel num_threads(threads)
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int64_t chunks = (n + 7) / 8;
+        const int64_t chunks = (n + 3) / 4;
         const int64_t c0 = chunks * t / nt, c1 = chunks * (t + 1) / nt;
-        const int64_t r1 = c1 * 8 < n ? c1 * 8 : n;
-        gemv_rows(w, x, bias, y, c0 * 8, r1, k);
+        gemm_features(w, x, bias, y, m, n, k, c0 * 4, c1 * 4 < n ? c1 * 4 : n);
     }
 }
 

@@ -1,4 +1,4 @@
-"""The decoder's per-layer small ops and the one-row product as native calls (``cpu_ops.c``).
+"""The decoder's per-layer small ops and the few-row product as native calls (``cpu_ops.c``).
 
 At decode sizes each torch op costs more in dispatch and allocation than in
 arithmetic (a norm of one 576-float row, a rope over 15 heads), so a decode layer
@@ -14,9 +14,11 @@ does each group in one call through ctypes, on float32 CPU tensors only:
   ``kernels.rope.apply_rotary``;
 - ``silu_mul(gate_up)``: ``kernels.activation.silu_mul``, equal to rounding (a
   polynomial ``exp``, about 1 ulp);
-- ``gemv(x, weight, bias)``: ``F.linear`` for one row, the ``[out, in]`` weight read
-  once in place (no packed copy), output rows split over the threads; equal to
-  rounding (another summation order).
+- ``linear(x, weight, bias)``: ``F.linear`` for the few rows of a decode step
+  (``x`` of ``[rows, in]``, any ``rows`` >= 1; ``kernels.linear`` uses it up to
+  ``NATIVE_MAX_ROWS``), the ``[out, in]`` weight read once in place (no packed
+  copy), output features split over the threads; equal to rounding (another
+  summation order).
 
 Callers check ``usable`` for their tensors (float32, CPU, contiguous where
 stated) and take the torch path otherwise. Threads: ``torch.get_num_threads()``
@@ -41,7 +43,7 @@ class NativeOps:
         lib = load_library()
         if lib is None:
             raise RuntimeError("native CPU kernel library is unavailable")
-        self._gemv = lib.pdserve_gemv_f32
+        self._gemm = lib.pdserve_gemm_f32
         self._norm = lib.pdserve_add_rms_norm_f32
         self._rope = lib.pdserve_rope_f32
         self._silu_mul = lib.pdserve_silu_mul_f32
@@ -80,14 +82,15 @@ class NativeOps:
         self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
         return out
 
-    def gemv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``F.linear(x, weight, bias)`` for one row ``x`` (``[1, in]``) and a contiguous ``weight``."""
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``F.linear(x, weight, bias)`` for ``x`` of ``[rows, in]`` and a contiguous ``weight``."""
         out_features, in_features = weight.shape
         if not x.is_contiguous():
             x = x.contiguous()
-        y = x.new_empty(1, out_features)
-        self._gemv(weight.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
-                   out_features, in_features, torch.get_num_threads())
+        rows = x.shape[0]
+        y = x.new_empty(rows, out_features)
+        self._gemm(weight.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
+                   rows, out_features, in_features, torch.get_num_threads())
         return y
 
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.activation import silu_mul
-from kernels.linear import PreparedLinear
+from kernels.linear import NATIVE_MAX_ROWS, PreparedLinear
 from kernels.native_ops import NativeOps, native_ops
 from kernels.norm import rms_norm
 from kernels.rope import apply_rotary
@@ -55,16 +55,23 @@ def test_silu_mul(rows: int, inter: int) -> None:
 
 
 @pytest.mark.parametrize(("out_f", "in_f"), [(960, 576), (13, 40), (131, 7), (1000, 1536)])
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_gemv_matches_f_linear(out_f: int, in_f: int, with_bias: bool) -> None:
-    gen = torch.Generator().manual_seed(out_f + in_f)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 16, 17])  # 3-row groups and the 2- and 1-row tails
+@pytest.mark.parametrize("threads", [1, 2])
+def test_linear_matches_f_linear(out_f: int, in_f: int, rows: int, threads: int) -> None:
+    gen = torch.Generator().manual_seed(out_f * 31 + in_f + rows)
     weight = torch.randn(out_f, in_f, generator=gen)
-    bias = torch.randn(out_f, generator=gen) if with_bias else None
-    x = torch.randn(1, in_f, generator=gen)
-    torch.testing.assert_close(ops().gemv(x, weight, bias), F.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
+    bias = torch.randn(out_f, generator=gen) if rows % 2 else None
+    x = torch.randn(rows, in_f, generator=gen)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = ops().linear(x, weight, bias)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(got, F.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [0, 1, 5])
+@pytest.mark.parametrize("rows", [0, 1, 5, NATIVE_MAX_ROWS + 1])
 def test_native_linear_kernel_keeps_no_packed_copy(rows: int) -> None:
     gen = torch.Generator().manual_seed(rows)
     weight, bias = torch.randn(96, 40, generator=gen), torch.randn(96, generator=gen)
