@@ -81,8 +81,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--worker-cpus", type=_positive(float), default=d.prefill.num_cpus, metavar="N",
                    help="Ray CPUs reserved by each worker; with --device cuda each also reserves one "
                         "GPU (default: 1)")
-    c.add_argument("--torch-threads", type=_positive(int), default=d.prefill.torch_threads, metavar="N",
-                   help="torch threads in each worker (default: 1)")
+    c.add_argument("--torch-threads", type=_non_negative, default=d.prefill.torch_threads, metavar="N",
+                   help="torch threads in each worker; 0: one per whole CPU of --worker-cpus, at least one "
+                        "(default: 0)")
     c.add_argument("--prefill-resources", type=_resources("--prefill-resources"), default=d.prefill.resources,
                    metavar="NAME=N[,...]",
                    help="Ray custom resources each prefill worker needs, e.g. prefill_node=1: prefill runs "

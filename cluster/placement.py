@@ -85,12 +85,18 @@ class WorkerOptions:
     num_gpus: int = 0
     resources: dict[str, float] = field(default_factory=dict)
     max_restarts: int = 3
-    torch_threads: int = 1
+    torch_threads: int = 0  # 0: one per whole Ray CPU reserved (``threads``)
     tp: int = 0  # ranks per worker; 0: the engine config's tensor_parallel_size
     placement_groups: bool = True
     placement_timeout: float = 300.0
     resources_flag: str = "--resources"
     labels: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def threads(self) -> int:
+        """torch threads in each worker: ``torch_threads``, or (0) one per whole CPU it reserves, at least
+        one, so a worker computes on exactly the cores Ray holds for it (``--worker-cpus 2``: two)."""
+        return self.torch_threads or max(1, int(self.num_cpus))
 
     def placement(self) -> Placement:
         return Placement(self.num_cpus, self.num_gpus, self.tp, dict(self.resources), dict(self.labels))

@@ -74,7 +74,7 @@ def _start_ray(config: ServeConfig) -> bool:
         ray.init(address=config.address, log_to_driver=True)
         return False
     otel = {k: v for k, v in os.environ.items() if k.startswith("OTEL_")}
-    env = {"env_vars": {"OMP_NUM_THREADS": str(config.decode.torch_threads), **otel}}
+    env = {"env_vars": {"OMP_NUM_THREADS": str(config.decode.threads), **otel}}
     needed = config.num_prefill * config.prefill.num_cpus + config.num_decode * config.decode.num_cpus
     cpus = max(os.cpu_count() or 1, math.ceil(needed))
     ray.init(address="local", num_cpus=cpus, include_dashboard=False, runtime_env=env, log_to_driver=True)

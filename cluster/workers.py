@@ -78,11 +78,11 @@ class Launcher:
             cls = _actor(PrefillWorker if role == "prefill" else DecodeWorker, name, opts, pg)
             if role == "prefill":
                 actor = cls.remote(worker_id, self.model, engine_config,
-                                   lease_seconds=self.lease_seconds, torch_threads=opts.torch_threads,
+                                   lease_seconds=self.lease_seconds, torch_threads=opts.threads,
                                    tracing=self.tracing)
             else:
                 actor = cls.remote(worker_id, self.model, engine_config,
-                                   transfer_timeout=self.transfer_timeout, torch_threads=opts.torch_threads,
+                                   transfer_timeout=self.transfer_timeout, torch_threads=opts.threads,
                                    tracing=self.tracing, transfer_failure_rate=self.transfer_failure_rate)
         except BaseException:
             if pg is not None:
@@ -174,7 +174,7 @@ def _actor(cls: type, name: str, opts: WorkerOptions, group: Any) -> Any:
         "max_restarts": opts.max_restarts,
         "max_task_retries": 0,
         "max_concurrency": 1000,
-        "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(opts.torch_threads)}},
+        "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(opts.threads)}},
     }
     if group is not None:
         options["scheduling_strategy"] = scheduling(group)

@@ -128,3 +128,17 @@ def test_serve_app_bad_args_name_the_key(args: dict[str, object], message: str) 
     with pytest.raises(ConfigError) as exc:
         build_app(args)
     assert message in str(exc.value) and str(exc.value).startswith(WHERE), exc.value
+
+
+@pytest.mark.parametrize(("argv", "threads"), [
+    ([], 1), (["--worker-cpus", "2"], 2), (["--worker-cpus", "0.5"], 1), (["--worker-cpus", "3.5"], 3),
+    (["--worker-cpus", "4", "--torch-threads", "2"], 2)])
+def test_torch_threads_follow_the_reserved_cpus(argv: list[str], threads: int) -> None:
+    args = build_parser().parse_args(["serve", *argv])
+    config = serve_config_from_args(args)
+    assert config.prefill.threads == config.decode.threads == threads
+
+
+def test_torch_threads_flag_is_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--torch-threads", "-1"]) == 2
+    assert "argument --torch-threads" in capsys.readouterr().err
