@@ -36,6 +36,15 @@ static inline float hsum8(v8 a) {
  * compute-bound instead of latency-bound. The empty asm statements pin the loaded vectors to
  * registers (otherwise GCC re-reads each one from memory for every FMA that uses it). */
 static inline v8 fma8(v8 a, v8 b, v8 c) { return a * b + c; }
+
+/* pairwise sums within 128-bit lanes (vhaddps): [a0+a1, a2+a3, b0+b1, b2+b3 | a4+a5, a6+a7, b4+b5, b6+b7] */
+static inline v8 hadd8(v8 a, v8 b) {
+    const i32x8 even = {0, 2, 8, 10, 4, 6, 12, 14}, odd = {1, 3, 9, 11, 5, 7, 13, 15};
+    return __builtin_shuffle(a, b, even) + __builtin_shuffle(a, b, odd);
+}
+
+/* lanes u and u + 4 of the result add up to the sum of the lanes of the u-th argument */
+static inline v8 sum4(v8 a, v8 b, v8 c, v8 d) { return hadd8(hadd8(a, b), hadd8(c, d)); }
 #define PIN(v) __asm__("" : "+x"(v))
 
 #define GEMM_BLOCK(WR, MR)                                                                            \
@@ -60,12 +69,20 @@ static inline v8 fma8(v8 a, v8 b, v8 c) { return a * b + c; }
                 for (int b = 0; b < MR; b++) acc[a][b] = fma8(q, xv[b], acc[a][b]);                   \
             }                                                                                         \
         }                                                                                             \
-        for (int b = 0; b < MR; b++)                                                                  \
+        for (int b = 0; b < MR; b++) {                                                                \
+            float sums[WR];                                                                           \
+            if (WR == 4) {                                                                            \
+                const v8 r = sum4(acc[0][b], acc[1][b], acc[2][b], acc[3 % WR][b]);                   \
+                for (int a = 0; a < WR; a++) sums[a] = r[a] + r[a + 4];                               \
+            } else {                                                                                  \
+                for (int a = 0; a < WR; a++) sums[a] = hsum8(acc[a][b]);                              \
+            }                                                                                         \
             for (int a = 0; a < WR; a++) {                                                            \
-                float s = hsum8(acc[a][b]);                                                           \
+                float s = sums[a];                                                                    \
                 for (int64_t i = kv; i < k; i++) s += w[a * k + i] * x[b * k + i];                    \
                 y[b * ldy + a] = bias ? s + bias[a] : s;                                              \
             }                                                                                         \
+        }                                                                                             \
     }
 GEMM_BLOCK(4, 1)
 GEMM_BLOCK(4, 2)
@@ -79,8 +96,9 @@ static void gemm_features(const float *w, const float *x, const float *bias, flo
                           int64_t k, int64_t r0, int64_t r1) {
     const int64_t kv = k & ~(int64_t)7;
     const int64_t groups = (m + 2) / 3;
-    /* floats of the next block to prefetch per k step: the block (4k floats) over groups * kv / 8 steps */
-    const int64_t pstep = groups >= 2 ? (32 + groups - 1) / groups : 16;
+    /* floats of the next block to prefetch per k step (two lines from pf on each step): the block
+     * (4k floats) spread over the groups * kv / 8 steps of this one */
+    const int64_t pstep = (32 + groups - 1) / groups;
     const int64_t gspan = pstep * (kv / 8);
     for (int64_t r = r0; r < r1;) {
         const int wide = r + 4 <= r1;
