@@ -43,7 +43,7 @@ from collections.abc import Callable
 
 import httpx
 
-from planner.profile import Profile
+from planner.profile import DecodeCost, PrefillCost, Profile
 from planner.simulator import Cluster, RequestSpec, simulate
 
 MIN_STRETCH = 1.05  # a measured decode stretch below this models no host sharing
@@ -68,15 +68,57 @@ class HostLoad:
 
 @dataclasses.dataclass(frozen=True)
 class StepClocks:
-    """Step clocks summed over a role's workers between two reads of ``/v1/workers``."""
+    """Step clocks and step work (``engine/step_work.py``) summed over a role's workers between two reads
+    of ``/v1/workers``: all steps' count, wall and stepping-thread CPU seconds; the decode-only steps'
+    count, wall seconds, rows and context tokens; the prompt-carrying steps' count, wall seconds, prompt
+    tokens and attended pairs."""
 
     steps: int
     wall_s: float
     cpu_s: float
+    decode_steps: int = 0
+    decode_wall_s: float = 0.0
+    decode_rows: int = 0
+    decode_context: int = 0
+    prefill_steps: int = 0
+    prefill_wall_s: float = 0.0
+    prefill_tokens: int = 0
+    prefill_attended: float = 0.0
 
     @property
-    def stretch(self) -> float:
+    def cpu_stretch(self) -> float:
+        """Wall over stepping-thread CPU: the part of the stretch that is waiting for a core."""
         return self.wall_s / self.cpu_s if self.cpu_s > 0 else 1.0
+
+    def decode_priced_s(self, cost: DecodeCost) -> float:
+        """What the profile prices the decode-only steps at (one worker alone)."""
+        return (cost.base_s * self.decode_steps + cost.per_seq_s * self.decode_rows
+                + cost.per_context_s * self.decode_context)
+
+    def prefill_priced_s(self, cost: PrefillCost) -> float:
+        """What the profile prices the prompt-carrying steps at (one worker alone)."""
+        return (cost.base_s * self.prefill_steps + cost.per_token_s * self.prefill_tokens
+                + cost.per_attended_s * self.prefill_attended)
+
+    def decode_stretch(self, cost: DecodeCost) -> float:
+        """Decode-only steps' wall seconds over their priced seconds (1 when none ran)."""
+        priced = self.decode_priced_s(cost)
+        return self.decode_wall_s / priced if self.decode_steps and priced > 0 else 1.0
+
+    def prefill_stretch(self, cost: PrefillCost) -> float:
+        """Prompt-carrying steps' wall seconds over their priced seconds (1 when none ran)."""
+        priced = self.prefill_priced_s(cost)
+        return self.prefill_wall_s / priced if self.prefill_steps and priced > 0 else 1.0
+
+
+# StepClocks' fields and the WorkerStats fields (messages/wire.py) they sum
+CLOCK_FIELDS = (
+    ("steps", "step_count"), ("wall_s", "step_wall_seconds"), ("cpu_s", "step_cpu_seconds"),
+    ("decode_steps", "step_decode_count"), ("decode_wall_s", "step_decode_wall_seconds"),
+    ("decode_rows", "step_decode_rows"), ("decode_context", "step_decode_context_tokens"),
+    ("prefill_steps", "step_prefill_count"), ("prefill_wall_s", "step_prefill_wall_seconds"),
+    ("prefill_tokens", "step_prefill_tokens"), ("prefill_attended", "step_prefill_attended_pairs"),
+)
 
 
 def _one(client: httpx.Client, url: str, model: str, prompt: str | list[int], max_tokens: int,
@@ -137,7 +179,8 @@ def calibrate(profile: Profile, url: str, *, requests: int = 10, max_tokens: int
         after = _worker_stats(client, url)
     clocks = {role: _clocks(before, after, role) for role in ("prefill", "decode")}
     cluster = Cluster(_count(after, "prefill"), _count(after, "decode"))
-    return apply_host_load(calibrated, cluster, load, lengths, clocks["prefill"], clocks["decode"])
+    return apply_host_load(calibrated, cluster, load, lengths, clocks["prefill"], clocks["decode"],
+                           engine=profile)
 
 
 def _worker_stats(client: httpx.Client, url: str) -> list[dict[str, object]]:
@@ -157,17 +200,19 @@ def _count(stats: list[dict[str, object]], role: str) -> int:
 def _clocks(before: list[dict[str, object]], after: list[dict[str, object]], role: str) -> StepClocks:
     """A role's step clocks between the two reads (a worker that restarted between them is left out)."""
     old = {w["worker_id"]: w for w in before}
-    steps, wall, cpu = 0, 0.0, 0.0
+    sums = dict.fromkeys((name for name, _ in CLOCK_FIELDS), 0.0)
     for w in after:
         b = old.get(w["worker_id"])
         if w.get("role") != role or b is None:
             continue
-        d = [float(w[k]) - float(b[k])  # type: ignore[arg-type]
-             for k in ("step_count", "step_wall_seconds", "step_cpu_seconds")]
-        if min(d) < 0:
+        d = {name: float(w.get(key, 0)) - float(b.get(key, 0))  # type: ignore[arg-type]
+             for name, key in CLOCK_FIELDS}
+        if min(d.values()) < 0:
             continue
-        steps, wall, cpu = steps + int(d[0]), wall + d[1], cpu + d[2]
-    return StepClocks(steps, wall, cpu)
+        for name, value in d.items():
+            sums[name] += value
+    ints = {f.name for f in dataclasses.fields(StepClocks) if f.type in ("int", int)}
+    return StepClocks(**{k: round(v) if k in ints else v for k, v in sums.items()})  # type: ignore[arg-type]
 
 
 def _host_load(client: httpx.Client, url: str, model: str, load: HostLoad,
@@ -235,10 +280,14 @@ def fit_host_cores(profile: Profile, cluster: Cluster, load: HostLoad, lengths: 
 
 
 def apply_host_load(profile: Profile, cluster: Cluster, load: HostLoad, lengths: list[tuple[int, int]],
-                    prefill: StepClocks, decode: StepClocks) -> Profile:
-    """``profile`` with ``host_cores`` fitted to the decode stretch measured under the host load, and
-    the figures in its notes."""
-    host_cores = fit_host_cores(profile, cluster, load, lengths, decode.stretch)
+                    prefill: StepClocks, decode: StepClocks, engine: Profile | None = None) -> Profile:
+    """``profile`` with ``host_cores`` fitted to the decode stretch measured under the host load (the
+    decode workers' decode-only steps: wall seconds over what ``engine``'s costs price them at; default
+    ``profile``'s), and the figures in its notes."""
+    engine = profile if engine is None else engine
+    decode_stretch = decode.decode_stretch(engine.decode)
+    prefill_stretch = prefill.prefill_stretch(engine.prefill)
+    host_cores = fit_host_cores(profile, cluster, load, lengths, decode_stretch)
     if host_cores is None:
         fitted = "no host sharing modelled"
     else:
@@ -249,8 +298,11 @@ def apply_host_load(profile: Profile, cluster: Cluster, load: HostLoad, lengths:
                   f"prefill {sim.prefill_stretch:.2f})")
     note = (f"; host load on {cluster.num_prefill}P:{cluster.num_decode}D ({load.concurrency} clients, "
             f"{load.duration_s:g} s, {len(lengths)} requests of {load.input_len} -> {load.output_len} "
-            f"tokens, seed {load.seed}): steps took wall / CPU {decode.stretch:.2f}x on decode "
-            f"({decode.steps} steps), {prefill.stretch:.2f}x on prefill ({prefill.steps} steps): {fitted}")
+            f"tokens, seed {load.seed}): steps took wall / priced {decode_stretch:.2f}x on decode "
+            f"({decode.decode_steps} steps, {decode.decode_rows} rows; wall / CPU "
+            f"{decode.cpu_stretch:.2f}x), "
+            f"{prefill_stretch:.2f}x on prefill ({prefill.prefill_steps} steps, {prefill.prefill_tokens} "
+            f"tokens; wall / CPU {prefill.cpu_stretch:.2f}x): {fitted}")
     return dataclasses.replace(profile, host_cores=host_cores, notes=profile.notes + note)
 
 
