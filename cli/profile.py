@@ -12,7 +12,8 @@ model on two cores). ``--calibrate URL`` then measures, on a running server, the
 serving stack (one request at a time) and how much sharing the host's cores stretches the workers'
 steps under a load of its own (``--calibrate-concurrency`` clients sending ``--calibrate-input-len``
 random tokens for ``--calibrate-output-len`` tokens, for ``--calibrate-duration`` seconds): each
-worker's step wall and CPU time, read from ``/v1/workers`` before and after, give the stretch, and
+worker's step wall time and what its steps computed, read from ``/v1/workers`` before and after, give
+the stretch (wall over what the profile prices those steps at, the profile being one worker alone), and
 the profile's ``host_cores`` is fitted so the simulator stretches the decode steps of that same load
 as much (``planner/calibrate.py``).
 """

@@ -17,16 +17,21 @@ on a running server.
 
 2. Under a load of its own (``HostLoad``: ``concurrency`` clients in a closed loop for ``duration_s``
    seconds, each sending prompts of ``input_len`` random token ids from its own seeded generator and
-   asking for ``output_len`` tokens), it reads every worker's step clocks from ``GET /v1/workers``
-   before and after (``WorkerStats.step_wall_seconds`` and ``step_cpu_seconds``: wall and stepping-thread
-   CPU time of the engine's steps, ``engine/async_engine.py``): per role, wall over CPU is how much
-   the steps stretched while the workers, the router and the client shared the host's cores. The
-   simulator models that as ``host_cores`` (``planner/profile.py``: a step's time stretches by busy
+   asking for ``output_len`` tokens), it reads every worker's step clocks and step work from
+   ``GET /v1/workers`` before and after (``WorkerStats.step_*``: per kind of step, its wall seconds and
+   what it computed, ``engine/step_work.py``; ``StepClocks``). The stretch is the decode workers'
+   decode-only steps' wall seconds over what the profile's ``DecodeCost`` prices the same steps at
+   (steps, rows and context tokens; likewise the prefill workers' prompt-carrying steps over
+   ``PrefillCost``): the profile was measured with one worker alone, so the ratio is everything the
+   sharing did, the wait for a core (wall over CPU, also noted) and the slower arithmetic of two
+   workers computing at once (shared caches, memory bandwidth), which wall over CPU cannot see. The
+   simulator models it as ``host_cores`` (``planner/profile.py``: a step's time stretches by busy
    workers / ``host_cores`` while that is above 1), so ``fit_host_cores`` simulates the same load (the
    server's P:D, the requests' measured lengths) and bisects for the ``host_cores`` whose simulated
    decode stretch equals the measured one: the decode workers bound throughput and the gap between
    tokens. The prefill stretch measured and the one simulated with the fitted figure go in the
    profile's notes. A measured decode stretch under ``MIN_STRETCH`` models no sharing (``None``).
+   The steps are priced with the engine's costs as given, before part 1 adds the step overhead.
 
 The calibration's loads are its own; never the load the simulator is later checked against.
 """

@@ -17,8 +17,9 @@ the model it was measured with, three fitted cost models and the samples they we
 ``host_cores`` (set by ``pdserve profile --calibrate``) is for workers that share one host's CPU: the
 effective cores they share (``pdserve simulate`` stretches every step by busy workers / ``host_cores``
 while that is above 1), fitted so that simulating the calibration's own load stretches the decode
-steps as much as the server's step clocks (wall over stepping-thread CPU) measured; None: each worker
-has its own device.
+steps as much as the server measured (its decode steps' wall time over what these costs price the
+same steps at: the costs are one worker's alone, so that ratio is all the sharing did, waiting for a
+core and slower arithmetic beside a busy neighbour alike); None: each worker has its own device.
 
 The contract with the live planner (``cluster/``): ``Profile``, ``load_profile`` and ``save_profile``
 keep these names and meanings; a new field gets a default, a changed meaning a new version.
