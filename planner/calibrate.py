@@ -54,7 +54,8 @@ from planner.simulator import Cluster, RequestSpec, simulate
 MIN_STRETCH = 1.05  # a measured decode stretch below this models no host sharing
 CALIBRATION_SEED = 19_041  # the host load's prompts: never the seed of a load it is checked against
 TOKEN_RANGE = (1000, 8000)  # the host load's prompt token ids (plain words in the default vocabulary)
-HOST_CORES_RANGE = (0.05, 64.0)  # where fit_host_cores searches
+HOST_CORES_RANGE = (0.05, 64.0)  # where fit_host_cores and fit_prefill_host_cores search
+FIT_ROUNDS = 3  # fit_host_sharing's rounds of refitting each role's figure with the other's
 
 WORDS = ("apple", "river", "stone", "cloud", "paper", "glass", "music", "tiger", "light", "sugar", "ocean",
          "maple", "bread", "silver", "forest", "candle")
@@ -255,52 +256,96 @@ def _host_load(client: httpx.Client, url: str, model: str, load: HostLoad,
     return sent
 
 
-def fit_host_cores(profile: Profile, cluster: Cluster, load: HostLoad, lengths: list[tuple[int, int]],
-                   decode_stretch: float, iterations: int = 40) -> float | None:
-    """The ``host_cores`` at which simulating the host load (closed loop, ``load.concurrency`` clients
-    for ``load.duration_s``, requests of ``lengths``) stretches the decode steps by
-    ``decode_stretch``; None under ``MIN_STRETCH`` (no sharing modelled). The simulated stretch falls
-    as ``host_cores`` grows: bisected in log space within ``HOST_CORES_RANGE`` (clamped to its ends)."""
-    if decode_stretch < MIN_STRETCH:
-        return None
-
-    def simulated(host_cores: float) -> float:
-        specs = [RequestSpec(n_in, n_out) for n_in, n_out in lengths]
-        result = simulate(profile, cluster, specs, concurrency=load.concurrency, duration_s=load.duration_s,
-                          host_cores=host_cores)
-        return result.decode_stretch
-
+def _bisect(simulated: Callable[[float], float], target: float, iterations: int) -> float:
+    """The cores within ``HOST_CORES_RANGE`` at which ``simulated`` (falling as cores grow) equals
+    ``target``: bisected in log space, clamped to the range's ends."""
     lo, hi = HOST_CORES_RANGE  # simulated(lo) is the largest stretch, simulated(hi) the smallest
-    if simulated(lo) <= decode_stretch:
+    if simulated(lo) <= target:
         return lo
-    if simulated(hi) >= decode_stretch:
+    if simulated(hi) >= target:
         return hi
     for _ in range(iterations):
         mid = (lo * hi) ** 0.5
-        if simulated(mid) > decode_stretch:
+        if simulated(mid) > target:
             lo = mid
         else:
             hi = mid
     return (lo * hi) ** 0.5
 
 
+def fit_host_cores(profile: Profile, cluster: Cluster, load: HostLoad, lengths: list[tuple[int, int]],
+                   decode_stretch: float, iterations: int = 40,
+                   prefill_host_cores: float | None = None) -> float | None:
+    """The ``host_cores`` at which simulating the host load (closed loop, ``load.concurrency`` clients
+    for ``load.duration_s``, requests of ``lengths``; prefill steps with ``prefill_host_cores``, default
+    the same figure) stretches the decode steps by ``decode_stretch``; None under ``MIN_STRETCH`` (no
+    sharing modelled). The simulated stretch falls as ``host_cores`` grows: bisected in log space within
+    ``HOST_CORES_RANGE`` (clamped to its ends)."""
+    if decode_stretch < MIN_STRETCH:
+        return None
+    specs = [RequestSpec(n_in, n_out) for n_in, n_out in lengths]
+
+    def simulated(host_cores: float) -> float:
+        return simulate(profile, cluster, specs, concurrency=load.concurrency, duration_s=load.duration_s,
+                        host_cores=host_cores, prefill_host_cores=prefill_host_cores).decode_stretch
+
+    return _bisect(simulated, decode_stretch, iterations)
+
+
+def fit_prefill_host_cores(profile: Profile, cluster: Cluster, load: HostLoad, lengths: list[tuple[int, int]],
+                           prefill_stretch: float, host_cores: float, iterations: int = 40) -> float:
+    """The ``prefill_host_cores`` at which simulating the host load with ``host_cores`` stretches the
+    prefill steps by ``prefill_stretch`` (the range's top, where no prefill step stretches, under
+    ``MIN_STRETCH``)."""
+    if prefill_stretch < MIN_STRETCH:
+        return HOST_CORES_RANGE[1]
+    specs = [RequestSpec(n_in, n_out) for n_in, n_out in lengths]
+
+    def simulated(cores: float) -> float:
+        return simulate(profile, cluster, specs, concurrency=load.concurrency, duration_s=load.duration_s,
+                        host_cores=host_cores, prefill_host_cores=cores).prefill_stretch
+
+    return _bisect(simulated, prefill_stretch, iterations)
+
+
+def fit_host_sharing(profile: Profile, cluster: Cluster, load: HostLoad, lengths: list[tuple[int, int]],
+                     decode_stretch: float, prefill_stretch: float,
+                     rounds: int = FIT_ROUNDS) -> tuple[float | None, float | None]:
+    """(``host_cores``, ``prefill_host_cores``) fitted together: each role's figure moves how long the
+    other's steps overlap it, so each is refitted with the other's latest, ``rounds`` times (None, None
+    under ``MIN_STRETCH`` on decode: no sharing modelled)."""
+    host_cores = fit_host_cores(profile, cluster, load, lengths, decode_stretch)
+    if host_cores is None:
+        return None, None
+    prefill_cores = host_cores
+    for _ in range(rounds):
+        prefill_cores = fit_prefill_host_cores(profile, cluster, load, lengths, prefill_stretch, host_cores)
+        fitted = fit_host_cores(profile, cluster, load, lengths, decode_stretch,
+                                prefill_host_cores=prefill_cores)
+        assert fitted is not None
+        host_cores = fitted
+    return host_cores, prefill_cores
+
+
 def apply_host_load(profile: Profile, cluster: Cluster, load: HostLoad, lengths: list[tuple[int, int]],
                     prefill: StepClocks, decode: StepClocks, engine: Profile | None = None) -> Profile:
-    """``profile`` with ``host_cores`` fitted to the decode stretch measured under the host load (the
-    decode workers' decode-only steps: wall seconds over what ``engine``'s costs price them at; default
-    ``profile``'s), and the figures in its notes."""
+    """``profile`` with ``host_cores`` and ``prefill_host_cores`` fitted to the stretches measured under
+    the host load (the decode workers' decode-only steps and the prefill workers' prompt-carrying steps:
+    wall seconds over what ``engine``'s costs price them at; default ``profile``'s), and the figures in
+    its notes."""
     engine = profile if engine is None else engine
     decode_stretch = decode.decode_stretch(engine.decode)
     prefill_stretch = prefill.prefill_stretch(engine.prefill)
-    host_cores = fit_host_cores(profile, cluster, load, lengths, decode_stretch)
+    host_cores, prefill_cores = fit_host_sharing(profile, cluster, load, lengths, decode_stretch,
+                                                 prefill_stretch)
     if host_cores is None:
         fitted = "no host sharing modelled"
     else:
         specs = [RequestSpec(n_in, n_out) for n_in, n_out in lengths]
         sim = simulate(profile, cluster, specs, concurrency=load.concurrency, duration_s=load.duration_s,
-                       host_cores=host_cores)
-        fitted = (f"host_cores {host_cores:.2f} (simulated stretch: decode {sim.decode_stretch:.2f}, "
-                  f"prefill {sim.prefill_stretch:.2f})")
+                       host_cores=host_cores, prefill_host_cores=prefill_cores)
+        fitted = (f"host_cores {host_cores:.2f}, prefill_host_cores {prefill_cores:.2f} (simulated "
+                  f"stretch: decode {sim.decode_stretch:.2f}, prefill {sim.prefill_stretch:.2f})")
     note = (f"; host load on {cluster.num_prefill}P:{cluster.num_decode}D ({load.concurrency} clients, "
             f"{load.duration_s:g} s, {len(lengths)} requests of {load.input_len} -> {load.output_len} "
             f"tokens, seed {load.seed}): steps took wall / priced {decode_stretch:.2f}x on decode "
@@ -308,7 +353,8 @@ def apply_host_load(profile: Profile, cluster: Cluster, load: HostLoad, lengths:
             f"{decode.cpu_stretch:.2f}x), "
             f"{prefill_stretch:.2f}x on prefill ({prefill.prefill_steps} steps, {prefill.prefill_tokens} "
             f"tokens; wall / CPU {prefill.cpu_stretch:.2f}x): {fitted}")
-    return dataclasses.replace(profile, host_cores=host_cores, notes=profile.notes + note)
+    return dataclasses.replace(profile, host_cores=host_cores, prefill_host_cores=prefill_cores,
+                               notes=profile.notes + note)
 
 
 def apply_calibration(profile: Profile, samples: list[tuple[float, list[float], int]], max_tokens: int,
