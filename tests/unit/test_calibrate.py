@@ -6,7 +6,15 @@ from __future__ import annotations
 
 import pytest
 
-from planner.calibrate import HostLoad, StepClocks, _clocks, apply_host_load, fit_host_cores
+from planner.calibrate import (
+    HOST_CORES_RANGE,
+    HostLoad,
+    StepClocks,
+    _clocks,
+    apply_host_load,
+    fit_host_cores,
+    fit_host_sharing,
+)
 from planner.profile import DecodeCost, PrefillCost
 from planner.simulator import Cluster
 from tests.unit.test_simulator import make_profile
@@ -36,21 +44,40 @@ def test_no_host_sharing_below_the_threshold_and_the_search_range_clamps() -> No
 
 
 def test_apply_host_load_fits_the_stretch_over_priced_steps_not_over_cpu() -> None:
-    # decode: 8 decode-only steps priced 8 x 20 ms = 0.16 s took 0.2 s of wall: 1.25 (as above: 4 / 3
-    # cores), while wall / CPU is 1.0 (the stretch wall / CPU cannot see); prefill: 3 steps of 200
-    # tokens in all priced 3 x 10 ms + 200 ms = 0.23 s took 0.345 s: 1.5
+    # decode: 8 decode-only steps priced 8 x 20 ms = 0.16 s took 0.2 s of wall: 1.25, while wall / CPU is
+    # 1.0 (the stretch wall / CPU cannot see). With 4 / 3 cores for both roles (the case above) the
+    # prompt r2 runs 0.12-0.125 alone, then 0.12 s at 2 / (4 / 3) = 1.5x (0.08 s of work) while r1
+    # decodes, then its last 0.025 s alone: prefill busy 0.01-0.27 for 0.22 s of work, 13 / 11. So
+    # prefill steps measured at 13 / 11 (3 steps of 200 tokens in all, priced 3 x 10 ms + 200 ms) fit
+    # both figures at 4 / 3.
     decode = StepClocks(8, 0.2, 0.2, decode_steps=8, decode_wall_s=0.2, decode_rows=12, decode_context=900)
-    prefill = StepClocks(3, 0.345, 0.3, prefill_steps=3, prefill_wall_s=0.345, prefill_tokens=200)
+    prefill = StepClocks(3, 0.3, 0.25, prefill_steps=3, prefill_wall_s=0.23 * 13 / 11, prefill_tokens=200)
     prof = apply_host_load(make_profile(), Cluster(1, 1), LOAD, LENGTHS, prefill, decode)
     assert prof.host_cores == pytest.approx(4 / 3, rel=1e-6)
-    assert ("wall / priced 1.25x on decode (8 steps, 12 rows; wall / CPU 1.00x), 1.50x on prefill "
-            "(3 steps, 200 tokens; wall / CPU 1.15x)") in prof.notes
-    assert "host_cores 1.33 (simulated stretch: decode 1.25" in prof.notes
+    assert prof.prefill_host_cores == pytest.approx(4 / 3, rel=1e-6)
+    assert ("wall / priced 1.25x on decode (8 steps, 12 rows; wall / CPU 1.00x), 1.18x on prefill "
+            "(3 steps, 200 tokens; wall / CPU 1.20x)") in prof.notes
+    assert ("host_cores 1.33, prefill_host_cores 1.33 (simulated stretch: decode 1.25, prefill 1.18)"
+            in prof.notes)
     # priced with the engine's costs when given (the calibrated profile's decode base may carry the
     # serving stack's step overhead): 8 x 25 ms = 0.2 s, no stretch
     engine = make_profile(decode=DecodeCost(0.025, 0.0, 0.0))
     none = apply_host_load(make_profile(), Cluster(1, 1), LOAD, LENGTHS, prefill, decode, engine=engine)
-    assert none.host_cores is None and "no host sharing modelled" in none.notes
+    assert none.host_cores is None and none.prefill_host_cores is None
+    assert "no host sharing modelled" in none.notes
+
+
+def test_prefill_steps_that_did_not_stretch_get_a_figure_that_never_stretches_them() -> None:
+    # prefill at its price (1.0), decode at 10 / 7: test_simulator's case of 1 core for decode steps and
+    # none shared by prefill steps (its prompt at full speed, three of r1's steps stretched 2x, then
+    # four alone: 0.20 s for 0.14 s of work)
+    decode = StepClocks(7, 0.2, 0.2, decode_steps=7, decode_wall_s=0.2, decode_rows=8, decode_context=900)
+    prefill = StepClocks(2, 0.22, 0.22, prefill_steps=2, prefill_wall_s=0.22, prefill_tokens=200)
+    host_cores, prefill_cores = fit_host_sharing(make_profile(), Cluster(1, 1), LOAD, LENGTHS,
+                                                 decode.decode_stretch(make_profile().decode),
+                                                 prefill.prefill_stretch(make_profile().prefill))
+    assert prefill_cores == HOST_CORES_RANGE[1]
+    assert host_cores == pytest.approx(1.0, rel=1e-6)
 
 
 def test_stretch_is_wall_over_the_profile_price_of_the_counted_steps() -> None:
