@@ -8,7 +8,7 @@ step, and by the time the pull was done the engine loop had started the next ste
 waited for too: a whole extra decode step (130 ms a token at this machine's batch) in every prefilled
 request's time to first token. Real prefill and decode workers here, in one process, with a real NIXL
 pull, given the 20 ms a pull between two processes takes (one in a process can end without a poll);
-each decode step is held 0.2 s so the pull ends well inside the step it starts in.
+each decode step is held 0.1 s so the pull ends well inside the step it starts in.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from messages.codec import pack, unpack
 from messages.wire import GenerateRequest, TokenBatch, WorkerError
 from prefill.worker import PrefillWorker
 
-STEP_S = 0.2
+STEP_S = 0.1
 PULL_S = 0.02  # a pull between processes takes polls; one in this process can end at once
 
 
