@@ -173,8 +173,8 @@ class DecodeWorker(WorkerBase):
             self.exit_if_group_broken()  # a broken tensor-parallel group: dies, the request migrates
             yield pack(WorkerError(ErrorKind.UNAVAILABLE, f"{self.worker_id}: {exc}"))
         finally:
-            self._plans.pop(rid, None)
-            if final:
+            if final:  # no retry comes here (a retry's reservation notes its plan again)
+                self._plans.pop(rid, None)
                 self._finish_trace(rid, last)
 
     async def _prefilled(self, req: GenerateRequest, ref: Any, timeout: float,
@@ -240,7 +240,7 @@ class DecodeWorker(WorkerBase):
         engine here would, and the start after it for the next one: a whole extra decode step before
         every prefilled request's first token). The reservation's blocks are its own until it starts,
         so the pull may write them while a step runs; an abort meanwhile drops the plan."""
-        planned = self._plans.get(request_id)
+        planned = self._plans.pop(request_id, None)
         if planned is None:
             self.sink.release(handle)
             return WorkerError(ErrorKind.INVALID, f"no reservation for {request_id!r}")
