@@ -59,7 +59,8 @@ def add_simulate_parser(sub: Any) -> None:
     p.add_argument("--host-cores", type=number(float, lambda v: v >= 0, ">= 0"), default=None, metavar="N",
                    help="the workers share N CPU cores (CPU workers on one machine): a step takes longer by "
                         "busy workers / N when that is above 1; 0: every worker has its own device "
-                        "(default: the profile's host_cores, measured by `pdserve profile --calibrate`)")
+                        "(default: the profile's host_cores, and its prefill_host_cores for prefill steps, "
+                        "measured by `pdserve profile --calibrate`; N sets both)")
     p.add_argument("--num-prefill", type=_count, default=1, metavar="N", help="prefill workers (default: 1)")
     p.add_argument("--num-decode", type=_count, default=1, metavar="N", help="decode workers (default: 1)")
     p.add_argument("--slo", default=None, metavar="SPEC",
@@ -138,12 +139,13 @@ def run_simulate_command(args: argparse.Namespace) -> int:
         raise ValueError("give one of --rate, --concurrency or --trace")
     out: dict[str, Any] = {"profile": str(args.profile)}
     host_cores = profile.host_cores if args.host_cores is None else (args.host_cores or None)
+    prefill_cores = profile.prefill_host_cores if args.host_cores is None else None
     warm = args.warmup
 
     def run(p: int, d: int, specs: list[Any]) -> Any:
         return simulate(profile, Cluster(p, d), specs, concurrency=args.concurrency,
                         duration_s=args.duration if args.concurrency else None, slo=slo, warmup_s=warm,
-                        host_cores=host_cores)
+                        host_cores=host_cores, prefill_host_cores=prefill_cores)
 
     p, d = args.num_prefill, args.num_decode
     if args.search:

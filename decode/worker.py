@@ -102,6 +102,9 @@ class DecodeWorker(WorkerBase):
         self.transfer_time = Histogram()
         self._traces: dict[str, _Trace] = {}
         self._kv_ready: dict[str, float] = {}
+        # request id -> (its reservation's block ids, how many of them its prefix cache filled), taken
+        # with the reservation under the engine's lock, so a pull needs no read of the engine
+        self._plans: dict[str, tuple[list[int], int]] = {}
         self.layout = rank_layout(self.engine.runner, self.engine.model_config.name)
         # one agent per tensor-parallel rank, each pulling its own KV heads (``worker/tp_kv.py``)
         self.sink = open_sink(self.engine, f"{worker_id}-{uuid.uuid4().hex[:8]}")
@@ -170,7 +173,8 @@ class DecodeWorker(WorkerBase):
             self.exit_if_group_broken()  # a broken tensor-parallel group: dies, the request migrates
             yield pack(WorkerError(ErrorKind.UNAVAILABLE, f"{self.worker_id}: {exc}"))
         finally:
-            if final:
+            if final:  # no retry comes here (a retry's reservation notes its plan again)
+                self._plans.pop(rid, None)
                 self._finish_trace(rid, last)
 
     async def _prefilled(self, req: GenerateRequest, ref: Any, timeout: float,
@@ -188,15 +192,17 @@ class DecodeWorker(WorkerBase):
         return None, await self.aengine.mutate(lambda e: self._start_prefilled(e, result))
 
     def _reserve(self, e: LLMEngine, req: GenerateRequest) -> WorkerError | None:
-        """Hold KV for the prompt unless this request holds it already (a retry keeps its reservation)."""
-        if req.request_id in e.reserved:
-            return None
-        r = e.make_request(req.prompt_token_ids, req.sampling, request_id=req.request_id,
-                           priority=req.priority)
-        if e.reserve(r) is None:
-            return WorkerError(ErrorKind.NO_KV,
-                               f"{self.worker_id} has no KV room for {r.num_tokens} tokens")
-        self._open_trace(req)
+        """Hold KV for the prompt unless this request holds it already (a retry keeps its reservation),
+        and note where its pull will write (``_plans``)."""
+        rid = req.request_id
+        if rid not in e.reserved:
+            r = e.make_request(req.prompt_token_ids, req.sampling, request_id=rid, priority=req.priority)
+            if e.reserve(r) is None:
+                return WorkerError(ErrorKind.NO_KV,
+                                   f"{self.worker_id} has no KV room for {r.num_tokens} tokens")
+            self._open_trace(req)
+        res = e.reserved[rid]
+        self._plans[rid] = (e.kv.blocks_of(rid), res.metrics.cached_prompt_tokens // e.kv.block_size)
         return None
 
     async def _await_prefill(self, ref: Any, timeout: float) -> PrefillResult | WorkerError:
@@ -229,13 +235,12 @@ class DecodeWorker(WorkerBase):
         e.add_request(req.prompt_token_ids, req.sampling, request_id=req.request_id, priority=req.priority)
 
     async def _pull(self, request_id: str, handle: KvHandle, attempt: int = 1) -> WorkerError | None:
-        def plan(e: LLMEngine) -> tuple[list[int], int] | None:
-            res = e.reserved.get(request_id)
-            if res is None:
-                return None
-            return e.kv.blocks_of(request_id), res.metrics.cached_prompt_tokens // e.kv.block_size
-
-        planned = await self.aengine.read(plan)
+        """Read the blocks the reservation lacks from the prefill worker, at once: the block ids were
+        taken with the reservation (``_reserve``), so the pull waits for no running step (a read of the
+        engine here would, and the start after it for the next one: a whole extra decode step before
+        every prefilled request's first token). The reservation's blocks are its own until it starts,
+        so the pull may write them while a step runs; an abort meanwhile drops the plan."""
+        planned = self._plans.pop(request_id, None)
         if planned is None:
             self.sink.release(handle)
             return WorkerError(ErrorKind.INVALID, f"no reservation for {request_id!r}")
@@ -307,6 +312,7 @@ class DecodeWorker(WorkerBase):
         }, error=None if finished else (last.finish_reason or "not finished"))
 
     async def abort(self, request_id: str) -> None:
+        self._plans.pop(request_id, None)
         trace = self._traces.pop(request_id, None)
         self._kv_ready.pop(request_id, None)
         if trace is not None:

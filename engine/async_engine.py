@@ -19,8 +19,15 @@ Wall / CPU over many steps is how much the host stretched the steps: a worker th
 with other busy processes waits for one, and that wait is wall time without CPU. The CPU counted is
 the stepping thread's alone: with one torch thread (the workers' default) the whole forward runs on
 it; with more, torch's intra-op threads' CPU is missing and the ratio overstates the stretch.
+Beside them, what each step computed (``engine/step_work.py``: decode rows and their context, or
+prompt tokens and attended pairs, read from ``LLMEngine.last_step_work`` after the step) goes into
+``StepClock.work`` with that step's wall time, split into decode-only and prompt-carrying steps: what
+the profile prices, so wall over priced seconds of the same steps is the stretch against the worker
+measured alone, which wall / CPU cannot see (two workers computing at once slow each other's
+arithmetic through shared caches and memory bandwidth: more CPU a step, not only more waiting).
 The worker reports the totals in ``WorkerStats`` (``step_count``, ``step_wall_seconds``,
-``step_cpu_seconds``), which ``pdserve profile --calibrate`` reads from ``GET /v1/workers``.
+``step_cpu_seconds``, ``step_decode_*``, ``step_prefill_*``), which ``pdserve profile --calibrate``
+reads from ``GET /v1/workers``.
 """
 
 from __future__ import annotations
@@ -29,11 +36,12 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from engine.engine import LLMEngine
 from engine.outputs import RequestOutput
+from engine.step_work import StepTotals, StepWork
 
 T = TypeVar("T")
 
@@ -46,16 +54,22 @@ class StepClock:
     steps: int = 0
     wall_s: float = 0.0
     cpu_s: float = 0.0
+    work: StepTotals = field(default_factory=StepTotals)
 
-    def timed(self, step: Callable[[], T]) -> T:
-        """Run ``step()`` in this thread and add its wall and thread CPU time."""
+    def timed(self, step: Callable[[], T], work: Callable[[], StepWork | None] = lambda: None) -> T:
+        """Run ``step()`` in this thread and add its wall and thread CPU time, and ``work()`` (what
+        the step computed, read after it) with its wall time."""
         w0, c0 = time.perf_counter(), time.thread_time()
         try:
             return step()
         finally:
             self.cpu_s += time.thread_time() - c0
-            self.wall_s += time.perf_counter() - w0
+            wall = time.perf_counter() - w0
+            self.wall_s += wall
             self.steps += 1
+            done = work()
+            if done is not None:
+                self.work.add(done, wall)
 
 
 class AsyncEngine:
@@ -129,6 +143,9 @@ class AsyncEngine:
             if not finished:
                 await self.mutate(lambda e: e.abort_request(request_id))
 
+    def _work(self) -> StepWork | None:
+        return self.engine.last_step_work
+
     async def _run(self) -> None:
         while True:
             if not self.engine.has_unfinished():
@@ -137,7 +154,7 @@ class AsyncEngine:
                 continue
             try:
                 async with self._lock:
-                    outputs = await asyncio.to_thread(self.clock.timed, self.engine.step)
+                    outputs = await asyncio.to_thread(self.clock.timed, self.engine.step, self._work)
             except Exception as exc:  # the loop must not die silently: end every waiter's stream
                 self.error = exc
                 for rid in list(self._queues):

@@ -43,6 +43,7 @@ from engine.request import Request
 from engine.sampling import Sampler, SamplerOutput, SamplingParams, TokenLogprobs
 from engine.scheduler import KvWindow, Scheduler, SchedulerOutput
 from engine.spec_decode import SpecDecoder, SpecStats
+from engine.step_work import StepWork, step_work
 from engine.structured import Grammars, apply_logit_bias
 from engine.swap import HostSwapSpace
 from engine.tensor_parallel import TpShard
@@ -156,6 +157,8 @@ class LLMEngine:
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) or self.model_config.eos_token_ids
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
+        # what the last step computed (``engine/step_work.py``); None when it scheduled nothing
+        self.last_step_work: StepWork | None = None
         self.reserved: dict[str, Request] = {}
         self.check_integrity = check_integrity
         self._ids = itertools.count()
@@ -260,7 +263,9 @@ class LLMEngine:
         drafts = self.spec.propose(self.scheduler.running) if self.spec is not None else None
         out = self.scheduler.schedule(drafts)
         if not out:
+            self.last_step_work = None
             return []
+        self.last_step_work = step_work(out)
         logits = self.runner.execute(out, self.kv)
         return self.process(out, self.sample(out, logits))
 

@@ -115,6 +115,17 @@ class WorkerStats(msgspec.Struct, frozen=True, kw_only=True):
     step_count: int = 0
     step_wall_seconds: float = 0.0
     step_cpu_seconds: float = 0.0
+    # what those steps computed (``engine.step_work``), cumulative, with the wall seconds of each kind:
+    # decode-only steps (requests stepped, their context tokens) and prompt-carrying steps (prompt
+    # tokens, attended (query, key) pairs): the terms the planner's profile prices a step in
+    step_decode_count: int = 0
+    step_decode_wall_seconds: float = 0.0
+    step_decode_rows: int = 0
+    step_decode_context_tokens: int = 0
+    step_prefill_count: int = 0
+    step_prefill_wall_seconds: float = 0.0
+    step_prefill_tokens: int = 0
+    step_prefill_attended_pairs: float = 0.0
 
 
 class KvEvents(msgspec.Struct, frozen=True):

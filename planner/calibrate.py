@@ -17,16 +17,21 @@ on a running server.
 
 2. Under a load of its own (``HostLoad``: ``concurrency`` clients in a closed loop for ``duration_s``
    seconds, each sending prompts of ``input_len`` random token ids from its own seeded generator and
-   asking for ``output_len`` tokens), it reads every worker's step clocks from ``GET /v1/workers``
-   before and after (``WorkerStats.step_wall_seconds`` and ``step_cpu_seconds``: wall and stepping-thread
-   CPU time of the engine's steps, ``engine/async_engine.py``): per role, wall over CPU is how much
-   the steps stretched while the workers, the router and the client shared the host's cores. The
-   simulator models that as ``host_cores`` (``planner/profile.py``: a step's time stretches by busy
+   asking for ``output_len`` tokens), it reads every worker's step clocks and step work from
+   ``GET /v1/workers`` before and after (``WorkerStats.step_*``: per kind of step, its wall seconds and
+   what it computed, ``engine/step_work.py``; ``StepClocks``). The stretch is the decode workers'
+   decode-only steps' wall seconds over what the profile's ``DecodeCost`` prices the same steps at
+   (steps, rows and context tokens; likewise the prefill workers' prompt-carrying steps over
+   ``PrefillCost``): the profile was measured with one worker alone, so the ratio is everything the
+   sharing did, the wait for a core (wall over CPU, also noted) and the slower arithmetic of two
+   workers computing at once (shared caches, memory bandwidth), which wall over CPU cannot see. The
+   simulator models it as ``host_cores`` (``planner/profile.py``: a step's time stretches by busy
    workers / ``host_cores`` while that is above 1), so ``fit_host_cores`` simulates the same load (the
    server's P:D, the requests' measured lengths) and bisects for the ``host_cores`` whose simulated
    decode stretch equals the measured one: the decode workers bound throughput and the gap between
    tokens. The prefill stretch measured and the one simulated with the fitted figure go in the
    profile's notes. A measured decode stretch under ``MIN_STRETCH`` models no sharing (``None``).
+   The steps are priced with the engine's costs as given, before part 1 adds the step overhead.
 
 The calibration's loads are its own; never the load the simulator is later checked against.
 """
@@ -43,13 +48,14 @@ from collections.abc import Callable
 
 import httpx
 
-from planner.profile import Profile
+from planner.profile import DecodeCost, PrefillCost, Profile
 from planner.simulator import Cluster, RequestSpec, simulate
 
 MIN_STRETCH = 1.05  # a measured decode stretch below this models no host sharing
 CALIBRATION_SEED = 19_041  # the host load's prompts: never the seed of a load it is checked against
 TOKEN_RANGE = (1000, 8000)  # the host load's prompt token ids (plain words in the default vocabulary)
-HOST_CORES_RANGE = (0.05, 64.0)  # where fit_host_cores searches
+HOST_CORES_RANGE = (0.05, 64.0)  # where fit_host_cores and fit_prefill_host_cores search
+FIT_ROUNDS = 3  # fit_host_sharing's rounds of refitting each role's figure with the other's
 
 WORDS = ("apple", "river", "stone", "cloud", "paper", "glass", "music", "tiger", "light", "sugar", "ocean",
          "maple", "bread", "silver", "forest", "candle")
@@ -68,15 +74,57 @@ class HostLoad:
 
 @dataclasses.dataclass(frozen=True)
 class StepClocks:
-    """Step clocks summed over a role's workers between two reads of ``/v1/workers``."""
+    """Step clocks and step work (``engine/step_work.py``) summed over a role's workers between two reads
+    of ``/v1/workers``: all steps' count, wall and stepping-thread CPU seconds; the decode-only steps'
+    count, wall seconds, rows and context tokens; the prompt-carrying steps' count, wall seconds, prompt
+    tokens and attended pairs."""
 
     steps: int
     wall_s: float
     cpu_s: float
+    decode_steps: int = 0
+    decode_wall_s: float = 0.0
+    decode_rows: int = 0
+    decode_context: int = 0
+    prefill_steps: int = 0
+    prefill_wall_s: float = 0.0
+    prefill_tokens: int = 0
+    prefill_attended: float = 0.0
 
     @property
-    def stretch(self) -> float:
+    def cpu_stretch(self) -> float:
+        """Wall over stepping-thread CPU: the part of the stretch that is waiting for a core."""
         return self.wall_s / self.cpu_s if self.cpu_s > 0 else 1.0
+
+    def decode_priced_s(self, cost: DecodeCost) -> float:
+        """What the profile prices the decode-only steps at (one worker alone)."""
+        return (cost.base_s * self.decode_steps + cost.per_seq_s * self.decode_rows
+                + cost.per_context_s * self.decode_context)
+
+    def prefill_priced_s(self, cost: PrefillCost) -> float:
+        """What the profile prices the prompt-carrying steps at (one worker alone)."""
+        return (cost.base_s * self.prefill_steps + cost.per_token_s * self.prefill_tokens
+                + cost.per_attended_s * self.prefill_attended)
+
+    def decode_stretch(self, cost: DecodeCost) -> float:
+        """Decode-only steps' wall seconds over their priced seconds (1 when none ran)."""
+        priced = self.decode_priced_s(cost)
+        return self.decode_wall_s / priced if self.decode_steps and priced > 0 else 1.0
+
+    def prefill_stretch(self, cost: PrefillCost) -> float:
+        """Prompt-carrying steps' wall seconds over their priced seconds (1 when none ran)."""
+        priced = self.prefill_priced_s(cost)
+        return self.prefill_wall_s / priced if self.prefill_steps and priced > 0 else 1.0
+
+
+# StepClocks' fields and the WorkerStats fields (messages/wire.py) they sum
+CLOCK_FIELDS = (
+    ("steps", "step_count"), ("wall_s", "step_wall_seconds"), ("cpu_s", "step_cpu_seconds"),
+    ("decode_steps", "step_decode_count"), ("decode_wall_s", "step_decode_wall_seconds"),
+    ("decode_rows", "step_decode_rows"), ("decode_context", "step_decode_context_tokens"),
+    ("prefill_steps", "step_prefill_count"), ("prefill_wall_s", "step_prefill_wall_seconds"),
+    ("prefill_tokens", "step_prefill_tokens"), ("prefill_attended", "step_prefill_attended_pairs"),
+)
 
 
 def _one(client: httpx.Client, url: str, model: str, prompt: str | list[int], max_tokens: int,
@@ -137,7 +185,8 @@ def calibrate(profile: Profile, url: str, *, requests: int = 10, max_tokens: int
         after = _worker_stats(client, url)
     clocks = {role: _clocks(before, after, role) for role in ("prefill", "decode")}
     cluster = Cluster(_count(after, "prefill"), _count(after, "decode"))
-    return apply_host_load(calibrated, cluster, load, lengths, clocks["prefill"], clocks["decode"])
+    return apply_host_load(calibrated, cluster, load, lengths, clocks["prefill"], clocks["decode"],
+                           engine=profile)
 
 
 def _worker_stats(client: httpx.Client, url: str) -> list[dict[str, object]]:
@@ -157,17 +206,19 @@ def _count(stats: list[dict[str, object]], role: str) -> int:
 def _clocks(before: list[dict[str, object]], after: list[dict[str, object]], role: str) -> StepClocks:
     """A role's step clocks between the two reads (a worker that restarted between them is left out)."""
     old = {w["worker_id"]: w for w in before}
-    steps, wall, cpu = 0, 0.0, 0.0
+    sums = dict.fromkeys((name for name, _ in CLOCK_FIELDS), 0.0)
     for w in after:
         b = old.get(w["worker_id"])
         if w.get("role") != role or b is None:
             continue
-        d = [float(w[k]) - float(b[k])  # type: ignore[arg-type]
-             for k in ("step_count", "step_wall_seconds", "step_cpu_seconds")]
-        if min(d) < 0:
+        d = {name: float(w.get(key, 0)) - float(b.get(key, 0))  # type: ignore[arg-type]
+             for name, key in CLOCK_FIELDS}
+        if min(d.values()) < 0:
             continue
-        steps, wall, cpu = steps + int(d[0]), wall + d[1], cpu + d[2]
-    return StepClocks(steps, wall, cpu)
+        for name, value in d.items():
+            sums[name] += value
+    ints = {f.name for f in dataclasses.fields(StepClocks) if f.type in ("int", int)}
+    return StepClocks(**{k: round(v) if k in ints else v for k, v in sums.items()})  # type: ignore[arg-type]
 
 
 def _host_load(client: httpx.Client, url: str, model: str, load: HostLoad,
@@ -205,53 +256,105 @@ def _host_load(client: httpx.Client, url: str, model: str, load: HostLoad,
     return sent
 
 
-def fit_host_cores(profile: Profile, cluster: Cluster, load: HostLoad, lengths: list[tuple[int, int]],
-                   decode_stretch: float, iterations: int = 40) -> float | None:
-    """The ``host_cores`` at which simulating the host load (closed loop, ``load.concurrency`` clients
-    for ``load.duration_s``, requests of ``lengths``) stretches the decode steps by
-    ``decode_stretch``; None under ``MIN_STRETCH`` (no sharing modelled). The simulated stretch falls
-    as ``host_cores`` grows: bisected in log space within ``HOST_CORES_RANGE`` (clamped to its ends)."""
-    if decode_stretch < MIN_STRETCH:
-        return None
-
-    def simulated(host_cores: float) -> float:
-        specs = [RequestSpec(n_in, n_out) for n_in, n_out in lengths]
-        result = simulate(profile, cluster, specs, concurrency=load.concurrency, duration_s=load.duration_s,
-                          host_cores=host_cores)
-        return result.decode_stretch
-
+def _bisect(simulated: Callable[[float], float], target: float, iterations: int) -> float:
+    """The cores within ``HOST_CORES_RANGE`` at which ``simulated`` (falling as cores grow) equals
+    ``target``: bisected in log space, clamped to the range's ends."""
     lo, hi = HOST_CORES_RANGE  # simulated(lo) is the largest stretch, simulated(hi) the smallest
-    if simulated(lo) <= decode_stretch:
+    if simulated(lo) <= target:
         return lo
-    if simulated(hi) >= decode_stretch:
+    if simulated(hi) >= target:
         return hi
     for _ in range(iterations):
         mid = (lo * hi) ** 0.5
-        if simulated(mid) > decode_stretch:
+        if simulated(mid) > target:
             lo = mid
         else:
             hi = mid
     return (lo * hi) ** 0.5
 
 
+def fit_host_cores(profile: Profile, cluster: Cluster, load: HostLoad, lengths: list[tuple[int, int]],
+                   decode_stretch: float, iterations: int = 40,
+                   prefill_host_cores: float | None = None) -> float | None:
+    """The ``host_cores`` at which simulating the host load (closed loop, ``load.concurrency`` clients
+    for ``load.duration_s``, requests of ``lengths``; prefill steps with ``prefill_host_cores``, default
+    the same figure) stretches the decode steps by ``decode_stretch``; None under ``MIN_STRETCH`` (no
+    sharing modelled). The simulated stretch falls as ``host_cores`` grows: bisected in log space within
+    ``HOST_CORES_RANGE`` (clamped to its ends)."""
+    if decode_stretch < MIN_STRETCH:
+        return None
+    specs = [RequestSpec(n_in, n_out) for n_in, n_out in lengths]
+
+    def simulated(host_cores: float) -> float:
+        return simulate(profile, cluster, specs, concurrency=load.concurrency, duration_s=load.duration_s,
+                        host_cores=host_cores, prefill_host_cores=prefill_host_cores).decode_stretch
+
+    return _bisect(simulated, decode_stretch, iterations)
+
+
+def fit_prefill_host_cores(profile: Profile, cluster: Cluster, load: HostLoad, lengths: list[tuple[int, int]],
+                           prefill_stretch: float, host_cores: float, iterations: int = 40) -> float:
+    """The ``prefill_host_cores`` at which simulating the host load with ``host_cores`` stretches the
+    prefill steps by ``prefill_stretch`` (the range's top, where no prefill step stretches, under
+    ``MIN_STRETCH``)."""
+    if prefill_stretch < MIN_STRETCH:
+        return HOST_CORES_RANGE[1]
+    specs = [RequestSpec(n_in, n_out) for n_in, n_out in lengths]
+
+    def simulated(cores: float) -> float:
+        return simulate(profile, cluster, specs, concurrency=load.concurrency, duration_s=load.duration_s,
+                        host_cores=host_cores, prefill_host_cores=cores).prefill_stretch
+
+    return _bisect(simulated, prefill_stretch, iterations)
+
+
+def fit_host_sharing(profile: Profile, cluster: Cluster, load: HostLoad, lengths: list[tuple[int, int]],
+                     decode_stretch: float, prefill_stretch: float,
+                     rounds: int = FIT_ROUNDS) -> tuple[float | None, float | None]:
+    """(``host_cores``, ``prefill_host_cores``) fitted together: each role's figure moves how long the
+    other's steps overlap it, so each is refitted with the other's latest, ``rounds`` times (None, None
+    under ``MIN_STRETCH`` on decode: no sharing modelled)."""
+    host_cores = fit_host_cores(profile, cluster, load, lengths, decode_stretch)
+    if host_cores is None:
+        return None, None
+    prefill_cores = host_cores
+    for _ in range(rounds):
+        prefill_cores = fit_prefill_host_cores(profile, cluster, load, lengths, prefill_stretch, host_cores)
+        fitted = fit_host_cores(profile, cluster, load, lengths, decode_stretch,
+                                prefill_host_cores=prefill_cores)
+        assert fitted is not None
+        host_cores = fitted
+    return host_cores, prefill_cores
+
+
 def apply_host_load(profile: Profile, cluster: Cluster, load: HostLoad, lengths: list[tuple[int, int]],
-                    prefill: StepClocks, decode: StepClocks) -> Profile:
-    """``profile`` with ``host_cores`` fitted to the decode stretch measured under the host load, and
-    the figures in its notes."""
-    host_cores = fit_host_cores(profile, cluster, load, lengths, decode.stretch)
+                    prefill: StepClocks, decode: StepClocks, engine: Profile | None = None) -> Profile:
+    """``profile`` with ``host_cores`` and ``prefill_host_cores`` fitted to the stretches measured under
+    the host load (the decode workers' decode-only steps and the prefill workers' prompt-carrying steps:
+    wall seconds over what ``engine``'s costs price them at; default ``profile``'s), and the figures in
+    its notes."""
+    engine = profile if engine is None else engine
+    decode_stretch = decode.decode_stretch(engine.decode)
+    prefill_stretch = prefill.prefill_stretch(engine.prefill)
+    host_cores, prefill_cores = fit_host_sharing(profile, cluster, load, lengths, decode_stretch,
+                                                 prefill_stretch)
     if host_cores is None:
         fitted = "no host sharing modelled"
     else:
         specs = [RequestSpec(n_in, n_out) for n_in, n_out in lengths]
         sim = simulate(profile, cluster, specs, concurrency=load.concurrency, duration_s=load.duration_s,
-                       host_cores=host_cores)
-        fitted = (f"host_cores {host_cores:.2f} (simulated stretch: decode {sim.decode_stretch:.2f}, "
-                  f"prefill {sim.prefill_stretch:.2f})")
+                       host_cores=host_cores, prefill_host_cores=prefill_cores)
+        fitted = (f"host_cores {host_cores:.2f}, prefill_host_cores {prefill_cores:.2f} (simulated "
+                  f"stretch: decode {sim.decode_stretch:.2f}, prefill {sim.prefill_stretch:.2f})")
     note = (f"; host load on {cluster.num_prefill}P:{cluster.num_decode}D ({load.concurrency} clients, "
             f"{load.duration_s:g} s, {len(lengths)} requests of {load.input_len} -> {load.output_len} "
-            f"tokens, seed {load.seed}): steps took wall / CPU {decode.stretch:.2f}x on decode "
-            f"({decode.steps} steps), {prefill.stretch:.2f}x on prefill ({prefill.steps} steps): {fitted}")
-    return dataclasses.replace(profile, host_cores=host_cores, notes=profile.notes + note)
+            f"tokens, seed {load.seed}): steps took wall / priced {decode_stretch:.2f}x on decode "
+            f"({decode.decode_steps} steps, {decode.decode_rows} rows; wall / CPU "
+            f"{decode.cpu_stretch:.2f}x), "
+            f"{prefill_stretch:.2f}x on prefill ({prefill.prefill_steps} steps, {prefill.prefill_tokens} "
+            f"tokens; wall / CPU {prefill.cpu_stretch:.2f}x): {fitted}")
+    return dataclasses.replace(profile, host_cores=host_cores, prefill_host_cores=prefill_cores,
+                               notes=profile.notes + note)
 
 
 def apply_calibration(profile: Profile, samples: list[tuple[float, list[float], int]], max_tokens: int,

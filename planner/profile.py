@@ -17,8 +17,12 @@ the model it was measured with, three fitted cost models and the samples they we
 ``host_cores`` (set by ``pdserve profile --calibrate``) is for workers that share one host's CPU: the
 effective cores they share (``pdserve simulate`` stretches every step by busy workers / ``host_cores``
 while that is above 1), fitted so that simulating the calibration's own load stretches the decode
-steps as much as the server's step clocks (wall over stepping-thread CPU) measured; None: each worker
-has its own device.
+steps as much as the server measured (its decode steps' wall time over what these costs price the
+same steps at: the costs are one worker's alone, so that ratio is all the sharing did, waiting for a
+core and slower arithmetic beside a busy neighbour alike); None: each worker has its own device.
+``prefill_host_cores`` is the same figure for prefill steps, fitted likewise to the prefill steps'
+stretch (None: ``host_cores``): a decode step beside a prompt's large products slows much more than
+they do.
 
 The contract with the live planner (``cluster/``): ``Profile``, ``load_profile`` and ``save_profile``
 keep these names and meanings; a new field gets a default, a changed meaning a new version.
@@ -162,6 +166,7 @@ class Profile:
     version: int = PROFILE_VERSION
     created: str = ""
     notes: str = ""
+    prefill_host_cores: float | None = None
     prefill_samples: tuple[PrefillSample, ...] = field(default_factory=tuple)
     decode_samples: tuple[DecodeSample, ...] = field(default_factory=tuple)
     transfer_samples: tuple[TransferSample, ...] = field(default_factory=tuple)
@@ -171,8 +176,10 @@ class Profile:
             raise ValueError(f"profile version {self.version} is not supported (this pdserve reads "
                              f"version {PROFILE_VERSION}); run `pdserve profile` again")
         _check_costs("profile", request_overhead_s=self.request_overhead_s)
-        if self.host_cores is not None and not self.host_cores > 0:
-            raise ValueError(f"profile.host_cores must be > 0 or null, got {self.host_cores}")
+        for name in ("host_cores", "prefill_host_cores"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"profile.{name} must be > 0 or null, got {value}")
         m = self.model
         for name in ("kv_bytes_per_token", "block_size", "kv_capacity_tokens", "max_num_batched_tokens",
                      "max_num_seqs"):

@@ -20,7 +20,9 @@ still unfinished count as not completed (infinite TTFT if no first token).
 Workers sharing a host (``host_cores``, for CPU workers on one machine, as in the validation here): a
 step's time stretches by (busy workers / cores) when that is above 1; a running prefill step is re-timed
 whenever another worker starts or stops, a decode segment ends with its running step and the next
-steps run at the new speed. Without it every worker has its own device.
+steps run at the new speed. ``prefill_host_cores`` (default: ``host_cores``) is the figure for prefill
+steps: on a CPU host a prompt's large products slow a decode step beside them much more than the decode
+step slows them. Without ``host_cores`` every worker has its own device.
 
 Not modelled: conditional disaggregation (prompts computed on a decode worker when every prefill
 worker is saturated), preemption, retries and failures, the routing policy's KV-room filter, and the
@@ -135,7 +137,8 @@ class Simulation:
     def __init__(self, profile: Profile, cluster: Cluster, specs: Iterable[RequestSpec], *,
                  concurrency: int | None = None, duration_s: float | None = None,
                  slo: tuple[float, float] | None = None, warmup_s: float = 0.0,
-                 time_limit_s: float | None = None, host_cores: float | None = None) -> None:
+                 time_limit_s: float | None = None, host_cores: float | None = None,
+                 prefill_host_cores: float | None = None) -> None:
         m = profile.model
         self.profile, self.cluster, self.slo, self.warmup_s = profile, cluster, slo, warmup_s
         self.bs = m.block_size
@@ -154,6 +157,7 @@ class Simulation:
         self.last_send = 0.0
         self.n_events = 0
         self.host_cores = host_cores
+        self.prefill_host_cores = host_cores if prefill_host_cores is None else prefill_host_cores
         self.busy = 0  # workers running a step now
 
     def _push(self, t: float, kind: int, obj: object) -> None:
@@ -216,7 +220,7 @@ class Simulation:
     def _start_prefill(self, p: PrefillSim, now: float) -> None:
         delta = int(bool(p.queue)) - int(p.busy)
         self.busy += delta
-        end = p.start_step(now, self.bs, self._slowdown())
+        end = p.start_step(now, self.bs, self._slowdown(prefill=True))
         if end is not None:
             self._push(end, PREFILL_END, (p, p.version))
         if delta:
@@ -274,16 +278,18 @@ class Simulation:
         if delta:
             self._host_changed(now, d)
 
-    def _slowdown(self) -> float:
-        """With ``host_cores``: busy workers / cores (at least 1), the stretch of every step's time."""
-        return 1.0 if self.host_cores is None else max(1.0, self.busy / self.host_cores)
+    def _slowdown(self, prefill: bool = False) -> float:
+        """With ``host_cores``: busy workers / cores (at least 1), the stretch of a decode step's time
+        (``prefill``: of a prefill step's, with ``prefill_host_cores``)."""
+        cores = self.prefill_host_cores if prefill else self.host_cores
+        return 1.0 if self.host_cores is None or cores is None else max(1.0, self.busy / cores)
 
     def _host_changed(self, now: float, skip: PrefillSim | DecodeSim) -> None:
         """A worker started or stopped: re-time the other running prefill steps from now, and end the
         other decode segments with their running step (the next one starts at the new speed)."""
         if self.host_cores is None:
             return
-        slowdown = self._slowdown()
+        slowdown = self._slowdown(prefill=True)
         for p in self.prefill:
             if p.busy and p is not skip:
                 self._push(p.rescale(now, slowdown), PREFILL_END, (p, p.version))
@@ -382,8 +388,11 @@ def _stretch(workers: list[PrefillSim] | list[DecodeSim]) -> float:
 def simulate(profile: Profile, cluster: Cluster, specs: Iterable[RequestSpec], *,
              concurrency: int | None = None, duration_s: float | None = None,
              slo: tuple[float, float] | None = None, warmup_s: float = 0.0,
-             time_limit_s: float | None = None, host_cores: float | None = None) -> SimResult:
+             time_limit_s: float | None = None, host_cores: float | None = None,
+             prefill_host_cores: float | None = None) -> SimResult:
     """Run one simulation (``slo``: (TTFT, mean ITL) bounds in seconds for goodput; ``host_cores``: the
-    workers share that many CPU cores, see the module docstring)."""
+    workers share that many CPU cores, ``prefill_host_cores`` the figure for prefill steps, see the
+    module docstring)."""
     return Simulation(profile, cluster, specs, concurrency=concurrency, duration_s=duration_s, slo=slo,
-                      warmup_s=warmup_s, time_limit_s=time_limit_s, host_cores=host_cores).run()
+                      warmup_s=warmup_s, time_limit_s=time_limit_s, host_cores=host_cores,
+                      prefill_host_cores=prefill_host_cores).run()

@@ -3,8 +3,9 @@
 #
 # 1. `pdserve profile --quick` measures one worker's engine and a NIXL read here;
 # 2. for each P:D in $CONFIGS: `pdserve serve` on its own local Ray, `pdserve profile --calibrate` once
-#    (first P:D only: the serving stack's fixed costs, one request at a time, and host_cores fitted to
-#    the workers' step stretch under the calibration's own load and seed), then per workload in
+#    (first P:D only: the serving stack's fixed costs, one request at a time, and host_cores and
+#    prefill_host_cores fitted to the workers' step stretch, wall over the profile's price of the same
+#    steps, under the calibration's own load and seed), then per workload in
 #    $WORKLOADS a real `pdserve bench` run at --concurrency $CONC for $DURATION s and `pdserve simulate`
 #    with the same profile, workload, load and P:D;
 # 3. a markdown table of simulated against measured TTFT p50/p90, ITL p50 and throughput.

@@ -116,7 +116,7 @@ class WorkerBase(TracedRole):
         return pack(await self.aengine.read(self._stats))
 
     def _stats(self, e: LLMEngine) -> WorkerStats:
-        s, g = e.stats(), e.grammars.stats
+        s, g, w = e.stats(), e.grammars.stats, self.aengine.clock.work
         common = WorkerStats(
             worker_id=self.worker_id, role=self.role, pid=os.getpid(),
             num_running=s.num_running, num_waiting=s.num_waiting,
@@ -132,7 +132,11 @@ class WorkerBase(TracedRole):
             grammar_cache_hits=g.cache_hits, grammar_compile_seconds=g.compile_seconds,
             grammar_mask_steps=g.mask_steps, grammar_mask_seconds=g.mask_seconds,
             step_count=self.aengine.clock.steps, step_wall_seconds=self.aengine.clock.wall_s,
-            step_cpu_seconds=self.aengine.clock.cpu_s,
+            step_cpu_seconds=self.aengine.clock.cpu_s, step_decode_count=w.decode_steps,
+            step_decode_wall_seconds=w.decode_wall_s, step_decode_rows=w.decode_rows,
+            step_decode_context_tokens=w.decode_context, step_prefill_count=w.prefill_steps,
+            step_prefill_wall_seconds=w.prefill_wall_s, step_prefill_tokens=w.prefill_tokens,
+            step_prefill_attended_pairs=w.prefill_attended,
         )
         if s.spec is not None:
             common = msgspec.structs.replace(

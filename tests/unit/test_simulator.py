@@ -199,3 +199,25 @@ def test_workers_sharing_one_core_run_at_half_speed_while_both_are_busy() -> Non
     assert alone.reqs[1].end == pytest.approx(0.315, abs=EXACT)  # each worker on its own core
     assert alone._result(0.0).decode_stretch == pytest.approx(1.0, abs=EXACT)
     assert alone._result(0.0).prefill_stretch == pytest.approx(1.0, abs=EXACT)
+
+
+def test_prefill_steps_stretch_by_their_own_host_cores() -> None:
+    # as above, but prefill steps see 2 cores (never stretched with 2 busy workers), decode steps 1: r2's
+    # prompt runs at full speed (0.12 -> 0.23); r1's steps take 0.04 while it does (0.125, 0.165, 0.205,
+    # the third ending at 0.245 though the prompt ended within it); r2's KV is pulled at 0.235 and joins
+    # at 0.245 (its first token), then both decode alone at 0.02 a step: r1's last step ends at 0.265,
+    # r2's four at 0.325
+    specs = [RequestSpec(100, 5), RequestSpec(100, 5)]
+    sim = Simulation(make_profile(), Cluster(1, 1), specs, host_cores=1, prefill_host_cores=2)
+    sim.run()
+    r1, r2 = sim.reqs
+    assert (r1.first, r1.end) == (pytest.approx(0.125, abs=EXACT), pytest.approx(0.265, abs=EXACT))
+    assert (r2.first, r2.end) == (pytest.approx(0.245, abs=EXACT), pytest.approx(0.325, abs=EXACT))
+    res = sim._result(0.0)
+    # decode: 0.12 s of three stretched steps and 0.08 s of four alone, for 0.14 s of work
+    assert res.decode_stretch == pytest.approx(0.20 / 0.14, abs=EXACT)
+    assert res.prefill_stretch == pytest.approx(1.0, abs=EXACT)
+    # without its own figure prefill steps take host_cores' (the test above)
+    same = Simulation(make_profile(), Cluster(1, 1), specs, host_cores=1, prefill_host_cores=None)
+    same.run()
+    assert same.reqs[1].end == pytest.approx(0.395, abs=EXACT)

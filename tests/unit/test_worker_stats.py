@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from decode.worker import DecodeWorker
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
@@ -102,3 +104,9 @@ def test_stats_in_a_tight_loop_never_read_the_engine_mid_step(tiny_model_dir: Pa
     assert final.step_count == len(steps) >= 48
     assert final.step_wall_seconds - final.step_cpu_seconds >= 0.002 * len(steps)
     assert final.step_cpu_seconds > 0
+    # what the steps computed (engine/step_work.py), in WorkerStats: every step is one kind or the other,
+    # and every token is computed once: 16 prompts of 40, then 47 of each request's 48 outputs
+    assert final.step_decode_count + final.step_prefill_count == final.step_count
+    assert final.step_prefill_tokens + final.step_decode_rows == 16 * 40 + 16 * 47
+    assert final.step_decode_wall_seconds + final.step_prefill_wall_seconds == pytest.approx(
+        final.step_wall_seconds)
