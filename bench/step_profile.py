@@ -196,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     engine = LLMEngine(args.model, EngineConfig(
         enable_prefix_caching=False, max_num_seqs=max(batches), kv_cache_memory=1024**3,
-        max_num_batched_tokens=max(args.prefill, max(batches)), compile_cpu="compiled" in configs,
+        # 2,048-token steps at least, so the batches' prompts are prefilled in a few steps, not hundreds
+        max_num_batched_tokens=max(args.prefill, max(batches), 2048), compile_cpu="compiled" in configs,
         num_threads=args.threads))
     bandwidth = read_bandwidth(args.bw_bytes)
     wbytes = weight_bytes(engine)
