@@ -20,6 +20,7 @@ within ``MAX_FOLDER_BYTES``.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import logging
@@ -85,10 +86,11 @@ def _read(path: Path, shard: TpShard | None) -> Weights | None:
     try:
         weights = iter_safetensors_files([path], shard)
         first = next(weights)
-        os.utime(path)  # most recently used: the last to be evicted
     except (OSError, SafetensorError, StopIteration) as exc:
         log.warning("weight cache %s unreadable (%s): dequantizing again", path, exc or "empty")
         return None
+    with contextlib.suppress(OSError):  # most recently used: the last evicted (a read-only cache still reads)
+        os.utime(path)
     return _chain(first, weights)
 
 

@@ -135,3 +135,19 @@ def test_eviction_keeps_the_most_recently_used_entries(tmp_path: Path) -> None:
     (tmp_path / "other.bin").write_bytes(b"x" * 1000)
     evict(tmp_path, keep=tmp_path / names[0], budget=250)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([names[0], names[3], "other.bin"])
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_a_read_only_cache_still_hits(model: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "cache"
+    want = dequantized(model)
+    load(model, folder)
+    entry = folder / entry_name(open_gguf(model))
+    marked = dict(want, **{"model.norm.weight": torch.full((HIDDEN,), 7.0)})
+    save_file(marked, entry)
+    entry.chmod(0o444)
+    folder.chmod(0o555)
+    try:
+        assert_same(load(model, folder), marked)
+    finally:
+        folder.chmod(0o755)
