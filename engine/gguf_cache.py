@@ -9,8 +9,10 @@ that file through a memory map (a shard only its slices). They are the same byte
 identical with or without the cache.
 
 The key (``entry_name``) hashes the cache format, the ``gguf`` library's version (it dequantizes),
-the stored dtype, the file's size and modification time and its whole header (metadata and tensor
-table): a changed file, another dequantizer or another stored dtype misses, never a stale hit.
+the source of the modules that read the file (``gguf_file``, ``gguf_loader``, this one), the stored
+dtype, the file's size and modification time and its whole header (metadata and tensor table): a
+changed file, another dequantizer, a changed loader or another stored dtype misses, never a stale
+hit.
 Entries are written under a temporary name and renamed, so a reader never sees half a file; one
 that cannot be read is dequantized again and rewritten. A cache that cannot be written (read-only,
 full disk) costs only the dequantization. Models whose float32 weights exceed ``MAX_ENTRY_BYTES``
@@ -26,6 +28,7 @@ import importlib.metadata
 import logging
 import math
 import os
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,6 +37,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
+from engine import gguf_file, gguf_loader
 from engine.config import ModelConfig
 from engine.gguf_file import GGUFFile
 from engine.gguf_loader import iter_tensors
@@ -57,6 +61,8 @@ def entry_name(reader: GGUFFile) -> str:
     digest.update(f"{CACHE_FORMAT}:{importlib.metadata.version('gguf')}:{STORED_DTYPE}:"
                   f"{stat.st_size}:{stat.st_mtime_ns}:".encode())
     digest.update(reader.header)
+    for module in (gguf_file, gguf_loader, sys.modules[__name__]):  # our reading of the file, this code
+        digest.update(Path(str(module.__file__)).read_bytes())
     return f"{reader.path.stem}-{digest.hexdigest()[:32]}.{STORED_DTYPE}.safetensors"
 
 
