@@ -84,7 +84,8 @@ class _Cursor:
 
 
 class GGUFFile:
-    """``fields``: metadata key -> Python value (arrays as lists); ``tensors`` in file order."""
+    """``fields``: metadata key -> Python value (arrays as lists); ``tensors`` in file order; tensor data
+    starts at byte ``data_start``."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -107,10 +108,16 @@ class GGUFFile:
             raise ValueError(f"truncated GGUF header: {exc}") from None
         alignment = int(self.fields.get("general.alignment", DEFAULT_ALIGNMENT))
         start = -(-cur.pos // alignment) * alignment
+        self.data_start = start
         self.tensors = [self._tensor(start, *info) for info in infos]
         names = [t.name for t in self.tensors]
         if len(set(names)) != len(names):
             raise ValueError("duplicated tensor names")
+
+    @property
+    def header(self) -> bytes:
+        """The file's bytes before the tensor data: metadata and tensor table."""
+        return bytes(self._map[:self.data_start])
 
     @staticmethod
     def _tensor_info(cur: _Cursor) -> tuple[str, tuple[int, ...], int, int]:

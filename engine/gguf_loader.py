@@ -216,11 +216,12 @@ def iter_gguf_weights(path: str | Path, config: ModelConfig | None = None,
     The file is opened now; tensors are dequantized only as the iterator advances.
     """
     reader = open_gguf(path)
-    return _iter_tensors(reader, config or gguf_config(reader, path), shard)
+    return iter_tensors(reader, config or gguf_config(reader, path), shard)
 
 
-def _iter_tensors(reader: GGUFFile, config: ModelConfig,
-                  shard: TpShard | None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_tensors(reader: GGUFFile, config: ModelConfig,
+                 shard: TpShard | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """``iter_gguf_weights`` over an open file."""
     for tensor in reader.tensors:
         name = hf_name(tensor.name)
         if name is None:

@@ -188,10 +188,13 @@ def iter_hf_weights(folder: str | Path, shard: TpShard | None = None) -> Iterato
 
     The file list is checked now; tensors are read only as the iterator advances.
     """
-    return _iter_files(safetensors_files(folder), shard if shard is not None and shard.size > 1 else None)
+    return iter_safetensors_files(safetensors_files(folder),
+                                  shard if shard is not None and shard.size > 1 else None)
 
 
-def _iter_files(files: list[Path], shard: TpShard | None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors_files(files: list[Path], shard: TpShard | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of ``files`` in order, read lazily through a memory map (``shard``'s slice of each when
+    given)."""
     for path in files:
         with safe_open(str(path), framework="pt") as handle:
             for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping

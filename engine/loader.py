@@ -2,7 +2,9 @@
 
 ``load_model_source`` reads and checks the config now; weights are read only when
 ``iter_weights`` is iterated, and the tokenizer only when ``load_tokenizer`` is
-called (the router needs the tokenizer but no weights).
+called (the router needs the tokenizer but no weights). Under ``cache_root()``
+(``$PDSERVE_CACHE``): the GGUF tokenizers converted for transformers and the
+GGUF weights dequantized (``engine/gguf_cache.py``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from typing import Literal
 import torch
 
 from engine.config import ModelConfig
-from engine.gguf_loader import iter_gguf_weights, read_gguf_config
+from engine.gguf_cache import cached_gguf_weights
+from engine.gguf_loader import open_gguf, read_gguf_config
 from engine.hf_loader import iter_hf_weights, read_hf_config, safetensors_files
 from engine.tensor_parallel import TpShard
 from engine.tokenizer import Tokenizer
@@ -28,6 +31,11 @@ SETUP_SCRIPT = "scripts/setup.sh"
 def cache_root() -> Path:
     """``$PDSERVE_CACHE``, or ``~/.cache/pdserve``."""
     return Path(os.environ.get("PDSERVE_CACHE") or Path.home() / ".cache" / "pdserve")
+
+
+def weights_cache_dir() -> Path:
+    """Where dequantized GGUF weights are kept (``engine/gguf_cache.py``)."""
+    return cache_root() / "weights"
 
 
 def default_model_path() -> Path:
@@ -62,9 +70,10 @@ class ModelSource:
 
     def iter_weights(self, shard: TpShard | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """``(hf_name, tensor)`` pairs, read lazily: float32 for GGUF, stored dtype for HF; with a
-        tensor-parallel ``shard``, only that rank's slice of each tensor is read."""
+        tensor-parallel ``shard``, only that rank's slice of each tensor is read. A GGUF's dequantized
+        weights are cached under ``weights_cache_dir()`` (``engine/gguf_cache.py``)."""
         if self.kind == "gguf":
-            return iter_gguf_weights(self.path, self.config, shard)
+            return cached_gguf_weights(open_gguf(self.path), self.config, shard, weights_cache_dir())
         return iter_hf_weights(self.path, shard)
 
     def load_tokenizer(self) -> Tokenizer:

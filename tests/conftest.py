@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -34,13 +35,70 @@ def default_model_path() -> Path:
 @pytest.fixture(scope="session")
 def transformers_default_model(default_model_path: Path) -> Any:
     """The built-in GGUF loaded by transformers itself (float32, eval): the reference our loader and
-    engine are compared with. Loaded once per session (it takes seconds)."""
+    engine are compared with. Loaded once per session.
+
+    transformers dequantizes the GGUF in ~23 s; what it produced is kept (``_reference_folder``: keyed by
+    the file and the transformers and gguf versions) and read back in ~2 s by later sessions, so the
+    reference stays transformers' own reading of the file, never ours."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(
+    folder = _reference_folder(default_model_path)
+    stored = _read_reference(folder)
+    if stored is not None:
+        return stored
+    model = AutoModelForCausalLM.from_pretrained(
         str(default_model_path.parent), gguf_file=default_model_path.name, dtype=torch.float32,
         local_files_only=True,
     ).eval()
+    _write_reference(folder, model)
+    return model
+
+
+def _reference_folder(gguf_path: Path) -> Path:
+    from importlib.metadata import version
+
+    from engine.loader import cache_root
+
+    stat = gguf_path.stat()
+    key = (f"{gguf_path.stem}-{stat.st_size}-{stat.st_mtime_ns}-transformers{version('transformers')}"
+           f"-gguf{version('gguf')}")
+    return cache_root() / "test-references" / key
+
+
+def _read_reference(folder: Path) -> Any | None:
+    """The stored reference (``_write_reference``), or None when there is none (or it does not load)."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config_path, weights_path = folder / "config.json", folder / "model.safetensors"
+    if not (config_path.is_file() and weights_path.is_file()):
+        return None
+    try:
+        config = AutoConfig.for_model(**json.loads(config_path.read_text()))
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        result = model.load_state_dict(load_file(weights_path), strict=False)
+    except (OSError, ValueError, RuntimeError):
+        return None
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    if result.unexpected_keys or set(result.missing_keys) != tied:
+        return None
+    return model.eval()
+
+
+def _write_reference(folder: Path, model: Any) -> None:
+    from safetensors.torch import save_file
+
+    tied = model.config.tie_word_embeddings
+    weights = {k: v.contiguous() for k, v in model.state_dict().items()
+               if not (tied and k == "lm_head.weight")}
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    folder.mkdir(parents=True, exist_ok=True)
+    suffix = f".{os.getpid()}.tmp"
+    save_file(weights, folder / f"model.safetensors{suffix}")
+    (folder / f"config.json{suffix}").write_text(json.dumps(config))
+    os.replace(folder / f"model.safetensors{suffix}", folder / "model.safetensors")
+    os.replace(folder / f"config.json{suffix}", folder / "config.json")
 
 
 # fixtures that start Ray: the session's Ray in this process, a `pdserve serve` subprocess (on that Ray or
