@@ -304,11 +304,13 @@ def render(c: Comparer, offline: dict[str, Any] | None, started: str, command: s
     return "\n".join(lines)
 
 
-def replace_section(doc: Path, section: str) -> None:
+def replace_section(doc: Path, section: str, begin: str = BEGIN, end: str = END) -> None:
+    """Put ``section`` (which carries the markers) where the ``begin``..``end`` markers stand in ``doc``, or
+    at its end."""
     text = doc.read_text() if doc.is_file() else "# Benchmarks\n"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        tail = rest.split(END, 1)[1]
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        tail = rest.split(end, 1)[1]
         text = head + section + tail
     else:
         text = text.rstrip("\n") + "\n\n" + section + "\n"
@@ -345,8 +347,9 @@ def main(argv: list[str] | None = None) -> int:
 
         concurrency = [1, 4, 16]
         compare_vllm.run_all(comparer, concurrency)
-        compare_vllm.replace_block(args.doc, compare_vllm.render(
-            comparer.runs, concurrency, machine(), "python -m bench.compare_vllm", args.duration))
+        replace_section(args.doc, compare_vllm.render(comparer.runs, concurrency, machine(),
+                                                      "python -m bench.compare_vllm", args.duration),
+                        compare_vllm.BEGIN, compare_vllm.END)
     print(f"updated {args.doc}")
     return 0
 

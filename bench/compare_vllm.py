@@ -28,7 +28,7 @@ import signal
 import sys
 from pathlib import Path
 
-from bench.compare import ROOT, Comparer, Run, _free_port, _ms, machine, server
+from bench.compare import ROOT, Comparer, Run, _free_port, _ms, machine, replace_section, server
 from bench.tokenizer import load_tokenizer
 from bench.workloads import WordSource
 
@@ -90,16 +90,6 @@ def render(runs: dict[str, Run], concurrency: list[int], started: str, command: 
     return "\n".join(lines)
 
 
-def replace_block(doc: Path, block: str) -> None:
-    text = doc.read_text() if doc.is_file() else "# Benchmarks\n"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + block + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    doc.write_text(text)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.compare_vllm", description=__doc__.split("\n\n")[0])
     p.add_argument("--duration", type=float, default=60.0, help="seconds of load per run (default: 60)")
@@ -119,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     started = machine()
     comparer = Comparer(args, WordSource(load_tokenizer(None)))
     run_all(comparer, args.concurrency)
-    replace_block(args.doc, render(comparer.runs, args.concurrency, started, command.strip(), args.duration))
+    block = render(comparer.runs, args.concurrency, started, command.strip(), args.duration)
+    replace_section(args.doc, block, BEGIN, END)
     print(f"updated {args.doc}")
     return 0
 
