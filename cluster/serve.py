@@ -81,6 +81,30 @@ def _start_ray(config: ServeConfig) -> bool:
     return True
 
 
+def _local_ray_stopped() -> bool:
+    """Whether a process of the local Ray this process started has exited: a signal to the whole process
+    group (Ctrl-C in a terminal, ``timeout``) reaches its raylet and GCS too, which take the workers with
+    them, and asking them to stop the workers would only wait out the timeouts."""
+    from ray._private import worker
+
+    node = worker._global_node
+    try:
+        return node is not None and not node.remaining_processes_alive()
+    except Exception:  # noqa: BLE001 - Ray's private API moved: take the long way
+        return False
+
+
+def _kill_local_ray() -> None:
+    """SIGKILL what is left of the local Ray once a process of it has exited, so that ``ray.shutdown``
+    does not ask the dead GCS, then wait on each survivor, for seconds."""
+    from ray._private import worker
+
+    node = worker._global_node
+    with contextlib.suppress(Exception):  # Ray's private API moved: ray.shutdown takes the long way
+        if node is not None:
+            node.kill_all_processes(check_alive=False, allow_graceful=False, wait=True)
+
+
 def _exit_on_signal(signum: int, _frame: object) -> None:
     raise SystemExit(128 + signum)
 
@@ -254,9 +278,14 @@ def run_serve(config: ServeConfig, config_file: str | None = None) -> int:
         ok = asyncio.run(_serve(server, service, ready))
         return 0 if ok else 1
     finally:
-        if service is not None:
+        ray_stopped = started_ray and _local_ray_stopped()
+        if ray_stopped:
+            log.warning("pdserve: the local Ray stopped with this process group; its workers stopped with it")
+        elif service is not None:
             service.stop()
         prepared.tracing.shutdown()
+        if ray_stopped:
+            _kill_local_ray()
         if started_ray:
             ray.shutdown()
         log.info("pdserve: stopped")

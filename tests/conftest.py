@@ -40,15 +40,21 @@ def transformers_default_model(default_model_path: Path) -> Any:
     transformers dequantizes the GGUF in ~23 s; what it produced is kept (``_reference_folder``: keyed by
     the file and the transformers and gguf versions) and read back in ~2 s by later sessions, so the
     reference stays transformers' own reading of the file, never ours."""
+    return load_transformers_reference(default_model_path)
+
+
+def load_transformers_reference(gguf_path: Path) -> Any:
+    """transformers' float32 model of ``gguf_path``: the stored one when there is one, else loaded by
+    transformers from the GGUF and stored (what ``transformers_default_model`` returns, for a module
+    that cannot share that fixture)."""
     from transformers import AutoModelForCausalLM
 
-    folder = _reference_folder(default_model_path)
+    folder = _reference_folder(gguf_path)
     stored = _read_reference(folder)
     if stored is not None:
         return stored
     model = AutoModelForCausalLM.from_pretrained(
-        str(default_model_path.parent), gguf_file=default_model_path.name, dtype=torch.float32,
-        local_files_only=True,
+        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32, local_files_only=True,
     ).eval()
     _write_reference(folder, model)
     return model

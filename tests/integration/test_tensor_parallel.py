@@ -18,6 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from cli.plan import make_plan, read_model_config
 from engine import LLM, SamplingParams
 from engine.tp_group import TpError
+from tests.conftest import load_transformers_reference
 from tests.unit.conftest import save_word_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -98,10 +99,8 @@ def test_greedy_tp2_equals_tp1_and_transformers(variant: str, tmp_path: Path) ->
 def test_smollm2_at_tp3_equals_transformers(default_model_path: Path) -> None:
     """SmolLM2-135M (9 query / 3 KV heads, the default GGUF) over 3 ranks: one KV head each. Both prompts
     are among tests/integration/test_engine_vs_hf.py's, where TP=1 equals transformers on them; here
-    TP=3 equals transformers. transformers loads the GGUF here (the shared ``transformers_default_model``
-    would need this module in ``SHARED_SCOPES``, tests/conftest.py)."""
-    from transformers import AutoModelForCausalLM
-
+    TP=3 equals transformers, whose model of the GGUF is the stored one ``transformers_default_model``
+    also reads (that fixture itself would need this module in ``SHARED_SCOPES``, tests/conftest.py)."""
     args: dict[str, Any] = dict(dtype="float32", num_threads=1, kv_cache_memory=16 * 1024**2)
     three = LLM(model=str(default_model_path), tensor_parallel_size=3, **args)
     try:
@@ -112,9 +111,7 @@ def test_smollm2_at_tp3_equals_transformers(default_model_path: Path) -> None:
         assert three.engine.runner.kv_cache.shape[4] == 1
     finally:
         three.close()
-    reference = AutoModelForCausalLM.from_pretrained(
-        str(default_model_path.parent), gguf_file=default_model_path.name, dtype=torch.float32,
-        local_files_only=True).eval()
+    reference = load_transformers_reference(default_model_path)
     assert got == [hf_greedy(reference, ids) for ids in batch]
     assert "Paris" in tok.decode(got[0])
 
