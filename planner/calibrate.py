@@ -45,6 +45,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
+from typing import Literal
 
 import httpx
 
@@ -273,23 +274,34 @@ def _bisect(simulated: Callable[[float], float], target: float, iterations: int)
     return (lo * hi) ** 0.5
 
 
+def _fit_cores(profile: Profile, cluster: Cluster, load: HostLoad, lengths: list[tuple[int, int]],
+               role: Literal["decode", "prefill"], stretch: float, other_cores: float | None,
+               iterations: int) -> float:
+    """The cores of ``role``'s steps at which simulating the host load (closed loop, ``load.concurrency``
+    clients for ``load.duration_s``, requests of ``lengths``; the other role's steps with
+    ``other_cores``) stretches ``role``'s steps by ``stretch``. The simulated stretch falls as the
+    cores grow: bisected in log space within ``HOST_CORES_RANGE`` (clamped to its ends)."""
+    specs = [RequestSpec(n_in, n_out) for n_in, n_out in lengths]
+
+    def simulated(cores: float) -> float:
+        decode_cores, prefill_cores = (cores, other_cores) if role == "decode" else (other_cores, cores)
+        result = simulate(profile, cluster, specs, concurrency=load.concurrency, duration_s=load.duration_s,
+                          host_cores=decode_cores, prefill_host_cores=prefill_cores)
+        return result.decode_stretch if role == "decode" else result.prefill_stretch
+
+    return _bisect(simulated, stretch, iterations)
+
+
 def fit_host_cores(profile: Profile, cluster: Cluster, load: HostLoad, lengths: list[tuple[int, int]],
                    decode_stretch: float, iterations: int = 40,
                    prefill_host_cores: float | None = None) -> float | None:
-    """The ``host_cores`` at which simulating the host load (closed loop, ``load.concurrency`` clients
-    for ``load.duration_s``, requests of ``lengths``; prefill steps with ``prefill_host_cores``, default
-    the same figure) stretches the decode steps by ``decode_stretch``; None under ``MIN_STRETCH`` (no
-    sharing modelled). The simulated stretch falls as ``host_cores`` grows: bisected in log space within
-    ``HOST_CORES_RANGE`` (clamped to its ends)."""
+    """The ``host_cores`` at which simulating the host load stretches the decode steps by
+    ``decode_stretch`` (prefill steps with ``prefill_host_cores``, default the same figure); None under
+    ``MIN_STRETCH`` (no sharing modelled)."""
     if decode_stretch < MIN_STRETCH:
         return None
-    specs = [RequestSpec(n_in, n_out) for n_in, n_out in lengths]
-
-    def simulated(host_cores: float) -> float:
-        return simulate(profile, cluster, specs, concurrency=load.concurrency, duration_s=load.duration_s,
-                        host_cores=host_cores, prefill_host_cores=prefill_host_cores).decode_stretch
-
-    return _bisect(simulated, decode_stretch, iterations)
+    return _fit_cores(profile, cluster, load, lengths, "decode", decode_stretch, prefill_host_cores,
+                      iterations)
 
 
 def fit_prefill_host_cores(profile: Profile, cluster: Cluster, load: HostLoad, lengths: list[tuple[int, int]],
@@ -299,13 +311,7 @@ def fit_prefill_host_cores(profile: Profile, cluster: Cluster, load: HostLoad, l
     ``MIN_STRETCH``)."""
     if prefill_stretch < MIN_STRETCH:
         return HOST_CORES_RANGE[1]
-    specs = [RequestSpec(n_in, n_out) for n_in, n_out in lengths]
-
-    def simulated(cores: float) -> float:
-        return simulate(profile, cluster, specs, concurrency=load.concurrency, duration_s=load.duration_s,
-                        host_cores=host_cores, prefill_host_cores=cores).prefill_stretch
-
-    return _bisect(simulated, prefill_stretch, iterations)
+    return _fit_cores(profile, cluster, load, lengths, "prefill", prefill_stretch, host_cores, iterations)
 
 
 def fit_host_sharing(profile: Profile, cluster: Cluster, load: HostLoad, lengths: list[tuple[int, int]],
