@@ -3,6 +3,7 @@ type, arrays of numbers and of strings, plain and quantized tensors, the file's 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import gguf
@@ -12,6 +13,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import dequantize, quantize
 
 from engine.gguf_file import GGUFFile
+from engine.gguf_loader import open_gguf
 
 
 def _write(path: Path, alignment: int | None = None) -> None:
@@ -79,3 +81,20 @@ def test_bad_files_are_clear_errors(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="runs past the end"):
         GGUFFile(tmp_path / "nodata.gguf")
     assert GGUFFile(path).version == gguf.GGUF_VERSION
+
+
+def test_open_gguf_shares_one_parse_until_the_file_changes(tmp_path: Path) -> None:
+    path = tmp_path / "m.gguf"
+    _write(path)
+    first = open_gguf(path)
+    assert open_gguf(str(path)) is first  # the config and the weights read one parse
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
+    second = open_gguf(path)
+    assert second is not first and second.fields == first.fields
+    path.unlink()
+    _write(path, alignment=64)  # a new file under the same name
+    assert open_gguf(path).fields["general.alignment"] == 64
+    path.unlink()
+    with pytest.raises(FileNotFoundError, match="not found"):
+        open_gguf(path)
