@@ -7,6 +7,7 @@ sequence piecewise (``IncrementalDetokenizer``) and all at once agree.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from collections.abc import Sequence
@@ -15,7 +16,28 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase  # noqa: E402
+from transformers import PreTrainedTokenizerBase  # noqa: E402
+
+# tokenizer_config.json classes that are transformers' tokenizers-library backend itself: loaded by that
+# class directly, since importing ``AutoTokenizer`` scans every model package transformers has (about
+# 2 s of CPU in every worker and router process); any other class goes through ``AutoTokenizer``
+_BACKEND_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
+
+
+def _tokenizer_class(folder: Path) -> type[PreTrainedTokenizerBase]:
+    """The class that loads ``folder``: the tokenizers backend for a folder that names it (the converted
+    GGUF tokenizers cached by ``from_gguf`` do), else ``AutoTokenizer``."""
+    try:
+        named = json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        named = None
+    if named in _BACKEND_CLASSES and (folder / "tokenizer.json").is_file():
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+        return TokenizersBackend
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer  # type: ignore[return-value]  # its from_pretrained answers an instance
 
 _REPLACEMENT_CHAR = "\ufffd"
 
@@ -47,7 +69,7 @@ class Tokenizer:
         """Load the tokenizer files saved in a local HF model folder."""
         folder = Path(folder)
         try:
-            hf = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+            hf = _tokenizer_class(folder).from_pretrained(str(folder), local_files_only=True)
         except (OSError, ValueError) as exc:
             raise ValueError(f"cannot load a tokenizer from {folder}: {exc}") from None
         return cls(hf, eos_token_ids)
@@ -63,6 +85,8 @@ class Tokenizer:
         path = Path(path)
         if cache_dir is not None and (cache_dir / "tokenizer_config.json").is_file():
             return cls.from_folder(cache_dir, eos_token_ids)
+        from transformers import AutoTokenizer
+
         hf = AutoTokenizer.from_pretrained(
             str(path.parent), gguf_file=path.name, local_files_only=True
         )
