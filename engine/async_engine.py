@@ -106,6 +106,15 @@ class AsyncEngine:
         async with self._lock:
             return fn(self.engine)
 
+    async def abort(self, request_id: str) -> RequestOutput | None:
+        """Abort ``request_id`` between steps and end its stream: its reader gets the finished
+        ``abort`` output, where it would otherwise wait for a next output that never comes (until its
+        own timeout), holding its caller's read (a Ray stream to the router) open as long."""
+        output = await self.mutate(lambda e: e.abort_request(request_id))
+        if output is not None:
+            self.deliver(output)
+        return output
+
     def open_stream(self, request_id: str) -> None:
         """Register a request's output queue before the request can produce anything."""
         self._queues.setdefault(request_id, asyncio.Queue())

@@ -87,7 +87,7 @@ class WorkerBase(TracedRole):
             await asyncio.wrap_future(self.engine.grammars.prepare(params.structured))
 
     async def abort(self, request_id: str) -> None:
-        await self.aengine.mutate(lambda e: e.abort_request(request_id))
+        await self.aengine.abort(request_id)
 
     async def drain(self, timeout: float, poll_interval: float = 0.01) -> bytes:
         """Wait (at most ``timeout`` seconds) until this worker holds nothing, drop its idle prefix
