@@ -12,7 +12,7 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import dequantize, quantize
 
-from engine.gguf_file import GGUFFile
+from engine.gguf_file import GGUFFile, StringArray
 from engine.gguf_loader import open_gguf
 
 
@@ -98,3 +98,13 @@ def test_open_gguf_shares_one_parse_until_the_file_changes(tmp_path: Path) -> No
     path.unlink()
     with pytest.raises(FileNotFoundError, match="not found"):
         open_gguf(path)
+
+
+def test_string_arrays_decode_on_first_use(tmp_path: Path) -> None:
+    path = tmp_path / "m.gguf"
+    _write(path)
+    strs = GGUFFile(path).fields["t.strs"]
+    assert isinstance(strs, StringArray) and len(strs) == 200
+    assert strs._items is None  # stepped over at open: nothing decoded yet
+    assert strs[3] == "<|im_end|>" and strs[-2] == "ü" and strs[:2] == ["a", ""]
+    assert strs == ["a", "", "ü", "<|im_end|>"] * 50 and strs != ["a"] and list(strs)[-1] == "<|im_end|>"
