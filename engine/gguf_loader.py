@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -58,8 +59,8 @@ def open_gguf(path: str | Path) -> GGUFFile:
     try:
         st = path.stat()
     except OSError:
-        raise FileNotFoundError(f"GGUF file not found: {path}") from None
-    if not path.is_file():
+        st = None
+    if st is None or not stat.S_ISREG(st.st_mode):
         raise FileNotFoundError(f"GGUF file not found: {path}")
     return _open_gguf(str(path.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 

@@ -165,8 +165,8 @@ async def merge_choices(backend: Backend, requests: Sequence[GenerateRequest],
     finally:
         with anyio.CancelScope(shield=True):  # let every abort reach the workers
             # Abort the unfinished requests first, then cancel their reads: a read waiting on a worker's
-            # next item may only give way once that item arrives (a Ray stream's), and a worker that is
-            # still generating for nobody holds its KV until then.
+            # next item may only give way once that item arrives (a Ray stream's), and the worker answers
+            # an abort with the request's last, aborted output (``AsyncEngine.abort``), which ends it.
             await asyncio.gather(*[backend.abort(r.request_id) for r, t in zip(requests, tasks, strict=True)
                                    if not t.done()], return_exceptions=True)
             for task in tasks:
