@@ -12,10 +12,11 @@ model on two cores). ``--calibrate URL`` then measures, on a running server, the
 serving stack (one request at a time) and how much sharing the host's cores stretches the workers'
 steps under a load of its own (``--calibrate-concurrency`` clients sending ``--calibrate-input-len``
 random tokens for ``--calibrate-output-len`` tokens, for ``--calibrate-duration`` seconds): each
-worker's step wall time and what its steps computed, read from ``/v1/workers`` before and after, give
-the stretch (wall over what the profile prices those steps at, the profile being one worker alone), and
-the profile's ``host_cores`` and ``prefill_host_cores`` are fitted so the simulator stretches the
-decode and the prefill steps of that same load as much (``planner/calibrate.py``).
+worker's step wall and CPU time and what its steps computed, read from ``/v1/workers`` before and
+after, give the wait for a core (wall over CPU) and each role's contention (CPU over what the profile
+prices those steps at, the profile being one worker alone), and the profile's ``host_cores``,
+``decode_contention`` and ``prefill_contention`` are fitted so the simulator reproduces both on that
+same load (``planner/calibrate.py``).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def add_profile_parser(sub: Any, add_engine_args: Callable[[argparse.ArgumentPar
                    help="instead of measuring an engine: read the profile --output names, measure the "
                         "serving stack's fixed costs (request overhead, per decode step; one request at a "
                         "time) and the host's stretch of the workers' steps under the --calibrate-* load "
-                        "(its host_cores and prefill_host_cores) on the server at URL, and write the "
+                        "(its host_cores and contentions) on the server at URL, and write the "
                         "profile back")
     p.add_argument("--calibrate-concurrency", type=positive(int), default=4, metavar="N",
                    help="--calibrate's host load: clients, each sending its next request when the last "
@@ -78,8 +79,8 @@ def run_profile_command(args: argparse.Namespace) -> int:
                                progress=lambda m: print(m, file=sys.stderr))
         save_profile(calibrated, args.output)
         cores = "none" if calibrated.host_cores is None else f"{calibrated.host_cores:.2f}"
-        if calibrated.prefill_host_cores is not None:
-            cores += f", prefill_host_cores {calibrated.prefill_host_cores:.2f}"
+        cores += (f", contention decode {calibrated.decode_contention:.2f}, prefill "
+                  f"{calibrated.prefill_contention:.2f}")
         print(f"request overhead {calibrated.request_overhead_s * 1000:.1f} ms, decode step base "
               f"{calibrated.decode.base_s * 1000:.2f} ms, host_cores {cores}; "
               f"profile written to {args.output}")

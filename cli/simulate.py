@@ -59,8 +59,8 @@ def add_simulate_parser(sub: Any) -> None:
     p.add_argument("--host-cores", type=number(float, lambda v: v >= 0, ">= 0"), default=None, metavar="N",
                    help="the workers share N CPU cores (CPU workers on one machine): a step takes longer by "
                         "busy workers / N when that is above 1; 0: every worker has its own device "
-                        "(default: the profile's host_cores, and its prefill_host_cores for prefill steps, "
-                        "measured by `pdserve profile --calibrate`; N sets both)")
+                        "(default: the profile's host_cores, prefill_host_cores and contentions, "
+                        "measured by `pdserve profile --calibrate`; N sets both cores and no contention)")
     p.add_argument("--num-prefill", type=_count, default=1, metavar="N", help="prefill workers (default: 1)")
     p.add_argument("--num-decode", type=_count, default=1, metavar="N", help="decode workers (default: 1)")
     p.add_argument("--slo", default=None, metavar="SPEC",
@@ -140,12 +140,16 @@ def run_simulate_command(args: argparse.Namespace) -> int:
     out: dict[str, Any] = {"profile": str(args.profile)}
     host_cores = profile.host_cores if args.host_cores is None else (args.host_cores or None)
     prefill_cores = profile.prefill_host_cores if args.host_cores is None else None
+    # --host-cores sets the wait for a core alone: no contention with it (0: every worker on its own device)
+    contention = ((profile.decode_contention, profile.prefill_contention) if args.host_cores is None
+                  else (1.0, 1.0))
     warm = args.warmup
 
     def run(p: int, d: int, specs: list[Any]) -> Any:
         return simulate(profile, Cluster(p, d), specs, concurrency=args.concurrency,
                         duration_s=args.duration if args.concurrency else None, slo=slo, warmup_s=warm,
-                        host_cores=host_cores, prefill_host_cores=prefill_cores)
+                        host_cores=host_cores, prefill_host_cores=prefill_cores,
+                        decode_contention=contention[0], prefill_contention=contention[1])
 
     p, d = args.num_prefill, args.num_decode
     if args.search:

@@ -23,15 +23,17 @@ on a running server.
    decode-only steps' wall seconds over what the profile's ``DecodeCost`` prices the same steps at
    (steps, rows and context tokens; likewise the prefill workers' prompt-carrying steps over
    ``PrefillCost``): the profile was measured with one worker alone, so the ratio is everything the
-   sharing did, the wait for a core (wall over CPU, also noted) and the slower arithmetic of two
-   workers computing at once (shared caches, memory bandwidth), which wall over CPU cannot see. The
-   simulator models it as ``host_cores`` (``planner/profile.py``: a step's time stretches by busy
-   workers / ``host_cores`` while that is above 1), so ``fit_host_cores`` simulates the same load (the
-   server's P:D, the requests' measured lengths) and bisects for the ``host_cores`` whose simulated
-   decode stretch equals the measured one: the decode workers bound throughput and the gap between
-   tokens. The prefill stretch measured and the one simulated with the fitted figure go in the
-   profile's notes. A measured decode stretch under ``MIN_STRETCH`` models no sharing (``None``).
-   The steps are priced with the engine's costs as given, before part 1 adds the step overhead.
+   sharing did. It has two parts, which the simulator models apart (``planner/simulator.py``): the
+   wait for a core, wall over the stepping thread's CPU seconds (both roles pooled), modelled by
+   ``host_cores``; and contention, each role's CPU seconds over the priced ones (two workers computing
+   at once are slower at the same arithmetic: shared caches, memory bandwidth), modelled by that
+   role's contention while the other role computes. ``fit_host_share`` simulates the same load (the
+   server's P:D, the requests' measured lengths) and bisects for the figures at which the simulation
+   gives the measured ratios. A ratio under ``MIN_STRETCH`` models nothing (no ``host_cores``, or a
+   contention of 1). The steps are priced with the engine's costs as given, before part 1 adds the step
+   overhead. Measured in runs on two cores (docs/benchmarks.md): a decode step beside a prompt takes
+   1.3-1.5x its CPU, a prompt beside decode steps about 1.0x, and a decode step beside another decode
+   worker's no more than beside a prompt alone, hence contention by role and not by busy workers.
 
 The calibration's loads are its own; never the load the simulator is later checked against.
 """
@@ -45,18 +47,19 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
-from typing import Literal
 
 import httpx
 
 from planner.profile import DecodeCost, PrefillCost, Profile
+from planner.results import SimResult
 from planner.simulator import Cluster, RequestSpec, simulate
 
 MIN_STRETCH = 1.05  # a measured decode stretch below this models no host sharing
 CALIBRATION_SEED = 19_041  # the host load's prompts: never the seed of a load it is checked against
 TOKEN_RANGE = (1000, 8000)  # the host load's prompt token ids (plain words in the default vocabulary)
-HOST_CORES_RANGE = (0.05, 64.0)  # where fit_host_cores and fit_prefill_host_cores search
-FIT_ROUNDS = 3  # fit_host_sharing's rounds of refitting each role's figure with the other's
+HOST_CORES_RANGE = (0.05, 64.0)  # where fit_host_share searches host_cores
+CONTENTION_RANGE = (1.0, 16.0)  # and the contentions
+FIT_ROUNDS = 3  # fit_host_share's rounds of refitting each figure with the others'
 
 WORDS = ("apple", "river", "stone", "cloud", "paper", "glass", "music", "tiger", "light", "sugar", "ocean",
          "maple", "bread", "silver", "forest", "candle")
@@ -257,110 +260,104 @@ def _host_load(client: httpx.Client, url: str, model: str, load: HostLoad,
     return sent
 
 
-def _bisect(simulated: Callable[[float], float], target: float, iterations: int) -> float:
-    """The cores within ``HOST_CORES_RANGE`` at which ``simulated`` (falling as cores grow) equals
-    ``target``: bisected in log space, clamped to the range's ends."""
-    lo, hi = HOST_CORES_RANGE  # simulated(lo) is the largest stretch, simulated(hi) the smallest
-    if simulated(lo) <= target:
+def _solve(simulated: Callable[[float], float], target: float, lo: float, hi: float,
+           iterations: int) -> float:
+    """The ``x`` in ``[lo, hi]`` at which ``simulated`` (monotone, rising or falling) equals ``target``:
+    bisected in log space, clamped to the range's ends."""
+    f_lo, f_hi = simulated(lo), simulated(hi)
+    rising = f_hi >= f_lo
+    if (target <= f_lo) if rising else (target >= f_lo):
         return lo
-    if simulated(hi) >= target:
+    if (target >= f_hi) if rising else (target <= f_hi):
         return hi
     for _ in range(iterations):
         mid = (lo * hi) ** 0.5
-        if simulated(mid) > target:
+        if (simulated(mid) < target) == rising:
             lo = mid
         else:
             hi = mid
     return (lo * hi) ** 0.5
 
 
-def _fit_cores(profile: Profile, cluster: Cluster, load: HostLoad, lengths: list[tuple[int, int]],
-               role: Literal["decode", "prefill"], stretch: float, other_cores: float | None,
-               iterations: int) -> float:
-    """The cores of ``role``'s steps at which simulating the host load (closed loop, ``load.concurrency``
-    clients for ``load.duration_s``, requests of ``lengths``; the other role's steps with
-    ``other_cores``) stretches ``role``'s steps by ``stretch``. The simulated stretch falls as the
-    cores grow: bisected in log space within ``HOST_CORES_RANGE`` (clamped to its ends)."""
-    specs = [RequestSpec(n_in, n_out) for n_in, n_out in lengths]
+@dataclasses.dataclass(frozen=True)
+class HostShare:
+    """The simulator's host model (``planner/simulator.py``): ``host_cores`` (None: no wait for a core)
+    and each role's contention."""
 
-    def simulated(cores: float) -> float:
-        decode_cores, prefill_cores = (cores, other_cores) if role == "decode" else (other_cores, cores)
-        result = simulate(profile, cluster, specs, concurrency=load.concurrency, duration_s=load.duration_s,
-                          host_cores=decode_cores, prefill_host_cores=prefill_cores)
-        return result.decode_stretch if role == "decode" else result.prefill_stretch
+    host_cores: float | None = None
+    decode_contention: float = 1.0
+    prefill_contention: float = 1.0
 
-    return _bisect(simulated, stretch, iterations)
-
-
-def fit_host_cores(profile: Profile, cluster: Cluster, load: HostLoad, lengths: list[tuple[int, int]],
-                   decode_stretch: float, iterations: int = 40,
-                   prefill_host_cores: float | None = None) -> float | None:
-    """The ``host_cores`` at which simulating the host load stretches the decode steps by
-    ``decode_stretch`` (prefill steps with ``prefill_host_cores``, default the same figure); None under
-    ``MIN_STRETCH`` (no sharing modelled)."""
-    if decode_stretch < MIN_STRETCH:
-        return None
-    return _fit_cores(profile, cluster, load, lengths, "decode", decode_stretch, prefill_host_cores,
-                      iterations)
+    def simulate(self, profile: Profile, cluster: Cluster, load: HostLoad,
+                 lengths: list[tuple[int, int]]) -> SimResult:
+        """Simulate the host load (closed loop, ``load.concurrency`` clients for ``load.duration_s``,
+        requests of ``lengths``) on this host."""
+        return simulate(profile, cluster, [RequestSpec(n_in, n_out) for n_in, n_out in lengths],
+                        concurrency=load.concurrency, duration_s=load.duration_s, host_cores=self.host_cores,
+                        decode_contention=self.decode_contention, prefill_contention=self.prefill_contention)
 
 
-def fit_prefill_host_cores(profile: Profile, cluster: Cluster, load: HostLoad, lengths: list[tuple[int, int]],
-                           prefill_stretch: float, host_cores: float, iterations: int = 40) -> float:
-    """The ``prefill_host_cores`` at which simulating the host load with ``host_cores`` stretches the
-    prefill steps by ``prefill_stretch`` (the range's top, where no prefill step stretches, under
-    ``MIN_STRETCH``)."""
-    if prefill_stretch < MIN_STRETCH:
-        return HOST_CORES_RANGE[1]
-    return _fit_cores(profile, cluster, load, lengths, "prefill", prefill_stretch, host_cores, iterations)
+def fit_host_share(profile: Profile, cluster: Cluster, load: HostLoad, lengths: list[tuple[int, int]], *,
+                   wait: float, decode_cpu: float, prefill_cpu: float, rounds: int = FIT_ROUNDS,
+                   iterations: int = 40) -> HostShare:
+    """The host model at which simulating the host load reproduces what was measured under it: ``wait``
+    (stepping wall over CPU time, both roles pooled) by ``host_cores``, and each role's steps' CPU time
+    over their price by its contention. A figure under ``MIN_STRETCH`` models nothing (None, 1.0). Each
+    figure moves how long the steps overlap, so all three are refitted with the others' latest,
+    ``rounds`` times."""
+    def fit(share: HostShare, name: str, measured: str, target: float,
+            bounds: tuple[float, float]) -> HostShare:
+        """``share`` with ``name`` set where the simulated ``measured`` figure equals ``target``."""
+        def simulated(x: float) -> float:
+            result = dataclasses.replace(share, **{name: x}).simulate(profile, cluster, load, lengths)
+            return float(getattr(result, measured))
+        return dataclasses.replace(share, **{name: _solve(simulated, target, *bounds, iterations)})
 
-
-def fit_host_sharing(profile: Profile, cluster: Cluster, load: HostLoad, lengths: list[tuple[int, int]],
-                     decode_stretch: float, prefill_stretch: float,
-                     rounds: int = FIT_ROUNDS) -> tuple[float | None, float | None]:
-    """(``host_cores``, ``prefill_host_cores``) fitted together: each role's figure moves how long the
-    other's steps overlap it, so each is refitted with the other's latest, ``rounds`` times (None, None
-    under ``MIN_STRETCH`` on decode: no sharing modelled)."""
-    host_cores = fit_host_cores(profile, cluster, load, lengths, decode_stretch)
-    if host_cores is None:
-        return None, None
-    prefill_cores = host_cores
+    share = HostShare(None, max(1.0, decode_cpu), max(1.0, prefill_cpu))
     for _ in range(rounds):
-        prefill_cores = fit_prefill_host_cores(profile, cluster, load, lengths, prefill_stretch, host_cores)
-        fitted = fit_host_cores(profile, cluster, load, lengths, decode_stretch,
-                                prefill_host_cores=prefill_cores)
-        assert fitted is not None
-        host_cores = fitted
-    return host_cores, prefill_cores
+        if wait >= MIN_STRETCH:
+            share = fit(share, "host_cores", "wait_stretch", wait, HOST_CORES_RANGE)
+        for role, target in (("decode", decode_cpu), ("prefill", prefill_cpu)):
+            if target >= MIN_STRETCH:
+                share = fit(share, f"{role}_contention", f"{role}_cpu_stretch", target, CONTENTION_RANGE)
+            else:
+                share = dataclasses.replace(share, **{f"{role}_contention": 1.0})
+    return share
 
 
 def apply_host_load(profile: Profile, cluster: Cluster, load: HostLoad, lengths: list[tuple[int, int]],
                     prefill: StepClocks, decode: StepClocks, engine: Profile | None = None) -> Profile:
-    """``profile`` with ``host_cores`` and ``prefill_host_cores`` fitted to the stretches measured under
-    the host load (the decode workers' decode-only steps and the prefill workers' prompt-carrying steps:
-    wall seconds over what ``engine``'s costs price them at; default ``profile``'s), and the figures in
-    its notes."""
+    """``profile`` with the host model fitted to what the workers' step clocks measured under the host
+    load (``fit_host_share``: wall over CPU of both roles' steps; the decode workers' decode-only steps'
+    and the prefill workers' prompt-carrying steps' CPU time over what ``engine``'s costs price them at,
+    default ``profile``'s), and the figures in its notes."""
     engine = profile if engine is None else engine
     decode_stretch = decode.decode_stretch(engine.decode)
     prefill_stretch = prefill.prefill_stretch(engine.prefill)
-    host_cores, prefill_cores = fit_host_sharing(profile, cluster, load, lengths, decode_stretch,
-                                                 prefill_stretch)
-    if host_cores is None:
+    cpu = decode.cpu_s + prefill.cpu_s
+    wait = (decode.wall_s + prefill.wall_s) / cpu if cpu > 0 else 1.0
+    share = fit_host_share(profile, cluster, load, lengths, wait=wait,
+                           decode_cpu=decode_stretch / decode.cpu_stretch,
+                           prefill_cpu=prefill_stretch / prefill.cpu_stretch)
+    if share == HostShare():
         fitted = "no host sharing modelled"
     else:
-        specs = [RequestSpec(n_in, n_out) for n_in, n_out in lengths]
-        sim = simulate(profile, cluster, specs, concurrency=load.concurrency, duration_s=load.duration_s,
-                       host_cores=host_cores, prefill_host_cores=prefill_cores)
-        fitted = (f"host_cores {host_cores:.2f}, prefill_host_cores {prefill_cores:.2f} (simulated "
-                  f"stretch: decode {sim.decode_stretch:.2f}, prefill {sim.prefill_stretch:.2f})")
+        sim = share.simulate(profile, cluster, load, lengths)
+        cores = "none" if share.host_cores is None else f"{share.host_cores:.2f}"
+        fitted = (f"host_cores {cores}, contention decode {share.decode_contention:.2f}, prefill "
+                  f"{share.prefill_contention:.2f} (simulated: wall / CPU {sim.wait_stretch:.2f}, CPU / "
+                  f"priced decode {sim.decode_cpu_stretch:.2f}, prefill {sim.prefill_cpu_stretch:.2f}; "
+                  f"stretch decode {sim.decode_stretch:.2f}, prefill {sim.prefill_stretch:.2f})")
     note = (f"; host load on {cluster.num_prefill}P:{cluster.num_decode}D ({load.concurrency} clients, "
             f"{load.duration_s:g} s, {len(lengths)} requests of {load.input_len} -> {load.output_len} "
             f"tokens, seed {load.seed}): steps took wall / priced {decode_stretch:.2f}x on decode "
             f"({decode.decode_steps} steps, {decode.decode_rows} rows; wall / CPU "
             f"{decode.cpu_stretch:.2f}x), "
             f"{prefill_stretch:.2f}x on prefill ({prefill.prefill_steps} steps, {prefill.prefill_tokens} "
-            f"tokens; wall / CPU {prefill.cpu_stretch:.2f}x): {fitted}")
-    return dataclasses.replace(profile, host_cores=host_cores, prefill_host_cores=prefill_cores,
-                               notes=profile.notes + note)
+            f"tokens; wall / CPU {prefill.cpu_stretch:.2f}x); wall / CPU pooled {wait:.2f}x: {fitted}")
+    return dataclasses.replace(profile, host_cores=share.host_cores, prefill_host_cores=None,
+                               decode_contention=share.decode_contention,
+                               prefill_contention=share.prefill_contention, notes=profile.notes + note)
 
 
 def apply_calibration(profile: Profile, samples: list[tuple[float, list[float], int]], max_tokens: int,

@@ -14,15 +14,18 @@ the model it was measured with, three fitted cost models and the samples they we
 
 ``request_overhead_s`` is the fixed latency a request pays outside the engines before its first token
 (HTTP, router, the Ray calls); the simulator adds it to every time to first token.
-``host_cores`` (set by ``pdserve profile --calibrate``) is for workers that share one host's CPU: the
-effective cores they share (``pdserve simulate`` stretches every step by busy workers / ``host_cores``
-while that is above 1), fitted so that simulating the calibration's own load stretches the decode
-steps as much as the server measured (its decode steps' wall time over what these costs price the
-same steps at: the costs are one worker's alone, so that ratio is all the sharing did, waiting for a
-core and slower arithmetic beside a busy neighbour alike); None: each worker has its own device.
-``prefill_host_cores`` is the same figure for prefill steps, fitted likewise to the prefill steps'
-stretch (None: ``host_cores``): a decode step beside a prompt's large products slows much more than
-they do.
+Workers that share one host's CPU (set by ``pdserve profile --calibrate``; ``planner/simulator.py``
+has the model), two terms:
+
+- ``host_cores``: the effective cores they share; a step's wall time stretches by busy workers /
+  ``host_cores`` while that is above 1 (the wait for a core). None: no wait, each worker has its own
+  device. ``prefill_host_cores``: a figure of its own for prefill steps (None: ``host_cores``).
+- ``decode_contention`` and ``prefill_contention`` (at least 1): how much more CPU time a step of that
+  role needs while another worker computes (shared caches and memory bandwidth).
+
+The calibration fits them so that simulating its own load on the server reproduces what the workers'
+step clocks measured under it: wall over CPU time for the wait, and CPU time over what these costs
+price the same steps at (the costs are one worker's alone) for each role's contention.
 
 The contract with the live planner (``cluster/``): ``Profile``, ``load_profile`` and ``save_profile``
 keep these names and meanings; a new field gets a default, a changed meaning a new version.
@@ -167,6 +170,8 @@ class Profile:
     created: str = ""
     notes: str = ""
     prefill_host_cores: float | None = None
+    decode_contention: float = 1.0
+    prefill_contention: float = 1.0
     prefill_samples: tuple[PrefillSample, ...] = field(default_factory=tuple)
     decode_samples: tuple[DecodeSample, ...] = field(default_factory=tuple)
     transfer_samples: tuple[TransferSample, ...] = field(default_factory=tuple)
@@ -180,6 +185,9 @@ class Profile:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"profile.{name} must be > 0 or null, got {value}")
+        for name in ("decode_contention", "prefill_contention"):
+            if not getattr(self, name) >= 1.0:
+                raise ValueError(f"profile.{name} must be >= 1, got {getattr(self, name)}")
         m = self.model
         for name in ("kv_bytes_per_token", "block_size", "kv_capacity_tokens", "max_num_batched_tokens",
                      "max_num_seqs"):

@@ -65,8 +65,10 @@ class SimResult:
     """One simulated run. Times in seconds. Requests sent during the warm-up are left out of every figure;
     ``duration_s`` runs from the first measured send to the last measured end (throughputs are over it);
     utilisation is busy time over the whole run (warm-up included), per role; the mean decode batch is
-    over the measured steps. The stretches (``host_cores`` set) are each role's stepping wall time over
-    the same steps' costs at full speed, over the whole run: 1 when no host is shared."""
+    over the measured steps. The stretches (a shared host) are each role's stepping wall time over
+    the same steps' costs at full speed, over the whole run: 1 when no host is shared; the CPU
+    stretches the same with CPU time (contention's part), and ``wait_stretch`` wall over CPU time, every
+    worker pooled (the wait for a core's part)."""
 
     num_prefill: int
     num_decode: int
@@ -87,6 +89,9 @@ class SimResult:
     wall_s: float
     prefill_stretch: float = 1.0
     decode_stretch: float = 1.0
+    prefill_cpu_stretch: float = 1.0
+    decode_cpu_stretch: float = 1.0
+    wait_stretch: float = 1.0
 
     def meets(self, ttft_p90_s: float, itl_p90_s: float) -> bool:
         """Every request finished, and the p90s are within the bounds."""

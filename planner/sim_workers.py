@@ -107,17 +107,20 @@ class PrefillSim:
     step_t0: float = 0.0
     busy_s: float = 0.0  # wall time stepping (stretched when the host is shared)
     work_s: float = 0.0  # the same steps' costs at full speed
+    cpu_s: float = 0.0  # their CPU time: the costs times the contention they ran under
     step_work: float = 0.0  # the running step's cost at full speed
     load: int = 0  # tokens the router has charged and not yet released
     load_version: int = 0
     version: int = 0  # of the step running: an end event of an older one is stale
     work_left: float = 0.0  # seconds of the running step left at full speed, as of t_update
-    rate: float = 1.0  # its speed: 1 / slowdown
+    rate: float = 1.0  # its speed: 1 / (wait x contention)
+    contention: float = 1.0  # the running step's contention since t_update
     t_update: float = 0.0
 
-    def start_step(self, now: float, block_size: int, slowdown: float = 1.0) -> float | None:
-        """Schedule the next step's chunks; its end time (its cost times ``slowdown``), or None when the
-        queue is empty (idle)."""
+    def start_step(self, now: float, block_size: int, wait: float = 1.0,
+                   contention: float = 1.0) -> float | None:
+        """Schedule the next step's chunks; its end time (its cost times ``wait`` and ``contention``), or
+        None when the queue is empty (idle)."""
         self.chunks = []
         if not self.queue:
             self.busy = False
@@ -138,19 +141,26 @@ class PrefillSim:
         self.busy = True
         self.step_t0 = now
         self.work_left = self.step_work = self.cost.step_s(new, attended)
-        self.rate, self.t_update = 1.0 / slowdown, now
+        self.rate, self.contention, self.t_update = 1.0 / (wait * contention), contention, now
         self.version += 1
         return now + self.work_left / self.rate
 
-    def rescale(self, now: float, slowdown: float) -> float:
+    def _advance(self, now: float) -> None:
+        done = (now - self.t_update) * self.rate  # full-speed seconds of work done since t_update
+        self.work_left = max(0.0, self.work_left - done)
+        self.cpu_s += done * self.contention
+        self.t_update = now
+
+    def rescale(self, now: float, wait: float, contention: float) -> float:
         """The running step's host share changed at ``now``: its new end time (a new ``version``)."""
-        self.work_left = max(0.0, self.work_left - (now - self.t_update) * self.rate)
-        self.rate, self.t_update = 1.0 / slowdown, now
+        self._advance(now)
+        self.rate, self.contention = 1.0 / (wait * contention), contention
         self.version += 1
         return now + self.work_left / self.rate
 
     def end_step(self, now: float) -> list[Req]:
         """Advance the chunks; the requests whose prompt is done (they leave the queue)."""
+        self._advance(now)
         self.busy_s += now - self.step_t0
         self.work_s += self.step_work
         done = []
@@ -186,9 +196,11 @@ class DecodeSim:
     seg_a: float = 0.0  # the segment's first step time
     seg_inc: float = 0.0  # how much each later step adds
     seg_n: int = 0  # steps the segment runs
-    seg_slowdown: float = 1.0  # the host's stretch of the segment's steps
+    seg_slowdown: float = 1.0  # the host's stretch of the segment's steps (wait x contention)
+    seg_contention: float = 1.0
     busy_s: float = 0.0  # wall time stepping (stretched when the host is shared)
     work_s: float = 0.0  # the same steps' costs at full speed
+    cpu_s: float = 0.0  # their CPU time: the costs times the contention they ran under
     load: int = 0
     load_version: int = 0
     steps_done: int = 0
@@ -214,16 +226,17 @@ class DecodeSim:
             n += 1
         return n
 
-    def start_segment(self, now: float, slowdown: float = 1.0) -> float | None:
-        """Run steps until the next finish (each step's cost times ``slowdown``); the segment's end, or
-        None when nothing runs (idle)."""
+    def start_segment(self, now: float, wait: float = 1.0, contention: float = 1.0) -> float | None:
+        """Run steps until the next finish (each step's cost times ``wait`` and ``contention``); the
+        segment's end, or None when nothing runs (idle)."""
+        slowdown = wait * contention
         if self.batch == 0:
             self.busy = False
             return None
         self.busy = True
         self.version += 1
         self.seg_t0 = now
-        self.seg_slowdown = slowdown
+        self.seg_slowdown, self.seg_contention = slowdown, contention
         self.seg_a = self.cost.step_s(self.batch, self.context) * slowdown
         self.seg_inc = self.cost.per_context_s * self.batch * slowdown
         self.seg_n = self.finishing[0][0] - self.step + 1
@@ -261,6 +274,7 @@ class DecodeSim:
         record = (self.seg_a, self.seg_inc, n, batch)
         self.busy_s += now - self.seg_t0
         self.work_s += (now - self.seg_t0) / self.seg_slowdown
+        self.cpu_s += (now - self.seg_t0) / self.seg_slowdown * self.seg_contention
         self.steps_done += n
         self.step += n
         self.context += batch * n

@@ -17,12 +17,18 @@ each send a request when their previous one ended, until ``duration_s``. The run
 request finished or ``time_limit_s`` (default: three times the last send plus 60 s) passed; requests
 still unfinished count as not completed (infinite TTFT if no first token).
 
-Workers sharing a host (``host_cores``, for CPU workers on one machine, as in the validation here): a
-step's time stretches by (busy workers / cores) when that is above 1; a running prefill step is re-timed
-whenever another worker starts or stops, a decode segment ends with its running step and the next
-steps run at the new speed. ``prefill_host_cores`` (default: ``host_cores``) is the figure for prefill
-steps: on a CPU host a prompt's large products slow a decode step beside them much more than the decode
-step slows them. Without ``host_cores`` every worker has its own device.
+Workers sharing a host (CPU workers on one machine, as in the validation here), two terms:
+
+- the wait for a core (``host_cores``): a step's wall time stretches by busy workers / cores when that is
+  above 1 (``prefill_host_cores``, default ``host_cores``, for prefill steps);
+- contention (``decode_contention``, ``prefill_contention``, default 1): while another worker computes
+  at the same time, a step of that role needs that factor more CPU time (shared caches and memory
+  bandwidth: a decode step, which streams the weights for a few rows, slows beside a prompt's large
+  products much more than they slow beside it).
+
+A step's time is its cost times both. A running prefill step is re-timed whenever another worker
+starts or stops, a decode segment ends with its running step and the next steps run at the new speed.
+Without either term every worker has its own device.
 
 Not modelled: conditional disaggregation (prompts computed on a decode worker when every prefill
 worker is saturated), preemption, retries and failures, the routing policy's KV-room filter, and the
@@ -138,7 +144,8 @@ class Simulation:
                  concurrency: int | None = None, duration_s: float | None = None,
                  slo: tuple[float, float] | None = None, warmup_s: float = 0.0,
                  time_limit_s: float | None = None, host_cores: float | None = None,
-                 prefill_host_cores: float | None = None) -> None:
+                 prefill_host_cores: float | None = None, decode_contention: float = 1.0,
+                 prefill_contention: float = 1.0) -> None:
         m = profile.model
         self.profile, self.cluster, self.slo, self.warmup_s = profile, cluster, slo, warmup_s
         self.bs = m.block_size
@@ -158,7 +165,10 @@ class Simulation:
         self.n_events = 0
         self.host_cores = host_cores
         self.prefill_host_cores = host_cores if prefill_host_cores is None else prefill_host_cores
+        self.decode_contention, self.prefill_contention = decode_contention, prefill_contention
+        self.shared = host_cores is not None or decode_contention != 1.0 or prefill_contention != 1.0
         self.busy = 0  # workers running a step now
+        self.busy_prefill = 0  # of them, prefill workers
 
     def _push(self, t: float, kind: int, obj: object) -> None:
         heapq.heappush(self.events, (t, next(self.seq), kind, obj))
@@ -220,7 +230,8 @@ class Simulation:
     def _start_prefill(self, p: PrefillSim, now: float) -> None:
         delta = int(bool(p.queue)) - int(p.busy)
         self.busy += delta
-        end = p.start_step(now, self.bs, self._slowdown(prefill=True))
+        self.busy_prefill += delta
+        end = p.start_step(now, self.bs, *self._share(prefill=True))
         if end is not None:
             self._push(end, PREFILL_END, (p, p.version))
         if delta:
@@ -272,27 +283,31 @@ class Simulation:
     def _start_decode(self, d: DecodeSim, now: float) -> None:
         delta = int(d.batch > 0) - int(d.busy)
         self.busy += delta
-        end = d.start_segment(now, self._slowdown())
+        end = d.start_segment(now, *self._share())
         if end is not None:
             self._push(end, DECODE_END, (d, d.version))
         if delta:
             self._host_changed(now, d)
 
-    def _slowdown(self, prefill: bool = False) -> float:
-        """With ``host_cores``: busy workers / cores (at least 1), the stretch of a decode step's time
-        (``prefill``: of a prefill step's, with ``prefill_host_cores``)."""
+    def _share(self, prefill: bool = False) -> tuple[float, float]:
+        """(wait, contention) of a decode step running now (``prefill``: of a prefill step): busy workers /
+        cores (at least 1; 1 without ``host_cores``), and the role's contention while another worker is
+        busy (the running step's worker is counted in ``busy``)."""
         cores = self.prefill_host_cores if prefill else self.host_cores
-        return 1.0 if self.host_cores is None or cores is None else max(1.0, self.busy / cores)
+        wait = 1.0 if self.host_cores is None or cores is None else max(1.0, self.busy / cores)
+        contention = self.prefill_contention if prefill else self.decode_contention
+        other = self.busy - self.busy_prefill if prefill else self.busy_prefill
+        return wait, (contention if other >= 1 else 1.0)
 
     def _host_changed(self, now: float, skip: PrefillSim | DecodeSim) -> None:
         """A worker started or stopped: re-time the other running prefill steps from now, and end the
         other decode segments with their running step (the next one starts at the new speed)."""
-        if self.host_cores is None:
+        if not self.shared:
             return
-        slowdown = self._slowdown(prefill=True)
+        wait, contention = self._share(prefill=True)
         for p in self.prefill:
             if p.busy and p is not skip:
-                self._push(p.rescale(now, slowdown), PREFILL_END, (p, p.version))
+                self._push(p.rescale(now, wait, contention), PREFILL_END, (p, p.version))
         for d in self.decode:
             if d.busy and d is not skip:
                 end = d.cut(now)
@@ -359,6 +374,9 @@ class Simulation:
             mean_decode_batch=batch_tokens / steps if steps else 0.0,
             events=self.n_events, wall_s=wall_s,
             prefill_stretch=_stretch(self.prefill), decode_stretch=_stretch(self.decode),
+            prefill_cpu_stretch=_stretch(self.prefill, cpu=True),
+            decode_cpu_stretch=_stretch(self.decode, cpu=True),
+            wait_stretch=_wait([*self.prefill, *self.decode]),
         )
 
     def _itl_points(self) -> tuple[np.ndarray, np.ndarray]:
@@ -379,20 +397,29 @@ class Simulation:
         return np.array(values), np.array(weights)
 
 
-def _stretch(workers: list[PrefillSim] | list[DecodeSim]) -> float:
-    """Stepping wall time over the same steps' costs at full speed (1 when nothing stepped)."""
+def _stretch(workers: list[PrefillSim] | list[DecodeSim], cpu: bool = False) -> float:
+    """Stepping wall time (``cpu``: CPU time, what contention adds) over the same steps' costs at full
+    speed (1 when nothing stepped)."""
     work = sum(w.work_s for w in workers)
-    return sum(w.busy_s for w in workers) / work if work > 0 else 1.0
+    return sum(w.cpu_s if cpu else w.busy_s for w in workers) / work if work > 0 else 1.0
+
+
+def _wait(workers: list[PrefillSim | DecodeSim]) -> float:
+    """Stepping wall time over stepping CPU time, every worker pooled: the wait for a core."""
+    cpu = sum(w.cpu_s for w in workers)
+    return sum(w.busy_s for w in workers) / cpu if cpu > 0 else 1.0
 
 
 def simulate(profile: Profile, cluster: Cluster, specs: Iterable[RequestSpec], *,
              concurrency: int | None = None, duration_s: float | None = None,
              slo: tuple[float, float] | None = None, warmup_s: float = 0.0,
              time_limit_s: float | None = None, host_cores: float | None = None,
-             prefill_host_cores: float | None = None) -> SimResult:
+             prefill_host_cores: float | None = None, decode_contention: float = 1.0,
+             prefill_contention: float = 1.0) -> SimResult:
     """Run one simulation (``slo``: (TTFT, mean ITL) bounds in seconds for goodput; ``host_cores``: the
-    workers share that many CPU cores, ``prefill_host_cores`` the figure for prefill steps, see the
-    module docstring)."""
+    workers share that many CPU cores, ``prefill_host_cores`` the figure for prefill steps; the
+    contentions: a step's CPU time beside another busy worker, per role; see the module docstring)."""
     return Simulation(profile, cluster, specs, concurrency=concurrency, duration_s=duration_s, slo=slo,
                       warmup_s=warmup_s, time_limit_s=time_limit_s, host_cores=host_cores,
-                      prefill_host_cores=prefill_host_cores).run()
+                      prefill_host_cores=prefill_host_cores, decode_contention=decode_contention,
+                      prefill_contention=prefill_contention).run()

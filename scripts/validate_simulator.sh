@@ -3,11 +3,14 @@
 #
 # 1. `pdserve profile --quick` measures one worker's engine and a NIXL read here;
 # 2. for each P:D in $CONFIGS: `pdserve serve` on its own local Ray, `pdserve profile --calibrate` once
-#    (first P:D only: the serving stack's fixed costs, one request at a time, and host_cores and
-#    prefill_host_cores fitted to the workers' step stretch, wall over the profile's price of the same
-#    steps, under the calibration's own load and seed), then per workload in
-#    $WORKLOADS a real `pdserve bench` run at --concurrency $CONC for $DURATION s and `pdserve simulate`
-#    with the same profile, workload, load and P:D;
+#    (first P:D only: the serving stack's fixed costs, one request at a time, and the host model fitted
+#    to the workers' step clocks under the calibration's own load and seed: wall over CPU for host_cores,
+#    CPU over the profile's price of the same steps for each role's contention), then per workload in
+#    $WORKLOADS two real `pdserve bench` runs and `pdserve simulate` of each with the same profile and P:D:
+#    - closed loop: --concurrency $CONC for $DURATION s, simulated with the same workload and load;
+#    - open loop: Poisson arrivals at the workload's rate in $RATES for $OPEN_DURATION s (seed $OPEN_SEED:
+#      other prompts than the closed loop's, so no prefix-cache hit carries over), simulated on the very
+#      requests the bench sent (`python -m bench.sim_validation trace`: send times and measured lengths);
 # 3. a markdown table of simulated against measured TTFT p50/p90, ITL p50 and throughput.
 #
 # It starts servers and Ray: run it under the machine's heavy-work lock if it has one. Every output goes
@@ -19,6 +22,9 @@ PY=${PY:-$ROOT/.venv/bin/python}
 OUT=${OUT:-bench_out/sim_validation}
 DURATION=${DURATION:-60}
 CONC=${CONC:-4}
+OPEN_DURATION=${OPEN_DURATION:-90}
+OPEN_SEED=${OPEN_SEED:-1}
+RATES=${RATES:-"random:0.35 shared-prefix:0.5"}
 PORT=${PORT:-8139}
 ENGINE_FLAGS=${ENGINE_FLAGS:---linear-kernel plain}
 CONFIGS=${CONFIGS:-"1:1 1:2"}
@@ -83,31 +89,25 @@ for config in $CONFIGS; do
         "${PDSERVE[@]}" simulate --profile "$PROFILE" --workload "$name" --param "$params" --concurrency "$CONC" \
             --duration "$DURATION" --num-prefill "$P" --num-decode "$D" \
             --json "$dir.sim_host.json" >"$dir.sim_host.txt"
+        rate=""
+        for r in $RATES; do [ "${r%%:*}" = "$name" ] && rate=${r#*:}; done
+        [ -n "$rate" ] || continue
+        open=${dir}_open
+        echo "${P}P:${D}D $name open loop at $rate/s: load average at start $(cut -d' ' -f1-3 /proc/loadavg)" \
+            | tee -a "$OUT/loadavg.txt"
+        curl -sf "http://127.0.0.1:$PORT/v1/workers" >"$open.workers_before.json" || true
+        "${PDSERVE[@]}" bench --url "http://127.0.0.1:$PORT" --workload "$name" --param "$params" \
+            --rate "$rate" --duration "$OPEN_DURATION" --seed "$OPEN_SEED" --output "$open" --no-progress \
+            >"$open.bench.txt" 2>&1 || true
+        curl -sf "http://127.0.0.1:$PORT/v1/workers" >"$open.workers_after.json" || true
+        prefix_len=$(echo "$params" | tr ',' '\n' | sed -n 's/^prefix_len=//p')
+        "$PY" -m bench.sim_validation trace "$open" "$open.trace.csv" --prefix-len "${prefix_len:-0}"
+        "${PDSERVE[@]}" simulate --profile "$PROFILE" --trace "$open.trace.csv" --num-prefill "$P" \
+            --num-decode "$D" --host-cores 0 --json "$open.sim.json" >"$open.sim.txt"
+        "${PDSERVE[@]}" simulate --profile "$PROFILE" --trace "$open.trace.csv" --num-prefill "$P" \
+            --num-decode "$D" --json "$open.sim_host.json" >"$open.sim_host.txt"
     done
     stop_server
 done
 
-"$PY" - "$OUT" "$CONFIGS" "$WORKLOADS" <<'EOF'
-import json, sys
-out, configs, workloads = sys.argv[1], sys.argv[2].split(), sys.argv[3].split()
-print("| P:D | workload | simulated as | TTFT p50 sim / real (ms) | err | TTFT p90 sim / real (ms) | err "
-      "| ITL p50 sim / real (ms) | throughput sim / real (req/s) | err |")
-print("|---|---|---|---|---|---|---|---|---|---|")
-for c in configs:
-    p, d = c.split(":")
-    for w in workloads:
-        name = w.split(":")[0]
-        base = f"{out}/{p}p{d}d_{name}"
-        real = json.load(open(f"{base}/summary.json"))
-        r50, r90 = real["ttft"]["p50_ms"], real["ttft"]["p90_ms"]
-        ri50, rthr = real["itl"]["p50_ms"], real["request_throughput"]
-        for label, suffix in (("own core each", "sim"), ("sharing the host (calibrated)", "sim_host")):
-            sim = json.load(open(f"{base}.{suffix}.json"))["result"]
-            t50, t90 = sim["ttft"]["p50"] * 1000, sim["ttft"]["p90"] * 1000
-            i50, thr = sim["itl"]["p50"] * 1000, sim["request_throughput"]
-            def err(s, r):
-                return f"{(s - r) / r:+.0%}"
-            print(f"| {p}P:{d}D | {name} | {label} | {t50:,.0f} / {r50:,.0f} | {err(t50, r50)} | "
-                  f"{t90:,.0f} / {r90:,.0f} | {err(t90, r90)} | {i50:.0f} / {ri50:.0f} | "
-                  f"{thr:.3f} / {rthr:.3f} | {err(thr, rthr)} |")
-EOF
+"$PY" -m bench.sim_validation table "$OUT" "$CONFIGS" "$WORKLOADS"

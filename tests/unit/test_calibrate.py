@@ -1,83 +1,86 @@
-"""``pdserve profile --calibrate``'s host-sharing figure: the step clocks of ``/v1/workers`` read
-before and after its load, and ``host_cores`` fitted so the simulator stretches that load's decode steps
-as much as the server did (hand-computed cases)."""
+"""``pdserve profile --calibrate``'s host model: the step clocks of ``/v1/workers`` read before and
+after its load, and ``host_cores`` and the contentions fitted so the simulator reproduces that load's
+wall over CPU and CPU over priced steps (hand-computed cases)."""
 
 from __future__ import annotations
 
 import pytest
 
 from planner.calibrate import (
-    HOST_CORES_RANGE,
+    CONTENTION_RANGE,
     HostLoad,
+    HostShare,
     StepClocks,
     _clocks,
     apply_host_load,
-    fit_host_cores,
-    fit_host_sharing,
+    fit_host_share,
 )
 from planner.profile import DecodeCost, PrefillCost
 from planner.simulator import Cluster
 from tests.unit.test_simulator import make_profile
 
-# Two clients, each sending one (100, 5) request at 0 (the load ends before either finishes). With the
-# test profile (prefill 10 ms + 1 ms a token, decode 20 ms a step, 5 ms transfer, 10 ms overhead) r1's
-# prompt runs alone (0.01-0.12), r2's starts at 0.12 and has 0.105 s of work left when r1 starts
-# decoding at 0.125: two workers busy, each step stretched by s = 2 / host_cores (one busy worker: by
-# 1 / host_cores, at least 1 either way). r1's four decode steps (0.08 s of work, 0.08 s stretched) end
-# before r2's prompt does (0.105 s of work at 1/s), so r2 decodes alone: the decode stretch is
-# (0.08 s + 0.08) / 0.16 = (s + 1) / 2 with host_cores >= 1, (s + s / 2) / 2 = 1.5 / host_cores below.
+# Two clients, each sending one (100, 5) request at 0 (the load ends before either finishes): with the
+# test profile (prefill 10 ms + 1 ms a token, decode 20 ms a step, 5 ms transfer, 10 ms overhead), r1's
+# prompt runs alone (0.01-0.12) and r2's (0.12-0.23) beside r1's first decode steps (from 0.125):
+# tests/unit/test_simulator.py's contention cases.
 LOAD = HostLoad(concurrency=2, input_len=100, output_len=5, duration_s=0.001)
 LENGTHS = [(100, 5), (100, 5)]
 
 
-@pytest.mark.parametrize(("stretch", "host_cores"), [(1.5, 1.0), (1.25, 4 / 3), (3.0, 0.5)])
-def test_host_cores_fitted_so_the_simulated_decode_stretch_matches(stretch: float, host_cores: float) -> None:
-    # (s + 1) / 2 = stretch -> s = 2 stretch - 1 -> host_cores = 2 / s; under one core 1.5 / host_cores
-    got = fit_host_cores(make_profile(), Cluster(1, 1), LOAD, LENGTHS, stretch)
-    assert got == pytest.approx(host_cores, rel=1e-6)
+@pytest.mark.parametrize("share", [HostShare(4 / 3, 1.5, 1.2), HostShare(0.8, 2.5, 1.0),
+                                   HostShare(None, 2.0, 1.0)])
+def test_fit_reproduces_the_figures_of_the_host_model_that_made_them(share: HostShare) -> None:
+    sim = share.simulate(make_profile(), Cluster(1, 1), LOAD, LENGTHS)
+    got = fit_host_share(make_profile(), Cluster(1, 1), LOAD, LENGTHS, wait=sim.wait_stretch,
+                         decode_cpu=sim.decode_cpu_stretch, prefill_cpu=sim.prefill_cpu_stretch)
+    again = got.simulate(make_profile(), Cluster(1, 1), LOAD, LENGTHS)
+    assert (again.wait_stretch, again.decode_cpu_stretch, again.prefill_cpu_stretch) == pytest.approx(
+        (sim.wait_stretch, sim.decode_cpu_stretch, sim.prefill_cpu_stretch), rel=1e-6)
+    assert (got.host_cores is None) == (share.host_cores is None)
+    if share == HostShare(4 / 3, 1.5, 1.2):
+        # here the figures move with every parameter; elsewhere, on a load of two requests, a step that
+        # begins beside a prompt is contended whole, and other models give the same figures
+        assert (got.host_cores, got.decode_contention, got.prefill_contention) == pytest.approx(
+            (4 / 3, 1.5, 1.2), rel=1e-6)
 
 
-def test_no_host_sharing_below_the_threshold_and_the_search_range_clamps() -> None:
-    assert fit_host_cores(make_profile(), Cluster(1, 1), LOAD, LENGTHS, 1.04) is None
-    # 1.5 / host_cores reaches 30 at the range's 0.05 cores: a larger stretch clamps there
-    assert fit_host_cores(make_profile(), Cluster(1, 1), LOAD, LENGTHS, 40.0) == 0.05
+def test_figures_under_the_threshold_model_nothing_and_the_range_clamps() -> None:
+    none = fit_host_share(make_profile(), Cluster(1, 1), LOAD, LENGTHS, wait=1.04, decode_cpu=1.04,
+                          prefill_cpu=0.9)
+    assert none == HostShare()
+    # at most 3 of r1's 4 steps overlap a prompt: no contention reaches a CPU stretch of 10
+    clamped = fit_host_share(make_profile(), Cluster(1, 1), LOAD, LENGTHS, wait=1.0, decode_cpu=10.0,
+                             prefill_cpu=1.0)
+    assert clamped.decode_contention == CONTENTION_RANGE[1]
 
 
-def test_apply_host_load_fits_the_stretch_over_priced_steps_not_over_cpu() -> None:
-    # decode: 8 decode-only steps priced 8 x 20 ms = 0.16 s took 0.2 s of wall: 1.25, while wall / CPU is
-    # 1.0 (the stretch wall / CPU cannot see). With 4 / 3 cores for both roles (the case above) the
-    # prompt r2 runs 0.12-0.125 alone, then 0.12 s at 2 / (4 / 3) = 1.5x (0.08 s of work) while r1
-    # decodes, then its last 0.025 s alone: prefill busy 0.01-0.27 for 0.22 s of work, 13 / 11. So
-    # prefill steps measured at 13 / 11 (3 steps of 200 tokens in all, priced 3 x 10 ms + 200 ms) fit
-    # both figures at 4 / 3.
-    decode = StepClocks(8, 0.2, 0.2, decode_steps=8, decode_wall_s=0.2, decode_rows=12, decode_context=900)
-    prefill = StepClocks(3, 0.3, 0.25, prefill_steps=3, prefill_wall_s=0.23 * 13 / 11, prefill_tokens=200)
-    prof = apply_host_load(make_profile(), Cluster(1, 1), LOAD, LENGTHS, prefill, decode)
-    assert prof.host_cores == pytest.approx(4 / 3, rel=1e-6)
-    assert prof.prefill_host_cores == pytest.approx(4 / 3, rel=1e-6)
-    assert ("wall / priced 1.25x on decode (8 steps, 12 rows; wall / CPU 1.00x), 1.18x on prefill "
-            "(3 steps, 200 tokens; wall / CPU 1.20x)") in prof.notes
-    assert ("host_cores 1.33, prefill_host_cores 1.33 (simulated stretch: decode 1.25, prefill 1.18)"
-            in prof.notes)
-    # priced with the engine's costs when given (the calibrated profile's decode base may carry the
-    # serving stack's step overhead): 8 x 25 ms = 0.2 s, no stretch
-    engine = make_profile(decode=DecodeCost(0.025, 0.0, 0.0))
-    none = apply_host_load(make_profile(), Cluster(1, 1), LOAD, LENGTHS, prefill, decode, engine=engine)
-    assert none.host_cores is None and none.prefill_host_cores is None
-    assert "no host sharing modelled" in none.notes
-
-
-def test_prefill_steps_that_did_not_stretch_get_a_figure_that_never_stretches_them() -> None:
-    # prefill at its price (1.0), decode at 10 / 7: test_simulator's case of 1 core for decode steps and
-    # none shared by prefill steps (its prompt at full speed, three of r1's steps stretched 2x, then
-    # four alone: 0.20 s for 0.14 s of work)
+def test_apply_host_load_fits_wait_to_wall_over_cpu_and_contention_to_cpu_over_priced() -> None:
+    # decode: 7 decode-only steps priced 7 x 20 ms = 0.14 s took 0.2 s of wall and of CPU: no wait for a
+    # core, CPU / priced 10 / 7, which the simulator gives with decode contention 2 (test_simulator's
+    # case); prefill: 2 steps of 200 tokens in all, priced 2 x 10 ms + 200 ms, at their price
     decode = StepClocks(7, 0.2, 0.2, decode_steps=7, decode_wall_s=0.2, decode_rows=8, decode_context=900)
     prefill = StepClocks(2, 0.22, 0.22, prefill_steps=2, prefill_wall_s=0.22, prefill_tokens=200)
-    host_cores, prefill_cores = fit_host_sharing(make_profile(), Cluster(1, 1), LOAD, LENGTHS,
-                                                 decode.decode_stretch(make_profile().decode),
-                                                 prefill.prefill_stretch(make_profile().prefill))
-    assert prefill_cores == HOST_CORES_RANGE[1]
-    assert host_cores == pytest.approx(1.0, rel=1e-6)
+    prof = apply_host_load(make_profile(), Cluster(1, 1), LOAD, LENGTHS, prefill, decode)
+    assert prof.host_cores is None and prof.prefill_host_cores is None
+    assert prof.decode_contention == pytest.approx(2.0, rel=1e-6)
+    assert prof.prefill_contention == 1.0
+    assert ("wall / priced 1.43x on decode (7 steps, 8 rows; wall / CPU 1.00x), 1.00x on prefill (2 steps, "
+            "200 tokens; wall / CPU 1.00x); wall / CPU pooled 1.00x: host_cores none, contention decode "
+            "2.00, prefill 1.00 (simulated: wall / CPU 1.00, CPU / priced decode 1.43, prefill 1.00; "
+            "stretch decode 1.43, prefill 1.00)") in prof.notes
+    # the same decode wall with half of it waiting for a core (CPU 0.1 s for 0.14 s priced): no contention
+    # (CPU under the price), and a wait fitted to the pooled wall / CPU (0.42 s over 0.32 s)
+    waiting = StepClocks(7, 0.2, 0.1, decode_steps=7, decode_wall_s=0.2, decode_rows=8, decode_context=900)
+    prof = apply_host_load(make_profile(), Cluster(1, 1), LOAD, LENGTHS, prefill, waiting)
+    assert prof.decode_contention == 1.0 and prof.host_cores is not None
+    sim = HostShare(prof.host_cores).simulate(make_profile(), Cluster(1, 1), LOAD, LENGTHS)
+    assert sim.wait_stretch == pytest.approx(0.42 / 0.32, rel=1e-6)
+    # priced with the engine's costs when given (the calibrated profile's decode base may carry the
+    # serving stack's step overhead): 7 x 30 ms = 0.21 s, under the wall: nothing modelled
+    engine = make_profile(decode=DecodeCost(0.03, 0.0, 0.0))
+    none = apply_host_load(make_profile(), Cluster(1, 1), LOAD, LENGTHS, prefill, decode, engine=engine)
+    assert none.host_cores is None and none.decode_contention == 1.0
+    assert "no host sharing modelled" in none.notes
 
 
 def test_stretch_is_wall_over_the_profile_price_of_the_counted_steps() -> None:

@@ -201,6 +201,56 @@ def test_workers_sharing_one_core_run_at_half_speed_while_both_are_busy() -> Non
     assert alone._result(0.0).prefill_stretch == pytest.approx(1.0, abs=EXACT)
 
 
+def test_contention_stretches_a_roles_steps_while_the_other_role_computes() -> None:
+    # no wait for a core; a decode step takes 2x its cost while the prefill worker computes: r2's prompt
+    # runs 0.12-0.23 at full speed (prefill contention 1), r1's first three steps take 0.04 (0.125, 0.165,
+    # 0.205; the third began while the prompt ran), then r2 joins at 0.245 and both decode alone: r1 ends
+    # at 0.265, r2 at 0.325. Decode: 0.20 s of wall and CPU for 0.14 s of work; nothing waits for a core.
+    specs = [RequestSpec(100, 5), RequestSpec(100, 5)]
+    sim = Simulation(make_profile(), Cluster(1, 1), specs, decode_contention=2.0)
+    sim.run()
+    r1, r2 = sim.reqs
+    assert (r1.first, r1.end) == (pytest.approx(0.125, abs=EXACT), pytest.approx(0.265, abs=EXACT))
+    assert (r2.first, r2.end) == (pytest.approx(0.245, abs=EXACT), pytest.approx(0.325, abs=EXACT))
+    res = sim._result(0.0)
+    assert res.decode_stretch == pytest.approx(0.20 / 0.14, abs=EXACT)
+    assert res.decode_cpu_stretch == pytest.approx(0.20 / 0.14, abs=EXACT)
+    assert (res.prefill_stretch, res.prefill_cpu_stretch, res.wait_stretch) == pytest.approx((1, 1, 1),
+                                                                                              abs=EXACT)
+
+    # both terms, one core: r1's steps take 0.02 x 2 (two busy workers on one core) x 2 (contention) =
+    # 0.08 (0.125 -> 0.205, 0.285, 0.365); r2's prompt, 0.105 s of work left at 0.125, runs at half speed
+    # and ends at 0.335, within r1's third step; r2 is pulled at 0.34 and joins at 0.365; r1's last step
+    # and r2's four run alone (r1 ends 0.385, r2 0.445). Decode: 0.32 s of wall, 0.20 s of CPU (0.06 s of
+    # work doubled, 0.08 alone), 0.14 s of work; prefill: 0.11 + 0.215 s of wall for 0.22 s of work and CPU.
+    both = Simulation(make_profile(), Cluster(1, 1), specs, host_cores=1, decode_contention=2.0)
+    both.run()
+    r1, r2 = both.reqs
+    assert (r1.end, r2.first, r2.end) == (pytest.approx(0.385, abs=EXACT), pytest.approx(0.365, abs=EXACT),
+                                          pytest.approx(0.445, abs=EXACT))
+    res = both._result(0.0)
+    assert res.decode_stretch == pytest.approx(0.32 / 0.14, abs=EXACT)
+    assert res.decode_cpu_stretch == pytest.approx(0.20 / 0.14, abs=EXACT)
+    assert res.prefill_stretch == pytest.approx(0.325 / 0.22, abs=EXACT)
+    assert res.prefill_cpu_stretch == pytest.approx(1.0, abs=EXACT)
+    assert res.wait_stretch == pytest.approx((0.325 + 0.32) / (0.22 + 0.20), abs=EXACT)
+
+
+def test_decode_steps_beside_decode_steps_are_not_contended() -> None:
+    # two decode workers, each with one request, while no prompt runs: contention is what a prompt's
+    # products do to a decode step, so neither stretches. r1's prompt 0.01-0.12, r2's 0.12-0.23 (both
+    # alone: the prefill worker is the only one busy until r1 decodes at 0.125, and prefill contention is
+    # 1); r2 reaches the other decode worker at 0.235, after the prompt: from then on its steps and r1's
+    # overlap with no prefill busy and run at their cost.
+    specs = [RequestSpec(100, 20), RequestSpec(100, 20)]
+    sim = Simulation(make_profile(), Cluster(1, 2), specs, decode_contention=3.0)
+    sim.run()
+    r1, r2 = sim.reqs
+    assert r1.decode is not r2.decode
+    assert r2.first == pytest.approx(0.235, abs=EXACT)
+    assert r2.end == pytest.approx(0.235 + 19 * 0.02, abs=EXACT)  # 19 steps, none contended
+
+
 def test_prefill_steps_stretch_by_their_own_host_cores() -> None:
     # as above, but prefill steps see 2 cores (never stretched with 2 busy workers), decode steps 1: r2's
     # prompt runs at full speed (0.12 -> 0.23); r1's steps take 0.04 while it does (0.125, 0.165, 0.205,

@@ -1,0 +1,98 @@
+"""The simulator against real runs (``scripts/validate_simulator.sh``): a bench run's requests as a
+simulator trace, and the table of simulated against measured figures.
+
+- ``trace RUN_DIR TRACE_CSV [--prefix-len N]``: ``RUN_DIR/requests.csv`` (``pdserve bench``'s record of
+  an open-loop run) as ``pdserve simulate --trace`` input: each request's send time, its measured prompt
+  and output tokens, and its prefix (``shared-prefix``'s ``prefix<k>`` labels share the first
+  ``--prefix-len`` tokens, as ``planner/workload.py`` models them; other labels share nothing). Failed
+  requests are kept: the server was sent them.
+- ``table OUT CONFIGS WORKLOADS``: the markdown table of every ``OUT/<P>p<D>d_<workload>[_open]`` run
+  against its ``.sim.json`` (own core each) and ``.sim_host.json`` (sharing the host).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import re
+from pathlib import Path
+
+SHARED_PREFIX_BASE = 2  # planner/workload.py's first shared-prefix id
+MODES = (("closed", ""), ("open", "_open"))
+
+
+def requests_to_trace(run_dir: Path, trace: Path, prefix_len: int = 0) -> int:
+    """Write ``run_dir/requests.csv`` as a simulator trace at ``trace``; the number of requests."""
+    with (run_dir / "requests.csv").open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    with trace.open("w", newline="") as f:
+        out = csv.writer(f)
+        out.writerow(["arrival_s", "input_tokens", "output_tokens", "prefix_id", "prefix_tokens"])
+        for row in rows:
+            match = re.fullmatch(r"prefix(\d+)", row["label"])
+            pid, ptok = (SHARED_PREFIX_BASE + int(match[1]), prefix_len) if match and prefix_len else (-1, "")
+            n_in = int(row["prompt_tokens"] or 0)
+            n_out = int(row["output_tokens"] or 0)
+            if n_in < 1:
+                raise ValueError(f"{run_dir}/requests.csv: a request without its prompt tokens: {row}")
+            out.writerow([row["start_s"], n_in, max(n_out, 1), pid, ptok])
+    return len(rows)
+
+
+def _err(sim: float, real: float) -> str:
+    return f"{(sim - real) / real:+.0%}" if real else "n/a"
+
+
+def table(out: Path, configs: list[str], workloads: list[str]) -> str:
+    lines = ["| P:D | workload | load | simulated as | TTFT p50 sim / real (ms) | err "
+             "| TTFT p90 sim / real (ms) | err | ITL p50 sim / real (ms) "
+             "| throughput sim / real (req/s) | err |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for c in configs:
+        p, d = c.split(":")
+        for w in workloads:
+            name = w.split(":")[0]
+            for mode, suffix in MODES:
+                base = out / f"{p}p{d}d_{name}{suffix}"
+                if not (base / "summary.json").exists():
+                    continue
+                real = json.loads((base / "summary.json").read_text())
+                r50, r90 = real["ttft"]["p50_ms"], real["ttft"]["p90_ms"]
+                ri50, rthr = real["itl"]["p50_ms"], real["request_throughput"]
+                for label, kind in (("own core each", "sim"), ("sharing the host (calibrated)", "sim_host")):
+                    path = Path(f"{base}.{kind}.json")
+                    if not path.exists():
+                        continue
+                    sim = json.loads(path.read_text())["result"]
+                    t50, t90 = sim["ttft"]["p50"] * 1000, sim["ttft"]["p90"] * 1000
+                    i50, thr = sim["itl"]["p50"] * 1000, sim["request_throughput"]
+                    lines.append(f"| {p}P:{d}D | {name} | {mode} | {label} | {t50:,.0f} / {r50:,.0f} | "
+                                 f"{_err(t50, r50)} | {t90:,.0f} / {r90:,.0f} | {_err(t90, r90)} | "
+                                 f"{i50:.0f} / {ri50:.0f} | {thr:.3f} / {rthr:.3f} | {_err(thr, rthr)} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.sim_validation", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("trace", help="a bench run's requests.csv as a simulator trace")
+    t.add_argument("run_dir", type=Path)
+    t.add_argument("trace", type=Path)
+    t.add_argument("--prefix-len", type=int, default=0, metavar="N",
+                   help="tokens a shared-prefix request shares with its prefix<k> group (default: 0, none)")
+    tb = sub.add_parser("table", help="the markdown table of simulated against measured")
+    tb.add_argument("out", type=Path)
+    tb.add_argument("configs", help='P:D list, e.g. "1:1 1:2"')
+    tb.add_argument("workloads", help='workload:params list, as scripts/validate_simulator.sh takes it')
+    args = parser.parse_args(argv)
+    if args.command == "trace":
+        requests_to_trace(args.run_dir, args.trace, args.prefix_len)
+    else:
+        print(table(args.out, args.configs.split(), args.workloads.split()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
