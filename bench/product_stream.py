@@ -1,0 +1,73 @@
+"""How fast the one-row native product streams a decode step's weights, against a plain ``sum``.
+
+Every product of the default model's shapes (per layer: fused QKV, output, fused gate/up, down; then
+the LM head), at one activation row, in a decode step's order, against a ``sum`` over the same bytes
+and one product over a single weight of the same size (best of ``--repeats``, no profiler). The gap
+between "one long product" and the ``sum`` is the kernel's; between the step's products and the one
+long product, the per-call cost.
+
+    python -m bench.product_stream [--threads 2] [--repeats 7] [--layers 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+
+from kernels.native_ops import native_ops
+
+HIDDEN, INTER, VOCAB, QKV = 576, 1536, 49152, 960  # SmolLM2-135M
+
+
+def best(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.product_stream", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--layers", type=int, default=30)
+    args = parser.parse_args(argv)
+    ops = native_ops()
+    if ops is None:
+        raise SystemExit("the native kernels are unavailable here (no C compiler, or "
+                         "PDSERVE_NATIVE_KERNELS=0)")
+    torch.set_num_threads(args.threads)
+    gen = torch.Generator().manual_seed(0)
+    shapes = [s for _ in range(args.layers)
+              for s in ((QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER))]
+    weights = [torch.randn(*s, generator=gen) for s in [*shapes, (VOCAB, HIDDEN)]]
+    total = sum(w.numel() * 4 for w in weights)
+    one = torch.randn(total // 4 // HIDDEN, HIDDEN, generator=gen)
+    flat = torch.randn(total // 4, generator=gen)
+    x, xi = torch.randn(1, HIDDEN, generator=gen), torch.randn(1, INTER, generator=gen)
+
+    def step() -> None:
+        for w in weights:
+            ops.linear(xi if w.shape[1] == INTER else x, w, None)
+
+    rows = [("sum", best(flat.sum, args.repeats), total),
+            (f"one {one.shape[0]} x {HIDDEN} product", best(lambda: ops.linear(x, one, None), args.repeats),
+             total),
+            ("LM head alone", best(lambda: ops.linear(x, weights[-1], None), args.repeats),
+             weights[-1].numel() * 4),
+            (f"{len(weights)} products", best(step, args.repeats), total)]
+    print(f"{total / 1e6:.0f} MB of weights, {args.threads} threads, best of {args.repeats}")
+    for name, seconds, nbytes in rows:
+        print(f"{name:>28}: {seconds * 1000:7.2f} ms  {nbytes / seconds / 1e9:5.1f} GB/s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
