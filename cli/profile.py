@@ -97,6 +97,9 @@ def run_profile_command(args: argparse.Namespace) -> int:
           f"+ {pf.per_attended_s * 1e9:.2f} ns/attended pair")
     print(f"decode step: {dc.base_s * 1000:.2f} ms + {dc.per_seq_s * 1000:.3f} ms/request "
           f"+ {dc.per_context_s * 1e6:.3f} us/context token")
+    if dc.by_batch:
+        table = ", ".join(f"{b}: {t * 1000:.1f}" for b, t in dc.by_batch)
+        print(f"decode step by batch size, without context (ms): {table}")
     print(f"KV transfer: {tr.base_s * 1000:.2f} ms + bytes at {tr.bytes_per_s / 1e9:.2f} GB/s")
     print(f"profile written to {args.output}")
     return 0

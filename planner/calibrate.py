@@ -101,8 +101,11 @@ class StepClocks:
         return self.wall_s / self.cpu_s if self.cpu_s > 0 else 1.0
 
     def decode_priced_s(self, cost: DecodeCost) -> float:
-        """What the profile prices the decode-only steps at (one worker alone)."""
-        return (cost.base_s * self.decode_steps + cost.per_seq_s * self.decode_rows
+        """What the profile prices the decode-only steps at (one worker alone): each at the steps' mean
+        batch (the clocks keep totals, not each step's batch; exact for a cost linear in the batch)."""
+        if not self.decode_steps:
+            return 0.0
+        return (cost.batch_s(self.decode_rows / self.decode_steps) * self.decode_steps
                 + cost.per_context_s * self.decode_context)
 
     def prefill_priced_s(self, cost: PrefillCost) -> float:

@@ -54,20 +54,34 @@ def fit_prefill(samples: Sequence[PrefillSample]) -> PrefillCost:
 
 
 def fit_decode(samples: Sequence[DecodeSample]) -> DecodeCost:
-    """Step time = base + per request x batch + per context token x tokens held. When every sample has
-    one batch size (an engine whose ``max_num_seqs`` is 1 runs no other), the per-request cost cannot
-    be told from the base: it is folded into the base and fitted as 0, exact for that batch size."""
-    if len({s.batch for s in samples}) == 1:
+    """Step time = the step at that batch size without context (``by_batch``, one figure per measured
+    batch size) + per context token x tokens held; ``base_s`` and ``per_seq_s`` are the straight line
+    through the batch sizes' figures. The per-token cost is fitted with the table when some batch size
+    was measured at two context sizes, else with the straight line. When every sample has one batch size
+    (an engine whose ``max_num_seqs`` is 1 runs no other) there is no table, and the per-request cost
+    cannot be told from the base: it is folded into the base and fitted as 0, exact for that batch
+    size."""
+    seconds = [s.seconds for s in samples]
+    batches = sorted({s.batch for s in samples})
+    if len(batches) == 1:
         if len({s.context_tokens for s in samples}) < 2:
             raise ValueError(f"need decode samples at 2 context sizes at least to fit, got {len(samples)}")
         rows = [[1.0, s.context_tokens] for s in samples]
-        base, per_context = _relative(rows, [s.seconds for s in samples])
+        base, per_context = _relative(rows, seconds)
         return DecodeCost(float(base), 0.0, float(per_context))
     if len(samples) < 3:
         raise ValueError(f"need at least 3 decode samples to fit, got {len(samples)}")
-    rows = [[1.0, s.batch, s.context_tokens] for s in samples]
-    base, per_seq, per_context = _relative(rows, [s.seconds for s in samples])
-    return DecodeCost(float(base), float(per_seq), float(per_context))
+    if any(len({s.context_tokens for s in samples if s.batch == b}) >= 2 for b in batches):
+        rows = [[float(s.batch == b) for b in batches] + [float(s.context_tokens)] for s in samples]
+        *table, per_context = _relative(rows, seconds)
+    else:
+        per_context = _relative([[1.0, s.batch, s.context_tokens] for s in samples], seconds)[2]
+        table = [max(0.0, float(np.mean([s.seconds - per_context * s.context_tokens
+                                         for s in samples if s.batch == b]))) for b in batches]
+    no_context = [t - per_context * s.context_tokens for t, s in zip(seconds, samples, strict=True)]
+    base, per_seq = _relative([[1.0, s.batch] for s in samples], [max(t, 1e-9) for t in no_context])
+    return DecodeCost(float(base), float(per_seq), float(per_context),
+                      tuple((b, float(t)) for b, t in zip(batches, table, strict=True)))
 
 
 def fit_transfer(samples: Sequence[TransferSample]) -> TransferCost:

@@ -9,7 +9,11 @@ the model it was measured with, three fitted cost models and the samples they we
   already in the KV cache (computed earlier or a prefix-cache hit) attends ``n * (k + (n + 1) / 2)``
   key positions. Cached tokens cost nothing but the attention they add.
 - decode step: ``base_s + per_seq_s * B + per_context_s * C`` seconds for ``B`` running requests
-  holding ``C`` tokens of context in all.
+  holding ``C`` tokens of context in all; with ``by_batch`` (the step at each measured batch size, no
+  context), ``by_batch(B) + per_context_s * C`` instead, interpolated linearly between the measured
+  sizes (and past the largest along its last segment): a step's cost is not linear in the batch (with
+  torch's default product a batch of 2 took twice a batch of 1, and batches 2 to 8 about the same).
+  ``base_s`` and ``per_seq_s`` stay the straight-line fit, for what needs a slope.
 - KV transfer: ``base_s + bytes / bytes_per_s`` seconds for one pull of ``bytes`` of KV.
 
 ``request_overhead_s`` is the fixed latency a request pays outside the engines before its first token
@@ -112,12 +116,31 @@ class DecodeCost:
     base_s: float
     per_seq_s: float
     per_context_s: float
+    by_batch: tuple[tuple[int, float], ...] = ()  # (batch, seconds of a step without context), ascending
 
     def __post_init__(self) -> None:
         _check_costs("decode", base_s=self.base_s, per_seq_s=self.per_seq_s, per_context_s=self.per_context_s)
+        batches = [b for b, _ in self.by_batch]
+        if len(batches) == 1 or batches != sorted(set(batches)) or (batches and batches[0] < 1):
+            raise ValueError(f"decode.by_batch must list 2 or more batch sizes >= 1 in ascending order, got "
+                             f"{batches}")
+        _check_costs("decode.by_batch", **{str(b): s for b, s in self.by_batch})
+
+    def batch_s(self, batch: float) -> float:
+        """The step's cost at ``batch`` requests without context."""
+        points = self.by_batch
+        if not points:
+            return self.base_s + self.per_seq_s * batch
+        if batch <= points[0][0]:
+            return points[0][1]
+        for (b0, t0), (b1, t1) in zip(points, points[1:], strict=False):
+            if batch <= b1:
+                return t0 + (t1 - t0) * (batch - b0) / (b1 - b0)
+        (b0, t0), (b1, t1) = points[-2], points[-1]
+        return t1 + max(0.0, (t1 - t0) / (b1 - b0)) * (batch - b1)
 
     def step_s(self, batch: int, context_tokens: int) -> float:
-        return self.base_s + self.per_seq_s * batch + self.per_context_s * context_tokens
+        return self.batch_s(batch) + self.per_context_s * context_tokens
 
 
 @dataclass(frozen=True)

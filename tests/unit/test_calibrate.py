@@ -95,6 +95,13 @@ def test_stretch_is_wall_over_the_profile_price_of_the_counted_steps() -> None:
     assert StepClocks(0, 0.0, 0.0).decode_stretch(dcost) == 1.0  # nothing stepped: no stretch
 
 
+def test_decode_steps_priced_at_their_mean_batch_on_a_table() -> None:
+    # 10 steps of 25 rows: mean batch 2.5, halfway between the table's 2 (80 ms) and 3 (100 ms)
+    c = StepClocks(10, 1.0, 1.0, decode_steps=10, decode_wall_s=1.0, decode_rows=25, decode_context=5000)
+    cost = DecodeCost(0.05, 0.004, 2e-6, ((1, 0.04), (2, 0.08), (3, 0.10)))
+    assert c.decode_priced_s(cost) == pytest.approx(10 * 0.09 + 5000 * 2e-6)
+
+
 def test_step_clocks_summed_per_role_between_two_reads() -> None:
     def w(worker_id: str, role: str, steps: int, wall: float, cpu: float, rows: int = 0) -> dict[str, object]:
         return {"worker_id": worker_id, "role": role, "step_count": steps, "step_wall_seconds": wall,

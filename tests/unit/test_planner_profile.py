@@ -14,6 +14,7 @@ from engine.config import EngineConfig
 from planner.calibrate import apply_calibration
 from planner.fit import fit_decode, fit_prefill, fit_transfer, nonnegative_lstsq
 from planner.profile import (
+    DecodeCost,
     DecodeSample,
     ModelInfo,
     PrefillSample,
@@ -28,7 +29,8 @@ from tests.unit.test_simulator import make_profile
 
 
 def test_profile_round_trips_and_names_what_is_wrong(tmp_path: Path) -> None:
-    prof = dataclasses.replace(make_profile(), prefill_samples=(PrefillSample(16, 0, 0.5),), notes="x")
+    prof = dataclasses.replace(make_profile(decode=DecodeCost(0.02, 0.001, 1e-6, ((1, 0.02), (4, 0.05)))),
+                               prefill_samples=(PrefillSample(16, 0, 0.5),), notes="x")
     path = tmp_path / "p.json"
     save_profile(prof, path)
     assert load_profile(path) == prof
@@ -64,6 +66,32 @@ def test_fits_recover_exact_linear_costs() -> None:
     assert (d.base_s, d.per_seq_s, d.per_context_s) == pytest.approx((0.02, 0.001, 2e-6), rel=1e-6)
     t = fit_transfer([TransferSample(b, 0.001 + b / 2e9) for b in (1 << 10, 1 << 20, 1 << 24)])
     assert (t.base_s, t.bytes_per_s) == pytest.approx((0.001, 2e9), rel=1e-6)
+
+
+def test_decode_fit_keeps_a_cost_per_batch_size_where_a_line_cannot_follow_it() -> None:
+    # torch's default product at these sizes: a batch of 2 costs twice a batch of 1, then it flattens
+    table = {1: 0.04, 2: 0.08, 4: 0.10, 8: 0.11}
+    dec = [DecodeSample(b, c, table[b] + 2e-6 * c)
+           for b, c in ((1, 100), (2, 300), (4, 400), (8, 200), (8, 3000))]
+    d = fit_decode(dec)
+    assert d.per_context_s == pytest.approx(2e-6, rel=1e-6)
+    assert [b for b, _ in d.by_batch] == [1, 2, 4, 8]
+    assert [t for _, t in d.by_batch] == pytest.approx(list(table.values()), rel=1e-6)
+    assert d.step_s(3, 1000) == pytest.approx(0.09 + 0.002, rel=1e-6)  # halfway between 2 and 4
+    assert d.step_s(16, 0) == pytest.approx(0.11 + 8 * 0.01 / 4, rel=1e-6)  # on along the last segment
+    assert d.step_s(1, 0) == pytest.approx(0.04, rel=1e-6)
+    line = DecodeCost(d.base_s, d.per_seq_s, d.per_context_s)  # the straight line misses batch 2 by 20%+
+    assert abs(line.step_s(2, 0) - 0.08) > 0.2 * 0.08
+    # no batch size at two context sizes: the per-token cost comes from the straight line, and the
+    # table still gives every measured step its time
+    samples = [DecodeSample(b, 100 * b, table[b] + 2e-6 * 100 * b) for b in table]
+    d2 = fit_decode(samples)
+    got = [d2.step_s(s.batch, s.context_tokens) for s in samples]
+    assert got == pytest.approx([s.seconds for s in samples])
+    with pytest.raises(ValueError, match="ascending"):
+        DecodeCost(0.01, 0.0, 0.0, ((2, 0.02), (1, 0.01)))
+    with pytest.raises(ValueError, match="2 or more"):
+        DecodeCost(0.01, 0.0, 0.0, ((1, 0.01),))
 
 
 def test_decode_fit_at_one_batch_size_folds_the_per_request_cost_into_the_base() -> None:
