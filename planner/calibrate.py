@@ -10,7 +10,8 @@ on a running server.
    - request overhead = median over requests of (TTFT - prefill of its prompt - the KV transfer): HTTP,
      tokenization, the router, the Ray calls and the token's way back;
    - decode step overhead = median gap between two tokens - the decode step of one request: the
-     worker's event loop and the stream back, per step. It is added to ``DecodeCost.base_s``.
+     worker's event loop and the stream back, per step. It is added to every decode step
+     (``DecodeCost.plus``).
 
    Both are clipped at zero. With one request in flight no two workers compute at once, so these are
    the serving stack's own costs, never the host's sharing.
@@ -379,7 +380,7 @@ def apply_calibration(profile: Profile, samples: list[tuple[float, list[float], 
     step = profile.decode.step_s(1, int(statistics.median(contexts)))
     step_overhead = max(0.0, statistics.median(gaps_all) - step if gaps_all else 0.0)
     overhead = max(0.0, statistics.median(overheads))
-    decode = dataclasses.replace(profile.decode, base_s=profile.decode.base_s + step_overhead)
+    decode = profile.decode.plus(step_overhead)
     note = (f"; calibrated on {where}: request overhead {overhead * 1000:.1f} ms, "
             f"decode step +{step_overhead * 1000:.1f} ms")
     return dataclasses.replace(profile, request_overhead_s=overhead, decode=decode,

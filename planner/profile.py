@@ -37,6 +37,7 @@ keep these names and meanings; a new field gets a default, a changed meaning a n
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
@@ -141,6 +142,11 @@ class DecodeCost:
 
     def step_s(self, batch: int, context_tokens: int) -> float:
         return self.batch_s(batch) + self.per_context_s * context_tokens
+
+    def plus(self, seconds: float) -> DecodeCost:
+        """This cost with ``seconds`` more on every step (the base and every batch size's figure)."""
+        return dataclasses.replace(self, base_s=self.base_s + seconds,
+                                   by_batch=tuple((b, t + seconds) for b, t in self.by_batch))
 
 
 @dataclass(frozen=True)

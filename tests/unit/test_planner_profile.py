@@ -209,6 +209,11 @@ def test_calibration_takes_the_median_overheads_beyond_the_engine() -> None:
     assert cal.decode.base_s == pytest.approx(0.023)
     assert cal.decode.per_seq_s == prof.decode.per_seq_s  # host sharing is host_cores', not a request's
     assert "request overhead 30.0 ms, decode step +3.0 ms" in cal.notes
+    tabled = dataclasses.replace(prof, decode=DecodeCost(0.02, 0.0, 0.0, ((1, 0.02), (4, 0.05))))
+    cal = apply_calibration(tabled, samples, 16, "a test")  # a table: every batch size's step +3 ms
+    assert [b for b, _ in cal.decode.by_batch] == [1, 4]
+    assert [t for _, t in cal.decode.by_batch] == pytest.approx([0.023, 0.053])
+    assert cal.decode.step_s(2, 0) == pytest.approx(0.033)
     faster = apply_calibration(prof, [(0.01, [0.01], 40)], 16, "x")  # never below the engine's own costs
     assert faster.request_overhead_s == 0.0 and faster.decode.base_s == prof.decode.base_s
 
