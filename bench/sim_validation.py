@@ -11,6 +11,9 @@ simulator trace, and the table of simulated against measured figures.
   both sides is completed requests over the time from the first send to the last answer (the
   simulator's definition; ``requests.csv`` gives it for the run: the bench's own summary counts to its
   deadline, which in an open loop that went idle before it is longer).
+- ``steps OUT PROFILE``: what the workers' steps did in each run (``/v1/workers`` after minus before):
+  per role, steps, the decode steps' mean batch, wall over the profile's price of the same steps, wall
+  over CPU (the wait for a core) and CPU over the price (contention).
 """
 
 from __future__ import annotations
@@ -53,6 +56,27 @@ def run_throughput(run_dir: Path) -> float:
     first = min(float(r["start_s"]) for r in rows)
     last = max(float(r["start_s"]) + float(r["e2e_s"]) for r in ok)
     return len(ok) / max(last - first, 1e-9)
+
+
+def steps_table(out: Path, profile: Path) -> str:
+    from planner.calibrate import role_clocks
+    from planner.profile import load_profile
+
+    prof = load_profile(profile)
+    lines = ["| run | decode: steps, mean batch, wall / priced, wall / CPU, CPU / priced "
+             "| prefill: steps, wall / priced, wall / CPU, CPU / priced |", "|---|---|---|"]
+    for before in sorted(out.glob("*.workers_before.json")):
+        after = before.with_name(before.name.replace("before", "after"))
+        if not after.exists():
+            continue
+        old, new = (json.loads(p.read_text())["workers"] for p in (before, after))
+        d, p = role_clocks(old, new, "decode"), role_clocks(old, new, "prefill")
+        ds, ps = d.decode_stretch(prof.decode), p.prefill_stretch(prof.prefill)
+        batch = d.decode_rows / max(d.decode_steps, 1)
+        lines.append(f"| {before.name.split('.')[0]} | {d.decode_steps:,}, {batch:.2f}, {ds:.2f}, "
+                     f"{d.cpu_stretch:.2f}, {ds / d.cpu_stretch:.2f} | {p.prefill_steps}, {ps:.2f}, "
+                     f"{p.cpu_stretch:.2f}, {ps / p.cpu_stretch:.2f} |")
+    return "\n".join(lines)
 
 
 def _err(sim: float, real: float) -> str:
@@ -101,9 +125,14 @@ def main(argv: list[str] | None = None) -> int:
     tb.add_argument("out", type=Path)
     tb.add_argument("configs", help='P:D list, e.g. "1:1 1:2"')
     tb.add_argument("workloads", help='workload:params list, as scripts/validate_simulator.sh takes it')
+    st = sub.add_parser("steps", help="what the workers' steps did in each run, priced with a profile")
+    st.add_argument("out", type=Path)
+    st.add_argument("profile", type=Path)
     args = parser.parse_args(argv)
     if args.command == "trace":
         requests_to_trace(args.run_dir, args.trace, args.prefix_len)
+    elif args.command == "steps":
+        print(steps_table(args.out, args.profile))
     else:
         print(table(args.out, args.configs.split(), args.workloads.split()))
     return 0

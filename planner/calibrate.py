@@ -191,7 +191,7 @@ def calibrate(profile: Profile, url: str, *, requests: int = 10, max_tokens: int
         before = _worker_stats(client, url)
         lengths = _host_load(client, url, model, load, timeout)
         after = _worker_stats(client, url)
-    clocks = {role: _clocks(before, after, role) for role in ("prefill", "decode")}
+    clocks = {role: role_clocks(before, after, role) for role in ("prefill", "decode")}
     cluster = Cluster(_count(after, "prefill"), _count(after, "decode"))
     return apply_host_load(calibrated, cluster, load, lengths, clocks["prefill"], clocks["decode"],
                            engine=profile)
@@ -211,7 +211,7 @@ def _count(stats: list[dict[str, object]], role: str) -> int:
     return n
 
 
-def _clocks(before: list[dict[str, object]], after: list[dict[str, object]], role: str) -> StepClocks:
+def role_clocks(before: list[dict[str, object]], after: list[dict[str, object]], role: str) -> StepClocks:
     """A role's step clocks between the two reads (a worker that restarted between them is left out)."""
     old = {w["worker_id"]: w for w in before}
     sums = dict.fromkeys((name for name, _ in CLOCK_FIELDS), 0.0)

@@ -11,9 +11,9 @@ from planner.calibrate import (
     HostLoad,
     HostShare,
     StepClocks,
-    _clocks,
     apply_host_load,
     fit_host_share,
+    role_clocks,
 )
 from planner.profile import DecodeCost, PrefillCost
 from planner.simulator import Cluster
@@ -115,8 +115,8 @@ def test_step_clocks_summed_per_role_between_two_reads() -> None:
     after = [w("p0", "prefill", 14, 3.0, 2.0), w("d0", "decode", 25, 4.5, 3.0, 49),
              w("d1", "decode", 2, 0.3, 0.2, 1),  # restarted between the reads: left out
              w("d2", "decode", 9, 1.0, 1.0, 3)]  # joined between them: left out
-    assert _clocks(before, after, "prefill") == StepClocks(4, 2.0, 1.0, decode_steps=4, decode_wall_s=2.0)
-    d = _clocks(before, after, "decode")
+    assert role_clocks(before, after, "prefill") == StepClocks(4, 2.0, 1.0, decode_steps=4, decode_wall_s=2.0)
+    d = role_clocks(before, after, "decode")
     assert d == StepClocks(20, 4.0, 2.5, decode_steps=20, decode_wall_s=4.0, decode_rows=40,
                            decode_context=4000)
     assert d.cpu_stretch == pytest.approx(1.6) and isinstance(d.decode_rows, int)
