@@ -32,9 +32,11 @@ on a running server.
    server's P:D, the requests' measured lengths) and bisects for the figures at which the simulation
    gives the measured ratios. A ratio under ``MIN_STRETCH`` models nothing (no ``host_cores``, or a
    contention of 1). The steps are priced with the engine's costs as given, before part 1 adds the step
-   overhead. Measured in runs on two cores (docs/benchmarks.md): a decode step beside a prompt takes
-   1.3-1.5x its CPU, a prompt beside decode steps about 1.0x, and a decode step beside another decode
-   worker's no more than beside a prompt alone, hence contention by role and not by busy workers.
+   overhead. The decode steps are priced at their mean batch (the clocks keep totals): exact for a cost
+   linear in the batch, and above the truth for a mix of batch sizes where the cost bends (with
+   ``plain`` products, batch 3 measured dearer than 4), so a contention fitted from it errs low.
+   Measured on two cores (docs/benchmarks.md, simulator runs 7 and 8): nearly all of the sharing is
+   the wait for a core; contention fits at 1.0-1.1.
 
 The calibration's loads are its own; never the load the simulator is later checked against.
 """

@@ -25,7 +25,7 @@ has the model), two terms:
   ``host_cores`` while that is above 1 (the wait for a core). None: no wait, each worker has its own
   device. ``prefill_host_cores``: a figure of its own for prefill steps (None: ``host_cores``).
 - ``decode_contention`` and ``prefill_contention`` (at least 1): how much more CPU time a step of that
-  role needs while another worker computes (shared caches and memory bandwidth).
+  role needs while a worker of the other role computes (shared caches and memory bandwidth).
 
 The calibration fits them so that simulating its own load on the server reproduces what the workers'
 step clocks measured under it: wall over CPU time for the wait, and CPU time over what these costs

@@ -21,10 +21,9 @@ Workers sharing a host (CPU workers on one machine, as in the validation here), 
 
 - the wait for a core (``host_cores``): a step's wall time stretches by busy workers / cores when that is
   above 1 (``prefill_host_cores``, default ``host_cores``, for prefill steps);
-- contention (``decode_contention``, ``prefill_contention``, default 1): while another worker computes
-  at the same time, a step of that role needs that factor more CPU time (shared caches and memory
-  bandwidth: a decode step, which streams the weights for a few rows, slows beside a prompt's large
-  products much more than they slow beside it).
+- contention (``decode_contention``, ``prefill_contention``, default 1): while a worker of the other
+  role computes, a step of this role needs that factor more CPU time (shared caches and memory
+  bandwidth).
 
 A step's time is its cost times both. A running prefill step is re-timed whenever another worker
 starts or stops, a decode segment ends with its running step and the next steps run at the new speed.
