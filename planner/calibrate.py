@@ -57,7 +57,7 @@ from planner.profile import DecodeCost, PrefillCost, Profile
 from planner.results import SimResult
 from planner.simulator import Cluster, RequestSpec, simulate
 
-MIN_STRETCH = 1.05  # a measured decode stretch below this models no host sharing
+MIN_STRETCH = 1.05  # a measured ratio (wall / CPU, CPU / priced) below this models nothing
 CALIBRATION_SEED = 19_041  # the host load's prompts: never the seed of a load it is checked against
 TOKEN_RANGE = (1000, 8000)  # the host load's prompt token ids (plain words in the default vocabulary)
 HOST_CORES_RANGE = (0.05, 64.0)  # where fit_host_share searches host_cores

@@ -290,8 +290,8 @@ class Simulation:
 
     def _share(self, prefill: bool = False) -> tuple[float, float]:
         """(wait, contention) of a decode step running now (``prefill``: of a prefill step): busy workers /
-        cores (at least 1; 1 without ``host_cores``), and the role's contention while another worker is
-        busy (the running step's worker is counted in ``busy``)."""
+        cores (at least 1; 1 without ``host_cores``; the running step's worker is counted in ``busy``),
+        and the role's contention while a worker of the other role is busy (else 1)."""
         cores = self.prefill_host_cores if prefill else self.host_cores
         wait = 1.0 if self.host_cores is None or cores is None else max(1.0, self.busy / cores)
         contention = self.prefill_contention if prefill else self.decode_contention
