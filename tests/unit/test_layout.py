@@ -73,6 +73,8 @@ IN_PROCESS_BENCHMARKS: dict[str, tuple[str, ...]] = {
     "bench.kv_quant": ("engine", "kernels"),
     "bench.gemm_floor": ("engine",),
     "bench.linear_kernels": ("engine", "kernels"),
+    "bench.product_stream": ("kernels",),
+    "bench.sim_validation": ("planner",),  # a run's step clocks priced with a profile, after the run
     "bench.step_ops": ("engine", "kernels"),
     "bench.step_profile": ("engine", "kernels", "bench.step_ops"),
     "bench.export_hf": ("engine",),
