@@ -13,7 +13,7 @@ from planner.profile import (
     Profile,
     TransferCost,
 )
-from planner.results import Percentiles, weighted_percentile
+from planner.results import Percentiles, SimResult, weighted_percentile
 from planner.sim_workers import DecodeSim, PrefixLru
 from planner.simulator import Cluster, RequestSpec, Simulation, simulate
 
@@ -201,22 +201,33 @@ def test_workers_sharing_one_core_run_at_half_speed_while_both_are_busy() -> Non
     assert alone._result(0.0).prefill_stretch == pytest.approx(1.0, abs=EXACT)
 
 
-def test_contention_stretches_a_roles_steps_while_the_other_role_computes() -> None:
-    # no wait for a core; a decode step takes 2x its cost while the prefill worker computes: r2's prompt
-    # runs 0.12-0.23 at full speed (prefill contention 1), r1's first three steps take 0.04 (0.125, 0.165,
-    # 0.205; the third began while the prompt ran), then r2 joins at 0.245 and both decode alone: r1 ends
-    # at 0.265, r2 at 0.325. Decode: 0.20 s of wall and CPU for 0.14 s of work; nothing waits for a core.
-    specs = [RequestSpec(100, 5), RequestSpec(100, 5)]
-    sim = Simulation(make_profile(), Cluster(1, 1), specs, decode_contention=2.0)
+def _decode_stretched_beside_the_second_prompt(host_cores: float | None = None,
+                                               prefill_host_cores: float | None = None,
+                                               decode_contention: float = 1.0) -> SimResult:
+    """Two (100, 5) requests where r1's decode steps take 0.04 (twice their cost) while r2's prompt runs
+    at full speed (0.12-0.23): r1's first three steps (0.125, 0.165, 0.205; the third began while the
+    prompt ran), then r2 joins at 0.245 and both decode alone, r1 to 0.265 and r2 to 0.325. Decode:
+    0.20 s of wall for 0.14 s of work; prefill unstretched. Checks that, and returns the result."""
+    sim = Simulation(make_profile(), Cluster(1, 1), [RequestSpec(100, 5), RequestSpec(100, 5)],
+                     host_cores=host_cores, prefill_host_cores=prefill_host_cores,
+                     decode_contention=decode_contention)
     sim.run()
     r1, r2 = sim.reqs
     assert (r1.first, r1.end) == (pytest.approx(0.125, abs=EXACT), pytest.approx(0.265, abs=EXACT))
     assert (r2.first, r2.end) == (pytest.approx(0.245, abs=EXACT), pytest.approx(0.325, abs=EXACT))
     res = sim._result(0.0)
     assert res.decode_stretch == pytest.approx(0.20 / 0.14, abs=EXACT)
+    assert res.prefill_stretch == pytest.approx(1.0, abs=EXACT)
+    return res
+
+
+def test_contention_stretches_a_roles_steps_while_the_other_role_computes() -> None:
+    # no wait for a core; a decode step takes 2x its cost while the prefill worker computes: all of the
+    # decode stretch is CPU, nothing waits for a core
+    res = _decode_stretched_beside_the_second_prompt(decode_contention=2.0)
     assert res.decode_cpu_stretch == pytest.approx(0.20 / 0.14, abs=EXACT)
-    assert (res.prefill_stretch, res.prefill_cpu_stretch, res.wait_stretch) == pytest.approx((1, 1, 1),
-                                                                                              abs=EXACT)
+    assert (res.prefill_cpu_stretch, res.wait_stretch) == pytest.approx((1, 1), abs=EXACT)
+    specs = [RequestSpec(100, 5), RequestSpec(100, 5)]
 
     # both terms, one core: r1's steps take 0.02 x 2 (two busy workers on one core) x 2 (contention) =
     # 0.08 (0.125 -> 0.205, 0.285, 0.365); r2's prompt, 0.105 s of work left at 0.125, runs at half speed
@@ -252,21 +263,11 @@ def test_decode_steps_beside_decode_steps_are_not_contended() -> None:
 
 
 def test_prefill_steps_stretch_by_their_own_host_cores() -> None:
-    # as above, but prefill steps see 2 cores (never stretched with 2 busy workers), decode steps 1: r2's
-    # prompt runs at full speed (0.12 -> 0.23); r1's steps take 0.04 while it does (0.125, 0.165, 0.205,
-    # the third ending at 0.245 though the prompt ended within it); r2's KV is pulled at 0.235 and joins
-    # at 0.245 (its first token), then both decode alone at 0.02 a step: r1's last step ends at 0.265,
-    # r2's four at 0.325
+    # prefill steps see 2 cores (never stretched with 2 busy workers), decode steps 1: two busy workers
+    # on one core stretch r1's steps 2x while r2's prompt runs at full speed, all of it waiting for a core
+    res = _decode_stretched_beside_the_second_prompt(host_cores=1, prefill_host_cores=2)
+    assert res.decode_cpu_stretch == pytest.approx(1.0, abs=EXACT)
     specs = [RequestSpec(100, 5), RequestSpec(100, 5)]
-    sim = Simulation(make_profile(), Cluster(1, 1), specs, host_cores=1, prefill_host_cores=2)
-    sim.run()
-    r1, r2 = sim.reqs
-    assert (r1.first, r1.end) == (pytest.approx(0.125, abs=EXACT), pytest.approx(0.265, abs=EXACT))
-    assert (r2.first, r2.end) == (pytest.approx(0.245, abs=EXACT), pytest.approx(0.325, abs=EXACT))
-    res = sim._result(0.0)
-    # decode: 0.12 s of three stretched steps and 0.08 s of four alone, for 0.14 s of work
-    assert res.decode_stretch == pytest.approx(0.20 / 0.14, abs=EXACT)
-    assert res.prefill_stretch == pytest.approx(1.0, abs=EXACT)
     # without its own figure prefill steps take host_cores' (the test above)
     same = Simulation(make_profile(), Cluster(1, 1), specs, host_cores=1, prefill_host_cores=None)
     same.run()
