@@ -24,7 +24,8 @@ import json
 import re
 from pathlib import Path
 
-SHARED_PREFIX_BASE = 2  # planner/workload.py's first shared-prefix id
+from planner.workload import SHARED_PREFIX_BASE  # the simulator's id of shared-prefix's first prefix
+
 MODES = (("closed", ""), ("open", "_open"))
 
 
