@@ -5,8 +5,10 @@ context each, and one ``--prefill``-token prompt chunk) and each configuration
 (``--configs``: ``plain`` is torch's default ``F.linear``; ``prepacked`` is
 ``kernels.linear.PreparedLinear`` with MKL's packed product at one row; both run
 the decoder's small ops as torch ops; ``fused`` is ``prepacked`` with the native
-fused small ops (``kernels/native_ops.py``); ``native`` is ``fused`` with the
-native one-row product (linear kernel ``native``); ``compiled`` adds the
+fused small ops (``kernels/native_ops.py``); ``layered`` is ``fused`` with the
+native product of 1 to 64 rows (linear kernel ``native``), a few native calls per layer; ``native`` (the
+engine's default) runs such steps' layers in one native call (``kernels/native_decoder.py``) and is
+``layered`` above 64 rows; ``compiled`` adds the
 torch.compile'd decoder layers), the configurations run interleaved on one engine (the
 weights are re-prepared between them), and each phase keeps its best time of
 ``--repeats`` steps:
@@ -84,7 +86,7 @@ def gemm_floor(engine: LLMEngine, rows: int, head_rows: int, repeats: int) -> fl
 
 
 CONFIG_KERNELS: dict[str, LinearKernel] = {"plain": "plain", "prepacked": "prepacked", "fused": "prepacked",
-                                           "native": "native", "compiled": "prepacked"}
+                                           "layered": "native", "native": "native", "compiled": "prepacked"}
 
 
 def set_config(engine: LLMEngine, config: str) -> None:
@@ -94,7 +96,8 @@ def set_config(engine: LLMEngine, config: str) -> None:
     model = engine.runner.model
     if model.linear_kernel != CONFIG_KERNELS[config]:
         model.prepare_linears(CONFIG_KERNELS[config])
-    model.use_native_ops = config in ("fused", "native")
+    model.use_native_ops = config in ("fused", "layered", "native")
+    model.use_native_decoder = config == "native"
     engine.runner.set_compiled(config == "compiled")
 
 

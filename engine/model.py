@@ -19,7 +19,10 @@ Fused small ops: on float32 CPU, with the native kernels built (``kernels/native
 runs ``DecoderLayer.forward_fused``: each residual add is done in place together with the norm after it
 (the last layer's with the final norm), rope rotates q and k in place in the QKV product's output, and
 SiLU*up is one call. Same values as the torch path up to the norm's and SiLU's rounding;
-``use_native_ops`` (or ``PDSERVE_NATIVE_KERNELS=0``) turns it off.
+``use_native_ops`` (or ``PDSERVE_NATIVE_KERNELS=0``) turns it off. Steps of up to ``NATIVE_MAX_ROWS``
+tokens whose products all take the native kernel go further: every layer and the final norm in one
+native call (``kernels/native_decoder.py``), bitwise the values of the per-layer fused path;
+``use_native_decoder`` turns that off alone.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from engine.tp_group import TpGroup
 from kernels.activation import silu_mul
 from kernels.attention import AttentionBackend, AttentionMetadata
 from kernels.linear import LinearKernel, PreparedLinear
+from kernels.native_decoder import DecoderLayerWeights, DecoderShape, NativeDecoder
 from kernels.native_ops import NativeOps, native_ops
 from kernels.norm import rms_norm
 from kernels.rope import RotaryEmbedding, apply_rotary
@@ -194,6 +198,8 @@ class CausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, device)
         self.lm_head_linear = PreparedLinear(self.lm_head, None, "plain")
         self.use_native_ops = True
+        self.use_native_decoder = True
+        self.native_decoder: NativeDecoder | None = None
 
     def prepare_linears(self, kernel: LinearKernel | None = None) -> None:
         """Pack every matrix for ``kernel`` (default: ``linear_kernel``) from the current weights."""
@@ -203,6 +209,24 @@ class CausalLM(nn.Module):
             assert isinstance(layer, DecoderLayer)
             layer.prepare_linears(self.linear_kernel)
         self.lm_head_linear = PreparedLinear(self.lm_head, None, self.linear_kernel)
+        self.native_decoder = self._build_native_decoder()
+
+    def _build_native_decoder(self) -> NativeDecoder | None:
+        """The one-call decoder over the current weights, when every product is the native one."""
+        layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
+        linears = [lin for layer in layers
+                   for lin in (layer.qkv_linear, layer.o_linear, layer.gate_up_linear, layer.down_linear)]
+        if (self.group is not None or native_ops() is None or self.dtype != torch.float32
+                or any(lin.kernel != "native" for lin in linears)):
+            return None
+        c = self.config
+        shape = DecoderShape(c.hidden_size, self.shard.num_heads, self.shard.num_kv_heads, c.head_dim,
+                             self.shard.intermediate_size, c.rms_norm_eps)
+        weights = [DecoderLayerWeights(layer.input_norm.data, layer.qkv.data,
+                                       None if layer.qkv_bias is None else layer.qkv_bias.data,
+                                       layer.o_proj.data, layer.post_norm.data, layer.gate_up.data,
+                                       layer.down_proj.data) for layer in layers]
+        return NativeDecoder(weights, self.norm.data, shape)
 
     def _hf_targets(self) -> dict[str, torch.Tensor]:
         start, stop = self.shard.vocab_range
@@ -269,6 +293,9 @@ class CausalLM(nn.Module):
         hidden = self._embed(input_ids)
         cos, sin = self.rotary.cos_sin(positions, self.dtype)
         ops = native_ops() if self.use_native_ops else None
+        decoder = self.native_decoder if self.use_native_decoder and ops is not None else None
+        if decoder is not None and decoder.handles(hidden, kv_cache, backend, kv_scales):
+            return decoder.run(hidden, cos, sin, kv_cache, backend)
         if ops is not None and ops.usable(hidden, cos):
             delta: torch.Tensor | None = None
             for i, layer in enumerate(self.layers):

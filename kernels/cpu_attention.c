@@ -21,7 +21,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#include "cpu_simd.h"
+#include "cpu_internal.h"
 
 #define MAX_ROWS 32
 #define MAX_HEAD_DIM 256
@@ -30,24 +30,6 @@
 
 typedef uint16_t u16x8 __attribute__((vector_size(16), aligned(2), may_alias));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
-
-enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
-
-typedef struct {
-    const void *q;
-    const void *kv;
-    void *out;
-    const int32_t *query_start_loc;
-    const int32_t *seq_lens;
-    const int32_t *block_tables;
-    int64_t q_token_stride;
-    int32_t table_width, num_heads, kv_heads, head_dim, block_size, dtype;
-    float scale;
-} Args;
-
-typedef struct {
-    int32_t seq, row_begin, row_end; /* rows are (token, query head) pairs, token-major */
-} Item;
 
 typedef struct {
     const Args *args;
@@ -246,9 +228,7 @@ static void attend_bf16_64(const Args *a, const Item *it) { attend_item(a, it, 6
 static void attend_bf16_128(const Args *a, const Item *it) { attend_item(a, it, 128, 1); }
 static void attend_bf16_any(const Args *a, const Item *it) { attend_item(a, it, a->head_dim, 1); }
 
-typedef void (*attend_fn)(const Args *, const Item *);
-
-static attend_fn pick(const Args *a) {
+attend_fn pdserve_attend_pick(const Args *a) {
     const int bf16 = a->dtype == DTYPE_BF16;
     if (a->head_dim == 64) return bf16 ? attend_bf16_64 : attend_f32_64;
     if (a->head_dim == 128) return bf16 ? attend_bf16_128 : attend_f32_128;
@@ -257,13 +237,28 @@ static attend_fn pick(const Args *a) {
 
 static void *worker(void *arg) {
     Work *w = (Work *)arg;
-    const attend_fn fn = pick(w->args);
+    const attend_fn fn = pdserve_attend_pick(w->args);
     for (;;) {
         const int32_t i = __atomic_fetch_add(&w->next, 1, __ATOMIC_RELAXED);
         if (i >= w->num_items) break;
         fn(w->args, &w->items[i]);
     }
     return NULL;
+}
+
+int64_t pdserve_plan_items(const int32_t *query_start_loc, int32_t num_seqs, int32_t num_heads, int32_t per_item,
+                           Item *items) {
+    if (per_item <= 0 || per_item > MAX_ROWS) {
+        per_item = num_heads <= MAX_ROWS ? (MAX_ROWS / num_heads) * num_heads : MAX_ROWS;
+    }
+    int64_t k = 0;
+    for (int s = 0; s < num_seqs; s++) {
+        const int rows = (query_start_loc[s + 1] - query_start_loc[s]) * num_heads;
+        for (int r0 = 0; r0 < rows; r0 += per_item, k++) {
+            if (items) items[k] = (Item){s, r0, r0 + per_item < rows ? r0 + per_item : rows};
+        }
+    }
+    return k;
 }
 
 /* Returns 0 on success, a negative code for arguments the kernel does not support. */
@@ -278,22 +273,11 @@ int pdserve_paged_attention(const void *q, int64_t q_token_stride, const void *k
     if (dtype != DTYPE_F32 && dtype != DTYPE_BF16) return -4;
     const Args args = {q, kv, out, query_start_loc, seq_lens, block_tables, q_token_stride,
                        table_width, num_heads, kv_heads, head_dim, block_size, dtype, scale};
-    const int per_item = num_heads <= MAX_ROWS ? (MAX_ROWS / num_heads) * num_heads : MAX_ROWS;
-    int64_t num_items = 0;
-    for (int s = 0; s < num_seqs; s++) {
-        const int rows = (query_start_loc[s + 1] - query_start_loc[s]) * num_heads;
-        num_items += (rows + per_item - 1) / per_item;
-    }
+    const int64_t num_items = pdserve_plan_items(query_start_loc, num_seqs, num_heads, 0, NULL);
     if (num_items == 0) return 0;
     Item *items = (Item *)malloc((size_t)num_items * sizeof(Item));
     if (!items) return -5;
-    int64_t k = 0;
-    for (int s = 0; s < num_seqs; s++) {
-        const int rows = (query_start_loc[s + 1] - query_start_loc[s]) * num_heads;
-        for (int r0 = 0; r0 < rows; r0 += per_item) {
-            items[k++] = (Item){s, r0, r0 + per_item < rows ? r0 + per_item : rows};
-        }
-    }
+    pdserve_plan_items(query_start_loc, num_seqs, num_heads, 0, items);
 
     Work work = {&args, items, (int32_t)num_items, 0};
     int threads = num_threads < 1 ? 1 : num_threads;

@@ -1,7 +1,8 @@
 """The native CPU attention backend: ``cpu_attention.c`` built on first use and called through ctypes.
 
 The same library holds ``cpu_ops.c`` (the per-layer small ops and the few-row product;
-``kernels/native_ops.py`` wraps them). Both run their threads through OpenMP
+``kernels/native_ops.py`` wraps them) and ``cpu_decoder.c`` (every layer of a few-row step in one call;
+``kernels/native_decoder.py``). All run their threads through OpenMP
 (``-fopenmp``): the library's ``libgomp.so.1`` resolves to the copy torch already
 loaded, so the kernels share torch's thread team instead of starting threads that
 compete with its spinning ones for the same cores.
@@ -41,8 +42,9 @@ from kernels.torch_ref import TorchAttentionBackend
 
 logger = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).with_name("cpu_attention.c"), Path(__file__).with_name("cpu_ops.c"))
-HEADERS = (Path(__file__).with_name("cpu_simd.h"),)  # included by the sources: part of the build's hash
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_attention.c", "cpu_ops.c", "cpu_decoder.c"))
+# included by the sources: part of the build's hash
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_simd.h", "cpu_internal.h"))
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-shared", "-fPIC", "-fopenmp")
 SUPPORTED_MACHINES = ("x86_64", "aarch64")
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
@@ -138,6 +140,16 @@ def bind_ops(lib: ctypes.CDLL) -> None:
         fn = getattr(lib, name)
         fn.restype = None
         fn.argtypes = argtypes
+    decoder = lib.pdserve_decoder_f32
+    decoder.restype = i32
+    decoder.argtypes = [
+        ptr, i32, ptr, i64,  # layer weight pointers, num_layers, kv cache, floats between layers
+        ptr, ptr, ptr, ptr, ptr,  # hidden, out, workspace, cos, sin
+        ptr, ptr, ptr, ptr,  # write rows, query_start_loc, seq_lens, block tables
+        i32, i32, i64,  # sequences, table width, tokens
+        i32, i32, i32, i32, i32, i32,  # hidden, heads, kv heads, head_dim, intermediate, block size
+        f32, f32, ptr, i32,  # scale, eps, final norm, threads
+    ]
 
 
 def native_available() -> bool:
@@ -147,6 +159,9 @@ def native_available() -> bool:
     if not sys.platform.startswith("linux") or platform.machine() not in SUPPORTED_MACHINES:
         return False
     return load_library() is not None
+
+
+PagedArrays = tuple[AttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class NativeCpuAttentionBackend:
@@ -171,6 +186,14 @@ class NativeCpuAttentionBackend:
         self._block_tables = torch.empty(0, dtype=torch.int32)
         self._fallback = TorchAttentionBackend()
         self._fallback_meta: AttentionMetadata | None = None
+
+    def paged_arrays(self) -> PagedArrays | None:
+        """The prepared step as the kernels read it: ``(meta, write_rows, query_start_loc, seq_lens,
+        block_tables)`` (int64 rows of the layer's ``[-1, kv_heads, head_dim]`` view where K goes, V
+        ``block_size`` rows after; the rest int32), or None before ``prepare``."""
+        if self._meta is None:
+            return None
+        return self._meta, self._write_rows, self._query_start_loc, self._seq_lens, self._block_tables
 
     def prepare(self, meta: AttentionMetadata) -> None:
         bs = meta.block_size

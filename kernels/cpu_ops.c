@@ -15,7 +15,7 @@
 #include <omp.h>
 #include <stdint.h>
 
-#include "cpu_simd.h"
+#include "cpu_internal.h"
 
 
 #define NO_CONTRACT __attribute__((optimize("fp-contract=off")))
@@ -118,8 +118,8 @@ static void gemv_features(const float *w, const float *x, const float *bias, flo
 }
 
 /* Output features r0..r1 of every row: weight blocks of 4 (then single rows at the end of n). */
-static void gemm_features(const float *w, const float *x, const float *bias, float *y, int64_t m, int64_t n,
-                          int64_t k, int64_t r0, int64_t r1) {
+void pdserve_gemm_features(const float *w, const float *x, const float *bias, float *y, int64_t m, int64_t n,
+                           int64_t k, int64_t r0, int64_t r1) {
     if (m == 1) {
         gemv_features(w, x, bias, y, k, r0, r1);
         return;
@@ -158,7 +158,7 @@ void pdserve_gemm_f32(const float *w, const float *x, const float *bias, float *
     int threads = num_threads < 1 ? 1 : num_threads;
     if (n / per_thread_min < threads) threads = (int)(n / per_thread_min) > 0 ? (int)(n / per_thread_min) : 1;
     if (threads == 1 || m < 1) {
-        if (m >= 1) gemm_features(w, x, bias, y, m, n, k, 0, n);
+        if (m >= 1) pdserve_gemm_features(w, x, bias, y, m, n, k, 0, n);
         return;
     }
 #pragma omp parallel num_threads(threads)
@@ -166,13 +166,14 @@ void pdserve_gemm_f32(const float *w, const float *x, const float *bias, float *
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         const int64_t chunks = (n + 3) / 4;
         const int64_t c0 = chunks * t / nt, c1 = chunks * (t + 1) / nt;
-        gemm_features(w, x, bias, y, m, n, k, c0 * 4, c1 * 4 < n ? c1 * 4 : n);
+        pdserve_gemm_features(w, x, bias, y, m, n, k, c0 * 4, c1 * 4 < n ? c1 * 4 : n);
     }
 }
 
 /* hidden += delta (when delta is given), then out = rms_norm(hidden) * weight, row by row.
  * As torch: the mean of squares in float32, x * rsqrt(mean + eps), then * weight. */
-NO_CONTRACT static void add_rms_norm_row(float *h, const float *d, const float *wt, float *o, int64_t dim, float eps) {
+NO_CONTRACT void pdserve_add_rms_norm_row(float *h, const float *d, const float *wt, float *o, int64_t dim,
+                                      float eps) {
     const int64_t dv = dim & ~(int64_t)7;
     v8 acc = {0};
     int64_t i = 0;
@@ -199,7 +200,7 @@ void pdserve_add_rms_norm_f32(float *hidden, const float *delta, const float *we
                               int64_t dim, float eps, int32_t num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (rows >= 64 && num_threads > 1) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
-        add_rms_norm_row(hidden + r * dim, delta ? delta + r * dim : 0, weight, out + r * dim, dim, eps);
+        pdserve_add_rms_norm_row(hidden + r * dim, delta ? delta + r * dim : 0, weight, out + r * dim, dim, eps);
     }
 }
 
@@ -207,7 +208,7 @@ void pdserve_add_rms_norm_f32(float *hidden, const float *delta, const float *we
  * contiguous): x[i] <- x[i] * cos[i] - x[i + half] * sin[i], x[i + half] <- x[i + half] * cos[i + half]
  * + x[i] * sin[i + half]; cos/sin rows of `head_dim` per token. Bitwise torch's
  * (x * cos) + (rotate_half(x) * sin). */
-NO_CONTRACT static void rope_token(float *x, const float *c, const float *s, int32_t heads, int32_t head_dim) {
+NO_CONTRACT void pdserve_rope_token(float *x, const float *c, const float *s, int32_t heads, int32_t head_dim) {
     const int half = head_dim / 2;
     for (int h = 0; h < heads; h++) {
         float *p = x + (int64_t)h * head_dim;
@@ -229,21 +230,25 @@ void pdserve_rope_f32(float *x, int64_t token_stride, const float *cos_t, const 
                       int32_t heads, int32_t head_dim, int32_t num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (tokens >= 64 && num_threads > 1) schedule(static)
     for (int64_t t = 0; t < tokens; t++) {
-        rope_token(x + t * token_stride, cos_t + t * head_dim, sin_t + t * head_dim, heads, head_dim);
+        pdserve_rope_token(x + t * token_stride, cos_t + t * head_dim, sin_t + t * head_dim, heads, head_dim);
     }
 }
 
-/* out[r, i] = silu(gate_up[r, i]) * gate_up[r, inter + i], silu(g) = g / (1 + exp(-g)) */
+/* o[i] = silu(g[i]) * u[i] for i0 <= i < i1, silu(g) = g / (1 + exp(-g)) */
+void pdserve_silu_mul_range(const float *g, const float *u, float *o, int64_t i0, int64_t i1) {
+    int64_t i = i0;
+    for (; i + 8 <= i1; i += 8) {
+        const v8 gv = ld(g + i);
+        st(o + i, gv / (1.0f + exp8(-gv)) * ld(u + i));
+    }
+    for (; i < i1; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+
+/* out[r, i] = silu(gate_up[r, i]) * gate_up[r, inter + i] */
 void pdserve_silu_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t inter, int32_t num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (rows >= 16 && num_threads > 1) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
-        const float *g = gate_up + r * 2 * inter, *u = g + inter;
-        float *o = out + r * inter;
-        int64_t i = 0;
-        for (; i + 8 <= inter; i += 8) {
-            const v8 gv = ld(g + i);
-            st(o + i, gv / (1.0f + exp8(-gv)) * ld(u + i));
-        }
-        for (; i < inter; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        const float *g = gate_up + r * 2 * inter;
+        pdserve_silu_mul_range(g, g + inter, out + r * inter, 0, inter);
     }
 }

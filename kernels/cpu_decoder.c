@@ -1,0 +1,132 @@
+/* Every decoder layer of a few-row float32 step, and the final norm, in one call on one OpenMP team.
+ *
+ * kernels/native_decoder.py holds the contract (arguments, layout, when it applies). Per layer, with a
+ * barrier between the phases that read what another thread wrote:
+ *   1. x = rms_norm(hidden += delta)            rows split over the threads
+ *   2. qkv = x . Wqkv^T (+ bias)                output features split
+ *   3. rope on q and k, then k and v into the paged cache at the step's slots   tokens split
+ *   4. attention over the paged cache            items (one token's KV head group each) taken in turn
+ *   5. delta = attn . Wo^T                       features split
+ *   6. x = rms_norm(hidden += delta)             rows split
+ *   7. gate/up = x . Wgu^T, act = silu(gate) * up   the same features of gate and up per thread, so
+ *      the activation needs no barrier of its own
+ *   8. delta = act . Wdown^T                     features split
+ * and after the last layer out = rms_norm(hidden += delta) * final_norm.
+ *
+ * Every value is computed by the same code as the per-op calls (cpu_ops.c, cpu_attention.c) in the same
+ * order, so the result is bitwise that of the per-op path: the feature ranges are multiples of 8, so a
+ * product takes the same 4-row weight blocks and SiLU the same vector spans whatever the split, and an
+ * attention row's arithmetic does not depend on the item it is in. What it saves is the per-op cost of a
+ * decode step: ~10 ctypes calls, torch allocations and fork/joins of the thread team per layer.
+ */
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_internal.h"
+
+enum { W_INPUT_NORM, W_QKV, W_QKV_BIAS, W_O, W_POST_NORM, W_GATE_UP, W_DOWN, W_PER_LAYER };
+
+/* thread t's share [*r0, *r1) of n output features: chunks of 8, as evenly as they go */
+static inline void feature_share(int64_t n, int t, int nt, int64_t *r0, int64_t *r1) {
+    const int64_t chunks = (n + 7) / 8;
+    const int64_t e = chunks * (t + 1) / nt * 8;
+    *r0 = chunks * t / nt * 8;
+    *r1 = e < n ? e : n;
+}
+
+static inline void norm_rows(float *hidden, const float *delta, const float *weight, float *out, int64_t rows,
+                             int64_t dim, float eps, int t, int nt) {
+    for (int64_t r = t; r < rows; r += nt) {
+        pdserve_add_rms_norm_row(hidden + r * dim, delta ? delta + r * dim : 0, weight, out + r * dim, dim, eps);
+    }
+}
+
+/* Returns 0, or a negative code for arguments it does not take (nothing is written then). */
+int pdserve_decoder_f32(const int64_t *layer_weights, int32_t num_layers, float *kv_cache, int64_t kv_layer_stride,
+                        float *hidden, float *out, float *work, const float *cos_t, const float *sin_t,
+                        const int64_t *write_rows, const int32_t *query_start_loc, const int32_t *seq_lens,
+                        const int32_t *block_tables, int32_t num_seqs, int32_t table_width, int64_t tokens,
+                        int32_t hidden_size, int32_t num_heads, int32_t kv_heads, int32_t head_dim,
+                        int32_t intermediate, int32_t block_size, float scale, float eps, const float *final_norm,
+                        int32_t num_threads) {
+    if (head_dim <= 0 || head_dim % 16 != 0 || head_dim > 256) return -1;
+    if (kv_heads <= 0 || num_heads % kv_heads != 0) return -2;
+    if (block_size <= 0 || (block_size & (block_size - 1)) != 0) return -3;
+    if (tokens < 1) return -4;
+    const int64_t T = tokens, H = hidden_size, I = intermediate, hd = head_dim;
+    const int64_t q_width = (int64_t)num_heads * hd, kv_width = (int64_t)kv_heads * hd;
+    const int64_t qkv_width = q_width + 2 * kv_width;
+    float *x = work, *qkv = x + T * H, *attn = qkv + T * qkv_width, *gate_up = attn + T * q_width;
+    float *act = gate_up + T * 2 * I, *delta = act + T * I;
+
+    const int per_item = num_heads / kv_heads; /* one token's KV head group: the most items to share */
+    const int64_t num_items = pdserve_plan_items(query_start_loc, num_seqs, num_heads, per_item, NULL);
+    Item *items = (Item *)malloc((size_t)(num_items > 0 ? num_items : 1) * sizeof(Item));
+    int32_t *taken = (int32_t *)calloc((size_t)num_layers, sizeof(int32_t)); /* each layer's item counter */
+    if (!items || !taken) {
+        free(items);
+        free(taken);
+        return -5;
+    }
+    pdserve_plan_items(query_start_loc, num_seqs, num_heads, per_item, items);
+    Args args = {qkv, kv_cache, attn, query_start_loc, seq_lens, block_tables, qkv_width,
+                 table_width, num_heads, kv_heads, head_dim, block_size, DTYPE_F32, scale};
+    const attend_fn attend = pdserve_attend_pick(&args);
+    const int threads = num_threads < 1 ? 1 : num_threads;
+
+#pragma omp parallel num_threads(threads)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        int64_t q0, q1, o0, o1, g0, g1, d0, d1;
+        feature_share(qkv_width, t, nt, &q0, &q1);
+        feature_share(H, t, nt, &o0, &o1);
+        feature_share(I, t, nt, &g0, &g1);
+        feature_share(H, t, nt, &d0, &d1);
+        for (int layer = 0; layer < num_layers; layer++) {
+            const int64_t *lw = layer_weights + (int64_t)layer * W_PER_LAYER;
+            const float *w_qkv = (const float *)lw[W_QKV], *bias = (const float *)lw[W_QKV_BIAS];
+            const float *w_gu = (const float *)lw[W_GATE_UP];
+            float *kv = kv_cache + layer * kv_layer_stride;
+            norm_rows(hidden, layer ? delta : 0, (const float *)lw[W_INPUT_NORM], x, T, H, eps, t, nt);
+#pragma omp barrier
+            pdserve_gemm_features(w_qkv, x, bias, qkv, T, qkv_width, H, q0, q1);
+#pragma omp barrier
+            for (int64_t tok = t; tok < T; tok += nt) {
+                float *row = qkv + tok * qkv_width;
+                pdserve_rope_token(row, cos_t + tok * hd, sin_t + tok * hd, num_heads + kv_heads, head_dim);
+                memcpy(kv + write_rows[tok] * kv_width, row + q_width, (size_t)kv_width * sizeof(float));
+                memcpy(kv + (write_rows[tok] + block_size) * kv_width, row + q_width + kv_width,
+                       (size_t)kv_width * sizeof(float));
+            }
+#pragma omp barrier
+            {
+                Args la = args;
+                la.kv = kv;
+                for (;;) {
+                    const int32_t i = __atomic_fetch_add(&taken[layer], 1, __ATOMIC_RELAXED);
+                    if (i >= num_items) break;
+                    attend(&la, &items[i]);
+                }
+            }
+#pragma omp barrier
+            pdserve_gemm_features((const float *)lw[W_O], attn, 0, delta, T, H, q_width, o0, o1);
+#pragma omp barrier
+            norm_rows(hidden, delta, (const float *)lw[W_POST_NORM], x, T, H, eps, t, nt);
+#pragma omp barrier
+            pdserve_gemm_features(w_gu, x, 0, gate_up, T, 2 * I, H, g0, g1);
+            pdserve_gemm_features(w_gu, x, 0, gate_up, T, 2 * I, H, I + g0, I + g1);
+            for (int64_t r = 0; r < T; r++) {
+                const float *g = gate_up + r * 2 * I;
+                pdserve_silu_mul_range(g, g + I, act + r * I, g0, g1);
+            }
+#pragma omp barrier
+            pdserve_gemm_features((const float *)lw[W_DOWN], act, 0, delta, T, H, I, d0, d1);
+#pragma omp barrier
+        }
+        norm_rows(hidden, num_layers ? delta : 0, final_norm, out, T, H, eps, t, nt);
+    }
+    free(items);
+    free(taken);
+    return 0;
+}

@@ -1,0 +1,55 @@
+/* What the library's C files call in one another (kernels/cpu_native.py builds them into one library and
+ * hashes this header with them). Hidden: none of this is part of the ctypes interface. */
+#ifndef PDSERVE_CPU_INTERNAL_H
+#define PDSERVE_CPU_INTERNAL_H
+
+#include <stdint.h>
+
+#include "cpu_simd.h"
+
+#define INTERNAL __attribute__((visibility("hidden")))
+
+/* cpu_attention.c: one paged-attention call's arguments (its header comment has the layout) */
+enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
+
+typedef struct {
+    const void *q;
+    const void *kv;
+    void *out;
+    const int32_t *query_start_loc;
+    const int32_t *seq_lens;
+    const int32_t *block_tables;
+    int64_t q_token_stride;
+    int32_t table_width, num_heads, kv_heads, head_dim, block_size, dtype;
+    float scale;
+} Args;
+
+typedef struct {
+    int32_t seq, row_begin, row_end; /* rows are (token, query head) pairs, token-major */
+} Item;
+
+typedef void (*attend_fn)(const Args *, const Item *);
+
+/* the kernel that attends one item for these arguments (head_dim and dtype specialised) */
+INTERNAL attend_fn pdserve_attend_pick(const Args *a);
+
+/* Cut every sequence's rows into items of at most `per_item` rows (<= 0, or more than an item holds:
+ * the default, as many whole tokens as fit); writes them to `items` unless it is NULL; returns how
+ * many there are. A `per_item` that divides num_heads and is a multiple of the query heads per KV
+ * head gives items of one token's KV head group each. */
+INTERNAL int64_t pdserve_plan_items(const int32_t *query_start_loc, int32_t num_seqs, int32_t num_heads,
+                                    int32_t per_item, Item *items);
+
+/* cpu_ops.c: the pieces of its kernels, for callers that already run inside an OpenMP team */
+/* output features r0..r1 of Y[m, n] = X[m, k] . W[n, k]^T (+ bias) */
+INTERNAL void pdserve_gemm_features(const float *w, const float *x, const float *bias, float *y, int64_t m,
+                                    int64_t n, int64_t k, int64_t r0, int64_t r1);
+/* one row: h += d (d may be NULL), o = rms_norm(h) * wt */
+INTERNAL void pdserve_add_rms_norm_row(float *h, const float *d, const float *wt, float *o, int64_t dim,
+                                       float eps);
+/* one token's first `heads` heads rotated in place */
+INTERNAL void pdserve_rope_token(float *x, const float *c, const float *s, int32_t heads, int32_t head_dim);
+/* o[i] = silu(g[i]) * u[i] for i in i0..i1 (i0 a multiple of 8: the same values as the whole row) */
+INTERNAL void pdserve_silu_mul_range(const float *g, const float *u, float *o, int64_t i0, int64_t i1);
+
+#endif

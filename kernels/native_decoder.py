@@ -1,0 +1,165 @@
+"""Every decoder layer of a few-row float32 step, and the final norm, in one native call (``cpu_decoder.c``).
+
+A batch-1 decode step of a small model reads its weights in about as long as its ~10 per-layer calls
+(norms, products, rope, the KV write, attention) cost in ctypes, torch allocations and fork/joins of the
+thread team. ``NativeDecoder.run`` does the whole stack in one call on one OpenMP team, with barriers
+between the phases (the C file lists them), and returns what ``CausalLM.forward`` returns: the
+final-normed hidden states ``[T, hidden]``. It also writes each layer's new K/V into the paged cache at
+the step's slots, as the attention backend would.
+
+Contract:
+
+- Values: bitwise those of the per-op native path (``DecoderLayer.forward_fused`` with the native
+  products, rope, norms, SiLU and ``NativeCpuAttentionBackend``), in the output and in the cache,
+  whatever the thread count (tests/unit/test_native_decoder.py), when the qkv and intermediate widths are
+  multiples of 4 (every Llama-family model's are); otherwise equal to rounding.
+- ``handles`` says whether a step can take it: 1 to ``NATIVE_MAX_ROWS`` tokens (the rows the native
+  product takes; above, the products are oneDNN's and the per-op path runs), float32 CPU hidden states,
+  a contiguous float32 cache of this model's shape, no KV scales (quantized caches take the per-op path),
+  and the ``NativeCpuAttentionBackend`` prepared for the step (``paged_arrays``).
+- Weights: the layers' tensors are read in place through pointers taken when the decoder is built; it
+  keeps a reference to every tensor, and must be rebuilt when the weights are replaced (the model does
+  so in ``prepare_linears``).
+- Threads: ``torch.get_num_threads()`` at each call, on torch's OpenMP team.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kernels.attention import AttentionBackend
+from kernels.cpu_native import NativeCpuAttentionBackend, load_library
+from kernels.linear import NATIVE_MAX_ROWS
+
+
+@dataclass(frozen=True)
+class DecoderLayerWeights:
+    """One layer's tensors, Llama layout: ``qkv`` rows are q heads, k heads, v heads; ``gate_up`` rows
+    are gate, then up; every matrix ``[out, in]``."""
+
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o_proj: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down_proj: torch.Tensor
+
+    def tensors(self) -> tuple[torch.Tensor | None, ...]:
+        """In the order of the C side's per-layer pointer table."""
+        return (self.input_norm, self.qkv, self.qkv_bias, self.o_proj, self.post_norm, self.gate_up,
+                self.down_proj)
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+
+    @property
+    def qkv_width(self) -> int:
+        return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+
+    def workspace_floats(self, tokens: int) -> int:
+        """Floats of scratch a step of ``tokens`` rows needs (the layout is the C side's)."""
+        per_row = (2 * self.hidden_size + self.qkv_width + self.num_heads * self.head_dim
+                   + 3 * self.intermediate_size)
+        return tokens * per_row
+
+
+class NativeDecoder:
+    """The decoder stack as one native call; see the module docstring."""
+
+    def __init__(self, layers: Sequence[DecoderLayerWeights], final_norm: torch.Tensor,
+                 shape: DecoderShape) -> None:
+        lib = load_library()
+        if lib is None:
+            raise RuntimeError("native CPU kernel library is unavailable")
+        self._call = lib.pdserve_decoder_f32
+        self.shape = shape
+        s = shape
+        expected = (
+            (s.hidden_size,), (s.qkv_width, s.hidden_size), (s.qkv_width,),
+            (s.hidden_size, s.num_heads * s.head_dim), (s.hidden_size,),
+            (2 * s.intermediate_size, s.hidden_size), (s.hidden_size, s.intermediate_size),
+        )
+        pointers: list[list[int]] = []
+        for i, layer in enumerate(layers):
+            row = []
+            for tensor, want in zip(layer.tensors(), expected, strict=True):
+                if tensor is None:
+                    row.append(0)
+                    continue
+                if (tensor.dtype != torch.float32 or tensor.device.type != "cpu" or not tensor.is_contiguous()
+                        or tuple(tensor.shape) != want):
+                    raise ValueError(f"layer {i}: a weight of shape {tuple(tensor.shape)} {tensor.dtype} on "
+                                     f"{tensor.device} (contiguous: {tensor.is_contiguous()}); the native "
+                                     f"decoder takes contiguous float32 CPU tensors of shape {want}")
+                row.append(tensor.data_ptr())
+            pointers.append(row)
+        if final_norm.dtype != torch.float32 or tuple(final_norm.shape) != (s.hidden_size,):
+            raise ValueError(f"final norm of shape {tuple(final_norm.shape)} {final_norm.dtype}")
+        self._keep = (list(layers), final_norm)  # the pointers below stay valid while these live
+        self._pointers = torch.tensor(pointers, dtype=torch.int64).reshape(len(pointers), 7)
+        self.num_layers = len(pointers)
+        self._final_norm = final_norm.contiguous()
+        self._work = torch.empty(0, dtype=torch.float32)
+
+    def handles(self, hidden: torch.Tensor, kv_cache: torch.Tensor, backend: AttentionBackend,
+                kv_scales: torch.Tensor | None) -> bool:
+        """Whether this step can run here (the module docstring's conditions)."""
+        s = self.shape
+        tokens = hidden.shape[0]
+        if not (1 <= tokens <= NATIVE_MAX_ROWS) or kv_scales is not None:
+            return False
+        if hidden.dtype != torch.float32 or hidden.device.type != "cpu" or not hidden.is_contiguous():
+            return False
+        if (kv_cache.dtype != torch.float32 or kv_cache.device.type != "cpu" or not kv_cache.is_contiguous()
+                or kv_cache.dim() != 6):
+            return False
+        layers, _, two, block_size, kv_heads, head_dim = kv_cache.shape
+        if (layers, two, kv_heads, head_dim) != (self.num_layers, 2, s.num_kv_heads, s.head_dim):
+            return False
+        if block_size & (block_size - 1) or s.head_dim % 16 or s.head_dim > 256:
+            return False
+        if not isinstance(backend, NativeCpuAttentionBackend):
+            return False
+        arrays = backend.paged_arrays()
+        return arrays is not None and arrays[0].block_size == block_size and arrays[0].num_tokens == tokens
+
+    def run(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+            backend: AttentionBackend) -> torch.Tensor:
+        """Final-normed hidden states ``[T, hidden]``; ``hidden`` (the embeddings) is used as scratch and
+        the step's K/V are written into ``kv_cache``. The caller checked ``handles``."""
+        arrays = backend.paged_arrays() if isinstance(backend, NativeCpuAttentionBackend) else None
+        if arrays is None:
+            raise RuntimeError("the native decoder needs the native attention backend, prepared for the step")
+        meta, write_rows, query_start_loc, seq_lens, block_tables = arrays
+        s = self.shape
+        tokens = hidden.shape[0]
+        if meta.num_tokens != tokens or write_rows.shape[0] != tokens:
+            raise ValueError(f"{tokens} hidden rows for a step of {meta.num_tokens} tokens")
+        cos, sin = cos.contiguous(), sin.contiguous()
+        need = s.workspace_floats(tokens)
+        if self._work.numel() < need:
+            self._work = torch.empty(need, dtype=torch.float32)
+        out = torch.empty_like(hidden)
+        width = block_tables.shape[1] if block_tables.dim() == 2 else 0
+        status = self._call(
+            self._pointers.data_ptr(), self.num_layers, kv_cache.data_ptr(), kv_cache[0].numel(),
+            hidden.data_ptr(), out.data_ptr(), self._work.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            write_rows.data_ptr(), query_start_loc.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(),
+            meta.num_seqs, width, tokens,
+            s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate_size, meta.block_size,
+            s.head_dim**-0.5, s.rms_norm_eps, self._final_norm.data_ptr(), torch.get_num_threads(),
+        )
+        if status != 0:
+            raise RuntimeError(f"native decoder failed with code {status}")
+        return out

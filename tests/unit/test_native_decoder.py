@@ -1,0 +1,83 @@
+"""The one-call native decoder (``kernels/native_decoder.py``) against the per-layer native path: bitwise."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kernels.native_ops import native_ops
+from kernels.torch_ref import TorchAttentionBackend
+from tests.unit.test_model_tiny import PagedRunner, hf_model, prompt
+
+pytestmark = pytest.mark.skipif(native_ops() is None, reason="native CPU kernels cannot be built here")
+
+# prefill chunks of two sequences (28 rows), a decode of both, of one, then a chunk beside a decode
+STEPS = ([(0, prompt(21, seed=5)), (1, prompt(7, seed=6))], [(0, [3]), (1, [9])], [(0, [4])],
+         [(1, prompt(5, seed=7)), (0, [8])])
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request: pytest.FixtureRequest) -> Iterator[int]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def spy_calls(runner: PagedRunner) -> list[int]:
+    """Record the row count of every step the one-call decoder runs (it still runs them)."""
+    decoder = runner.model.native_decoder
+    assert decoder is not None
+    calls: list[int] = []
+    real = decoder.run
+
+    def run(hidden: torch.Tensor, *args: object) -> torch.Tensor:
+        calls.append(hidden.shape[0])
+        return real(hidden, *args)  # type: ignore[arg-type]
+
+    decoder.run = run  # type: ignore[method-assign,assignment]
+    return calls
+
+
+@pytest.mark.parametrize("variant", ["llama3", "qwen2", "mqa", "tied"])
+def test_one_call_decoder_is_bitwise_the_per_layer_path(variant: str, threads: int) -> None:
+    hf = hf_model(variant)
+    one_call, per_layer = PagedRunner(hf), PagedRunner(hf)
+    per_layer.model.use_native_decoder = False
+    calls = spy_calls(one_call)
+    for work in STEPS:
+        for got, want in zip(one_call.step(work), per_layer.step(work), strict=True):
+            assert torch.equal(got, want)
+        assert torch.equal(one_call.kv, per_layer.kv)  # the step's K/V written to the same slots
+    assert calls == [28, 2, 1, 6]
+
+
+def test_steps_it_does_not_take_run_the_per_layer_path() -> None:
+    hf = hf_model("llama3")
+    runner, reference = PagedRunner(hf), PagedRunner(hf)
+    reference.model.use_native_decoder = False
+    calls = spy_calls(runner)
+    for work in ([(0, prompt(70, seed=8))], [(0, [5])]):  # 70 rows: above NATIVE_MAX_ROWS, oneDNN's products
+        for got, want in zip(runner.step(work), reference.step(work), strict=True):
+            assert torch.equal(got, want)
+    assert calls == [1]
+    decoder = runner.model.native_decoder
+    assert decoder is not None
+    one = torch.zeros(1, hf.config.hidden_size)  # the backend is prepared for the 1-token step
+    assert decoder.handles(one, runner.kv, runner.backend, None)
+    scales = torch.ones(runner.kv.shape[0], runner.kv.shape[1], 2, runner.kv.shape[4])
+    assert not decoder.handles(one, runner.kv, runner.backend, scales)  # a quantized cache's scales
+    assert not decoder.handles(one, runner.kv.bfloat16(), runner.backend, None)
+    assert not decoder.handles(torch.zeros(2, hf.config.hidden_size), runner.kv, runner.backend, None)
+    assert not decoder.handles(one, runner.kv, TorchAttentionBackend(), None)
+
+
+def test_no_decoder_without_native_products() -> None:
+    runner = PagedRunner(hf_model("llama3"))
+    assert runner.model.native_decoder is not None
+    runner.model.prepare_linears("prepacked")
+    assert runner.model.native_decoder is None
+    runner.model.prepare_linears("native")
+    assert runner.model.native_decoder is not None
