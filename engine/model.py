@@ -22,7 +22,7 @@ SiLU*up is one call. Same values as the torch path up to the norm's and SiLU's r
 ``use_native_ops`` (or ``PDSERVE_NATIVE_KERNELS=0``) turns it off. Steps of up to ``NATIVE_MAX_ROWS``
 tokens whose products all take the native kernel go further: every layer and the final norm in one
 native call (``kernels/native_decoder.py``), bitwise the values of the per-layer fused path;
-``use_native_decoder`` turns that off alone.
+``use_native_decoder`` (default: on unless ``PDSERVE_NATIVE_DECODER=0``) turns that off alone.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from engine.tensor_parallel import TpShard
 from engine.tp_group import TpGroup
 from kernels.activation import silu_mul
 from kernels.attention import AttentionBackend, AttentionMetadata
+from kernels.cpu_native import env_off
 from kernels.linear import LinearKernel, PreparedLinear
 from kernels.native_decoder import DecoderLayerWeights, DecoderShape, NativeDecoder
 from kernels.native_ops import NativeOps, native_ops
@@ -198,7 +199,7 @@ class CausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, device)
         self.lm_head_linear = PreparedLinear(self.lm_head, None, "plain")
         self.use_native_ops = True
-        self.use_native_decoder = True
+        self.use_native_decoder = not env_off("PDSERVE_NATIVE_DECODER")
         self.native_decoder: NativeDecoder | None = None
 
     def prepare_linears(self, kernel: LinearKernel | None = None) -> None:

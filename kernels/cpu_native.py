@@ -152,9 +152,14 @@ def bind_ops(lib: ctypes.CDLL) -> None:
     ]
 
 
+def env_off(name: str) -> bool:
+    """Whether the environment variable ``name`` turns something off (0, false, no, off)."""
+    return os.environ.get(name, "1").strip().lower() in ("0", "false", "no", "off")
+
+
 def native_available() -> bool:
     """Whether the native kernel can run here (builds it on the first call)."""
-    if os.environ.get("PDSERVE_NATIVE_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
+    if env_off("PDSERVE_NATIVE_KERNELS"):
         return False
     if not sys.platform.startswith("linux") or platform.machine() not in SUPPORTED_MACHINES:
         return False

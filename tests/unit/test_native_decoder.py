@@ -81,3 +81,11 @@ def test_no_decoder_without_native_products() -> None:
     assert runner.model.native_decoder is None
     runner.model.prepare_linears("native")
     assert runner.model.native_decoder is not None
+
+
+def test_turned_off_by_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDSERVE_NATIVE_DECODER", "0")
+    runner = PagedRunner(hf_model("llama3"))
+    calls = spy_calls(runner)
+    runner.step([(0, [5])])
+    assert calls == [] and not runner.model.use_native_decoder
