@@ -104,12 +104,13 @@ class NativeDecoder:
                                      f"decoder takes contiguous float32 CPU tensors of shape {want}")
                 row.append(tensor.data_ptr())
             pointers.append(row)
-        if final_norm.dtype != torch.float32 or tuple(final_norm.shape) != (s.hidden_size,):
+        if (final_norm.dtype != torch.float32 or tuple(final_norm.shape) != (s.hidden_size,)
+                or not final_norm.is_contiguous()):
             raise ValueError(f"final norm of shape {tuple(final_norm.shape)} {final_norm.dtype}")
-        self._keep = (list(layers), final_norm)  # the pointers below stay valid while these live
+        self._layers = list(layers)  # the pointers below stay valid while these live
         self._pointers = torch.tensor(pointers, dtype=torch.int64).reshape(len(pointers), 7)
         self.num_layers = len(pointers)
-        self._final_norm = final_norm.contiguous()
+        self._final_norm = final_norm
         self._work = torch.empty(0, dtype=torch.float32)
 
     def handles(self, hidden: torch.Tensor, kv_cache: torch.Tensor, backend: AttentionBackend,
