@@ -138,36 +138,12 @@ def xdist_scope(nodeid: str) -> str:
     return _SCOPE_OF_MODULE.get(module, module)
 
 
-# What each of the longest units of work costs (seconds, setup and calls summed from `--durations` of the
-# whole suite on the 2-core machine, 2026-11-25). Only their order matters: the scheduler below hands out
-# the longest first, so the run ends on short unit-test modules on both workers, not on one worker still
-# running a long integration module (e.g. the two-node Ray cluster) while the other sits idle. A unit not
-# listed follows them: integration modules first, then the rest by test count (xdist's own order).
-SCOPE_COST_S = {
-    "worker-heavy": 330, "default-server": 210, "tests/integration/test_disagg.py": 130,
-    "tests/integration/test_spec_decode.py": 90, "tests/integration/test_bad_inputs.py": 80,
-    "tests/integration/test_ray_cluster.py": 76, "transformers-reference": 72,
-    "tests/integration/test_drain.py": 62, "tests/integration/test_ray_serve.py": 53,
-    "tests/integration/test_disagg_fp8.py": 44, "tests/integration/test_routing.py": 41,
-}
-
-
-def _scope_priority(scope: str) -> tuple[float, bool]:
-    return SCOPE_COST_S.get(scope, 0.0), scope.startswith("tests/integration/")
-
-
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     from xdist.scheduler import LoadScopeScheduling
 
     class SharedScopeScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return xdist_scope(nodeid)
-
-        def _assign_work_unit(self, node: Any) -> None:
-            # the costliest unit left goes next (the first of equals: xdist's order, most tests first)
-            if self.workqueue:
-                self.workqueue.move_to_end(max(self.workqueue, key=_scope_priority), last=False)
-            super()._assign_work_unit(node)
 
     return SharedScopeScheduling(config, log)
 
