@@ -78,11 +78,10 @@ int pdserve_decoder_f32(const int64_t *layer_weights, int32_t num_layers, float 
 #pragma omp parallel num_threads(threads)
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        int64_t q0, q1, o0, o1, g0, g1, d0, d1;
+        int64_t q0, q1, h0, h1, g0, g1; /* h0..h1: this thread's share of the hidden width (O and down) */
         feature_share(qkv_width, t, nt, &q0, &q1);
-        feature_share(H, t, nt, &o0, &o1);
+        feature_share(H, t, nt, &h0, &h1);
         feature_share(I, t, nt, &g0, &g1);
-        feature_share(H, t, nt, &d0, &d1);
         for (int layer = 0; layer < num_layers; layer++) {
             const int64_t *lw = layer_weights + (int64_t)layer * W_PER_LAYER;
             const float *w_qkv = (const float *)lw[W_QKV], *bias = (const float *)lw[W_QKV_BIAS];
@@ -110,7 +109,7 @@ int pdserve_decoder_f32(const int64_t *layer_weights, int32_t num_layers, float 
                 }
             }
 #pragma omp barrier
-            pdserve_gemm_features((const float *)lw[W_O], attn, 0, delta, T, H, q_width, o0, o1);
+            pdserve_gemm_features((const float *)lw[W_O], attn, 0, delta, T, H, q_width, h0, h1);
 #pragma omp barrier
             norm_rows(hidden, delta, (const float *)lw[W_POST_NORM], x, T, H, eps, t, nt);
 #pragma omp barrier
@@ -121,7 +120,7 @@ int pdserve_decoder_f32(const int64_t *layer_weights, int32_t num_layers, float 
                 pdserve_silu_mul_range(g, g + I, act + r * I, g0, g1);
             }
 #pragma omp barrier
-            pdserve_gemm_features((const float *)lw[W_DOWN], act, 0, delta, T, H, I, d0, d1);
+            pdserve_gemm_features((const float *)lw[W_DOWN], act, 0, delta, T, H, I, h0, h1);
 #pragma omp barrier
         }
         norm_rows(hidden, num_layers ? delta : 0, final_norm, out, T, H, eps, t, nt);

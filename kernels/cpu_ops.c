@@ -47,6 +47,47 @@ static inline v8 hadd8(v8 a, v8 b) {
 static inline v8 sum4(v8 a, v8 b, v8 c, v8 d) { return hadd8(hadd8(a, b), hadd8(c, d)); }
 #define PIN(v) __asm__("" : "+x"(v))
 
+/* With AVX-512 the k loop runs 16 floats a step on 512-bit accumulators first, folded into the 8-wide
+ * ones (low half + high half) before the 8-wide tail and the horizontal sums. Twice the arithmetic
+ * per instruction: at 16 rows the product is bound by its FMAs, not by the weight stream. The order of
+ * the sums then differs from the AVX2 build's, by rounding only; both paths of one build (per-op and
+ * whole-decoder, kernels/cpu_decoder.c) run this same code, so they stay bitwise equal. */
+#if defined(__AVX512F__)
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));
+static inline v16 ld16(const float *p) { return *(const v16u *)p; }
+static inline v8 lo8(v16 a) { return __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7); }
+static inline v8 hi8(v16 a) { return __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15); }
+#define PIN16(v) __asm__("" : "+v"(v))
+#define WIDE_STEPS(WR, MR)                                                                            \
+    if (kv >= 16) {                                                                                   \
+        v16 wacc[WR][MR];                                                                             \
+        for (int a = 0; a < WR; a++)                                                                  \
+            for (int b = 0; b < MR; b++) wacc[a][b] = (v16){0};                                       \
+        for (; i + 16 <= kv; i += 16) {                                                               \
+            __builtin_prefetch(pf);                                                                   \
+            __builtin_prefetch(pf + 16);                                                              \
+            __builtin_prefetch(pf + pstep);                                                           \
+            __builtin_prefetch(pf + pstep + 16);                                                      \
+            pf += 2 * pstep;                                                                          \
+            v16 xv[MR];                                                                               \
+            for (int b = 0; b < MR; b++) {                                                            \
+                xv[b] = ld16(x + b * k + i);                                                          \
+                PIN16(xv[b]);                                                                         \
+            }                                                                                         \
+            for (int a = 0; a < WR; a++) {                                                            \
+                v16 q = ld16(w + a * k + i);                                                          \
+                PIN16(q);                                                                             \
+                for (int b = 0; b < MR; b++) wacc[a][b] = q * xv[b] + wacc[a][b];                     \
+            }                                                                                         \
+        }                                                                                             \
+        for (int a = 0; a < WR; a++)                                                                  \
+            for (int b = 0; b < MR; b++) acc[a][b] = lo8(wacc[a][b]) + hi8(wacc[a][b]);               \
+    }
+#else
+#define WIDE_STEPS(WR, MR)
+#endif
+
 #define GEMM_BLOCK(WR, MR)                                                                            \
     static inline void block_##WR##x##MR(const float *w, const float *x, float *y, int64_t k,          \
                                          int64_t kv, int64_t ldy, const float *bias, const float *pf,  \
@@ -54,7 +95,9 @@ static inline v8 sum4(v8 a, v8 b, v8 c, v8 d) { return hadd8(hadd8(a, b), hadd8(
         v8 acc[WR][MR];                                                                               \
         for (int a = 0; a < WR; a++)                                                                  \
             for (int b = 0; b < MR; b++) acc[a][b] = (v8){0};                                         \
-        for (int64_t i = 0; i < kv; i += 8) {                                                         \
+        int64_t i = 0;                                                                                \
+        WIDE_STEPS(WR, MR)                                                                            \
+        for (; i < kv; i += 8) {                                                                      \
             __builtin_prefetch(pf);                                                                   \
             __builtin_prefetch(pf + 16);                                                              \
             pf += pstep;                                                                              \
