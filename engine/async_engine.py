@@ -1,10 +1,11 @@
 """AsyncEngine: an LLMEngine driven by one asyncio task, for actors that serve many callers.
 
-Only the loop task calls ``engine.step()`` (in a worker thread, so the event
-loop stays responsive); every other mutation goes through ``mutate`` and every
-read of engine state through ``read``: both run between steps under the same
-lock, so the engine is never touched by two threads at once (a read straight
-from the event loop while a step runs may see a dict change size under it).
+Only the loop task calls ``engine.step()`` (on the engine's own thread, so the
+event loop stays responsive); every other mutation goes through ``mutate`` and
+every read of engine state through ``read``: both run between steps under the
+same lock, on that same thread, so the engine is never touched by two threads at
+once (a read straight from the event loop while a step runs may see a dict
+change size under it).
 Each request's outputs go to its own queue; ``stream`` yields them in per-step
 batches, and a consumer that stops early (a client that went away) aborts the
 request, freeing its blocks. Hand-off: after delivering a step's outputs the loop
@@ -28,22 +29,60 @@ arithmetic through shared caches and memory bandwidth: more CPU a step, not only
 The worker reports the totals in ``WorkerStats`` (``step_count``, ``step_wall_seconds``,
 ``step_cpu_seconds``, ``step_decode_*``, ``step_prefill_*``), which ``pdserve profile --calibrate``
 reads from ``GET /v1/workers``.
+
+One engine thread (``EngineThread``): the engine is built, stepped, read and mutated on one thread
+of its own, never on the event loop's or a pool's. libgomp keeps one thread team per thread that
+opens a parallel region, and once a process holds more OpenMP threads than it has CPUs, every team
+spins only ~100 times at a barrier before it sleeps in the kernel. A model loaded on the actor's
+thread and stepped on ``asyncio.to_thread``'s pool left two teams in a two-CPU worker: the one-call
+decoder's ~240 barriers a step then slept and woke ~3,000 times a second per thread, and a batch-1
+step took 33 ms served against 24 ms alone (docs/benchmarks.md, "One engine thread").
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
+import functools
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
+
+import torch
 
 from engine.engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.step_work import StepTotals, StepWork
 
 T = TypeVar("T")
+
+
+class EngineThread:
+    """The one thread that touches an engine (see the module docstring): ``call`` runs a function on
+    it and waits (building the engine), ``run`` awaits one from the event loop; both in a copy of the
+    caller's context variables, as ``asyncio.to_thread`` does (a span opened there has its trace).
+    ``num_threads``, when given, is set as torch's thread count on it first. ``close`` lets it end
+    once idle."""
+
+    def __init__(self, num_threads: int | None = None) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        if num_threads is not None:
+            self.call(torch.set_num_threads, num_threads)
+
+    def call(self, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
+        return self._submit(functools.partial(fn, *args, **kwargs)).result()
+
+    async def run(self, fn: Callable[..., T], *args: object) -> T:
+        return await asyncio.wrap_future(self._submit(functools.partial(fn, *args)))
+
+    def _submit(self, job: Callable[[], T]) -> Future[T]:
+        return self._pool.submit(contextvars.copy_context().run, job)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
 
 
 @dataclass
@@ -73,8 +112,11 @@ class StepClock:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    """``thread``: the engine's own thread (see the module docstring); one is made when not given."""
+
+    def __init__(self, engine: LLMEngine, thread: EngineThread | None = None) -> None:
         self.engine = engine
+        self.thread = thread if thread is not None else EngineThread()
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
@@ -97,14 +139,14 @@ class AsyncEngine:
         """Run ``fn(engine)`` between steps, then wake the loop."""
         self.start()
         async with self._lock:
-            result = fn(self.engine)
+            result = await self.thread.run(fn, self.engine)
         self._wake.set()
         return result
 
     async def read(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run ``fn(engine)`` between steps without waking the loop (stats, digests, events)."""
         async with self._lock:
-            return fn(self.engine)
+            return await self.thread.run(fn, self.engine)
 
     async def abort(self, request_id: str) -> RequestOutput | None:
         """Abort ``request_id`` between steps and end its stream: its reader gets the finished
@@ -163,7 +205,7 @@ class AsyncEngine:
                 continue
             try:
                 async with self._lock:
-                    outputs = await asyncio.to_thread(self.clock.timed, self.engine.step, self._work)
+                    outputs = await self.thread.run(self.clock.timed, self.engine.step, self._work)
             except Exception as exc:  # the loop must not die silently: end every waiter's stream
                 self.error = exc
                 for rid in list(self._queues):

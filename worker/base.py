@@ -40,7 +40,7 @@ import time
 import msgspec
 import torch
 
-from engine.async_engine import AsyncEngine
+from engine.async_engine import AsyncEngine, EngineThread
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.kv_digest import kv_digest
@@ -65,8 +65,10 @@ class WorkerBase(TracedRole):
         self.worker_id = worker_id
         if config.tensor_parallel_size > 1:  # the rank processes take the actor's thread count too
             config = dataclasses.replace(config, num_threads=config.num_threads or torch_threads)
-        self.engine, self.ranks = start_engine(model, config, extension=EXTENSION)
-        self.aengine = AsyncEngine(self.engine)
+        # built on the thread that will step it: one OpenMP team in this process (engine/async_engine.py)
+        thread = EngineThread(torch_threads)
+        self.engine, self.ranks = thread.call(start_engine, model, config, extension=EXTENSION)
+        self.aengine = AsyncEngine(self.engine, thread)
         self.watch = (GroupWatch(self.ranks, lambda: self.aengine.error, worker_id).start()
                       if self.ranks is not None else None)
         self.events = KvEventPublisher(self.engine.kv)

@@ -38,13 +38,15 @@ def test_a_finished_request_reads_the_engine_before_the_next_step(tiny_model_dir
             pass
         await aengine.read(lambda e: events.append(f"read {rid}"))
 
-    async def main() -> None:
+    def add(e: LLMEngine) -> None:
         for i, rid in enumerate(("a", "b")):
-            def add(e: LLMEngine, rid: str = rid, i: int = i) -> None:
-                e.add_request([(5 * i + j) % 250 + 1 for j in range(32)], params, request_id=rid)
-                aengine.open_stream(rid)
+            e.add_request([(5 * i + j) % 250 + 1 for j in range(32)], params, request_id=rid)
+            aengine.open_stream(rid)
 
-            await aengine.mutate(add)
+    async def main() -> None:
+        # both in one mutate: the consumers wait on their streams before the first step ends (with two,
+        # the loop, queued on the lock while the first ran on the engine thread, steps in between)
+        await aengine.mutate(add)
         await asyncio.wait_for(asyncio.gather(consume("a"), consume("b")), 60)
         await aengine.stop()
 
