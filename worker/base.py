@@ -67,7 +67,11 @@ class WorkerBase(TracedRole):
             config = dataclasses.replace(config, num_threads=config.num_threads or torch_threads)
         # built on the thread that will step it: one OpenMP team in this process (engine/async_engine.py)
         thread = EngineThread(torch_threads)
-        self.engine, self.ranks = thread.call(start_engine, model, config, extension=EXTENSION)
+        try:
+            self.engine, self.ranks = thread.call(start_engine, model, config, extension=EXTENSION)
+        except BaseException:
+            thread.close()
+            raise
         self.aengine = AsyncEngine(self.engine, thread)
         self.watch = (GroupWatch(self.ranks, lambda: self.aengine.error, worker_id).start()
                       if self.ranks is not None else None)
