@@ -119,7 +119,8 @@ SHARED_SCOPES = {
     "default-server": ("pdserve_server", (  # one `pdserve serve` on one Ray session
         "tests/integration/test_bench.py", "tests/integration/test_observability.py",
         "tests/integration/test_openai_api.py", "tests/integration/test_request_fields.py",
-        "tests/integration/test_structured.py", "tests/integration/test_structured_migration.py")),
+        "tests/integration/test_structured.py", "tests/integration/test_structured_migration.py",
+        "tests/integration/test_worker_env.py")),
     "transformers-reference": ("transformers_default_model", (  # the model transformers loads from the GGUF
         "tests/integration/test_engine_vs_hf.py", "tests/unit/test_loaders.py")),
     # no shared fixture: the modules that start many worker processes (kills, restarts, rank groups) run
