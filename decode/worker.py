@@ -1,8 +1,12 @@
 """DecodeWorker: reserves KV for a prompt, pulls the missing blocks, and decodes with continuous batching.
 
-Contract (DESIGN.md steps 3, 5, 6): one streaming call per attempt,
-``generate(request, prefill)``, yields ``TokenBatch`` bytes until one is
-``finished``, or one ``WorkerError`` and nothing after it.
+Contract (DESIGN.md steps 3, 5, 6): one call per attempt. ``generate(request,
+prefill)`` streams ``TokenBatch`` bytes until one is ``finished``, or one
+``WorkerError`` and nothing after it. ``submit(channel, stream, request,
+prefill)`` runs the same attempt with the same items sent on an output channel
+(``outputs(channel)``, one Ray stream per router and worker carrying one
+``OutputFrame`` per event-loop turn: every request's items of an engine step in
+one Ray item, ``decode/outbox.py``); the router uses those.
 
 * ``prefill`` is a one-element list holding the ``ObjectRef`` of a prefill
   worker's ``prefill`` call (a list, so Ray hands the ref over unresolved), or
@@ -47,6 +51,7 @@ from typing import Any
 import msgspec
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
+from decode.outbox import Outbox
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.outputs import RequestOutput
@@ -115,6 +120,7 @@ class DecodeWorker(WorkerBase):
         self.request_timeout = request_timeout
         self.transfer_blocks = self.transfer_bytes = self.transfer_failures = 0
         self.transfer_seconds = 0.0
+        self.outbox = Outbox()
 
     async def ready(self) -> bytes:
         self.aengine.start()
@@ -138,11 +144,30 @@ class DecodeWorker(WorkerBase):
                        prefill_timeout: float = 120.0) -> AsyncIterator[bytes]:
         """Stream ``TokenBatch`` bytes, or one ``WorkerError``, for one attempt at ``request`` (see the
         module docstring); ``attempt`` numbers the pulls of one request (for its ``kv.transfer`` spans);
-        the prefill result is awaited ``prefill_timeout`` seconds at most."""
+        the prefill result is awaited ``prefill_timeout`` seconds at most. One Ray stream per attempt:
+        the router uses ``submit`` and ``outputs`` instead, which carry the same items."""
+        async for item in self._attempt(request, prefill, attempt, prefill_timeout):
+            yield pack(item)
+
+    async def submit(self, channel: str, stream: int, request: bytes, prefill: PrefillRef | None = None,
+                     attempt: int = 1, prefill_timeout: float = 120.0) -> None:
+        """Run one attempt as ``generate`` does, its items sent on output channel ``channel`` tagged
+        ``stream`` (``decode/outbox.py``); returns when the attempt has put its last item."""
+        async for item in self._attempt(request, prefill, attempt, prefill_timeout):
+            self.outbox.put(channel, stream, item)
+
+    async def outputs(self, channel: str) -> AsyncIterator[bytes]:
+        """Output channel ``channel``: ``OutputFrame`` bytes, each with every item its attempts put in
+        one turn of this worker's event loop, until the caller cancels it (``decode/outbox.py``)."""
+        async for frame in self.outbox.frames(channel):
+            yield pack(frame)
+
+    async def _attempt(self, request: bytes, prefill: PrefillRef | None, attempt: int,
+                       prefill_timeout: float) -> AsyncIterator[TokenBatch | WorkerError]:
         try:
             req = unpack(request, GenerateRequest)
         except msgspec.ValidationError as exc:
-            yield pack(WorkerError(ErrorKind.INVALID, str(exc)))
+            yield WorkerError(ErrorKind.INVALID, str(exc))
             return
         rid = req.request_id
         last: RequestOutput | None = None
@@ -156,22 +181,22 @@ class DecodeWorker(WorkerBase):
                 error, last = await self._prefilled(req, prefill[0], prefill_timeout, attempt)
             if error is not None:
                 final = not error.retryable
-                yield pack(error)
+                yield error
                 return
             if last is not None:
-                yield pack(to_batch([last], self.worker_id))
+                yield to_batch([last], self.worker_id)
                 if last.finished:
                     return
             async for outputs in self.aengine.stream(rid, self.request_timeout):
                 last = outputs[-1]
-                yield pack(to_batch(outputs, self.worker_id))
+                yield to_batch(outputs, self.worker_id)
         except ValueError as exc:  # the engine refused the request (e.g. longer than the model allows)
-            yield pack(WorkerError(ErrorKind.INVALID, str(exc)))
+            yield WorkerError(ErrorKind.INVALID, str(exc))
         except TimeoutError:
-            yield pack(WorkerError(ErrorKind.TIMEOUT, f"{rid}: no output for {self.request_timeout} s"))
+            yield WorkerError(ErrorKind.TIMEOUT, f"{rid}: no output for {self.request_timeout} s")
         except RuntimeError as exc:  # the engine loop failed: this worker cannot serve
             self.exit_if_group_broken()  # a broken tensor-parallel group: dies, the request migrates
-            yield pack(WorkerError(ErrorKind.UNAVAILABLE, f"{self.worker_id}: {exc}"))
+            yield WorkerError(ErrorKind.UNAVAILABLE, f"{self.worker_id}: {exc}")
         finally:
             if final:  # no retry comes here (a retry's reservation notes its plan again)
                 self._plans.pop(rid, None)
@@ -326,4 +351,5 @@ class DecodeWorker(WorkerBase):
         return msgspec.structs.replace(
             common, transfer_blocks=self.transfer_blocks, transfer_bytes=self.transfer_bytes,
             transfer_seconds=self.transfer_seconds, transfer_failures=self.transfer_failures,
-            transfer_time=self.transfer_time.data())
+            transfer_time=self.transfer_time.data(), output_frames=self.outbox.frames_sent,
+            output_items=self.outbox.items_sent)

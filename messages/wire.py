@@ -126,6 +126,10 @@ class WorkerStats(msgspec.Struct, frozen=True, kw_only=True):
     step_prefill_wall_seconds: float = 0.0
     step_prefill_tokens: int = 0
     step_prefill_attended_pairs: float = 0.0
+    # a decode worker's output channels (``decode/outbox.py``), cumulative: Ray items sent and the
+    # stream items they carried (items / frames: requests served per Ray item)
+    output_frames: int = 0
+    output_items: int = 0
 
 
 class KvEvents(msgspec.Struct, frozen=True):
@@ -170,3 +174,19 @@ class WorkerError(msgspec.Struct, frozen=True, tag=True):
     def retryable(self) -> bool:
         """The decode worker kept the reservation: the caller may prefill elsewhere or recompute."""
         return self.kind in (ErrorKind.PREFILL, ErrorKind.PREFILL_DIED, ErrorKind.TRANSFER)
+
+
+class StreamItem(msgspec.Struct, frozen=True, array_like=True):
+    """One item of one attempt's stream on a decode worker's output channel: ``stream`` is the number
+    the router gave that attempt (``DecodeWorker.submit``)."""
+
+    stream: int
+    item: TokenBatch | WorkerError
+
+
+class OutputFrame(msgspec.Struct, frozen=True):
+    """What a decode worker's output channel carries (``DecodeWorker.outputs``): every stream item
+    made in one turn of its event loop (after an engine step: one per request that advanced), in
+    order, as one Ray stream item instead of one per request."""
+
+    items: list[StreamItem]

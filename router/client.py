@@ -97,6 +97,8 @@ class PDClient:
 
     async def close(self) -> None:
         await self.table.stop()
+        for worker in self.table.decode:
+            _decode(worker).close()
 
     async def _connect(self, agent: AgentInfo, timeout: float) -> None:
         """Handshake every live decode worker with a prefill agent (a restarted worker brings a new one).

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from concurrent.futures import Future
 from typing import Any
 
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from messages.codec import pack, unpack
 from messages.wire import GenerateRequest, KvEvents, KvSnapshot, TokenBatch, WorkerError, WorkerStats
+from router.channel import OutputChannel, Received
 from router.errors import RequestFailed
 from transfer.wire import AgentInfo, KvLayout
 
@@ -77,6 +79,10 @@ class PrefillHandle(WorkerHandle):
 
 
 class DecodeHandle(WorkerHandle):
+    def __init__(self, actor: Any) -> None:
+        super().__init__(actor)
+        self.channel = OutputChannel(actor)
+
     async def ready(self, timeout: float) -> KvLayout:
         return unpack(await asyncio.wait_for(self.actor.ready.remote(), timeout), KvLayout)
 
@@ -92,20 +98,37 @@ class DecodeHandle(WorkerHandle):
 
     def generate(self, req: GenerateRequest, prefill_ref: Any | None, attempt: int, prefill_timeout: float,
                  item_timeout: float) -> AsyncIterator[Streamed]:
-        """One attempt at ``req`` (``DecodeWorker.generate``): token batches, or one ``WorkerError``.
-        The decode worker waits ``prefill_timeout`` seconds at most for ``prefill_ref``; each item must
-        arrive within ``item_timeout`` seconds (TimeoutError otherwise)."""
+        """One attempt at ``req`` (``DecodeWorker.submit``): token batches up to the finished one, or one
+        ``WorkerError``, read from the worker's output channel (``router.channel``). The decode worker
+        waits ``prefill_timeout`` seconds at most for ``prefill_ref``; each item must arrive within
+        ``item_timeout`` seconds (TimeoutError otherwise)."""
         refs = None if prefill_ref is None else [prefill_ref]
-        stream = self.actor.generate.options(num_returns="streaming").remote(pack(req), refs, attempt,
-                                                                             prefill_timeout)
-        return _items(stream, item_timeout)
+        stream, queue = self.channel.open()
+        call = self.actor.submit.remote(self.channel.name, stream, pack(req), refs, attempt, prefill_timeout)
+        return _items(self.channel, stream, queue, call, item_timeout)
+
+    def close(self) -> None:
+        self.channel.close()
 
 
-async def _items(stream: Any, timeout: float) -> AsyncIterator[Streamed]:
-    while True:
-        try:
-            ref = await asyncio.wait_for(stream.__anext__(), timeout)
-        except StopAsyncIteration:
-            return
-        item: Streamed = unpack(await asyncio.wait_for(ref, timeout), Streamed)
-        yield item
+async def _items(channel: OutputChannel, stream: int, queue: asyncio.Queue[Received], call: Any,
+                 timeout: float) -> AsyncIterator[Streamed]:
+    loop = asyncio.get_running_loop()
+
+    def failed(future: Future[Any]) -> None:  # the submit call raised (the worker died, or a bug there)
+        exc = future.exception() if not future.cancelled() else None
+        if exc is not None:
+            loop.call_soon_threadsafe(channel.fail, stream, exc)
+
+    call.future().add_done_callback(failed)
+    try:
+        while True:
+            async with asyncio.timeout(timeout):
+                item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if isinstance(item, WorkerError) or item.finished:
+                return
+    finally:
+        channel.release(stream)

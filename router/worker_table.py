@@ -161,6 +161,8 @@ class WorkerTable:
         workers = self.role(worker.role)
         workers[:] = [w for w in workers if w is not worker]
         worker.alive = False
+        if isinstance(worker.handle, DecodeHandle):
+            worker.handle.close()
         if self.index is not None:
             self.index.remove_worker(worker.worker_id)
         task = self._revivals.pop(id(worker), None)

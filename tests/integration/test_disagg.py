@@ -25,6 +25,7 @@ from messages.wire import GenerateRequest, PrefillResult, TokenBatch, WorkerStat
 from router.client import PDClient
 from router.config import ClientConfig, KvFailurePolicy
 from router.errors import RequestFailed
+from router.handles import DecodeHandle
 from telemetry.tracing import TraceConfig
 from tests.integration.otlp_receiver import OtlpReceiver
 
@@ -255,3 +256,64 @@ def test_killed_prefill_worker_request_completes_on_the_other(
     assert after.prefix_hits == before[survivor].prefix_hits  # it computed every token itself
     assert tokens == run(collect(PDClient([], group.decode), req(prompt, max_tokens=8)))
     settle(PDClient([group.prefill[survivor]], group.decode))
+
+
+def test_one_output_channel_carries_every_request_of_a_step(group: WorkerGroup,
+                                                            prompts: list[list[int]]) -> None:
+    """Concurrent requests on one decode worker come back on its one output channel, a step's items in
+    one frame (``decode/outbox.py``, ``router/channel.py``): the same greedy tokens as each request's
+    own Ray stream (``DecodeWorker.generate``), in far fewer Ray items than token batches."""
+    decode = group.decode[0]
+
+    async def own_stream(r: GenerateRequest) -> list[int]:
+        stream = decode.generate.options(num_returns="streaming").remote(pack(r))
+        return [t async for ref in stream for t in unpack(await ref, TokenBatch).token_ids]
+
+    requests = [req(p, max_tokens=16, ignore_eos=True) for p in prompts[:5]] * 2
+
+    def fresh(r: GenerateRequest) -> GenerateRequest:
+        return msgspec.structs.replace(r, request_id=uuid.uuid4().hex)
+
+    async def both() -> tuple[list[list[int]], list[list[int]]]:
+        own = await asyncio.gather(*[own_stream(fresh(r)) for r in requests])
+        shared = await asyncio.gather(*[collect(client, fresh(r)) for r in requests])
+        return own, shared
+
+    client = PDClient([], group.decode)
+    handle = client.table.decode[0].handle
+    assert isinstance(handle, DecodeHandle)
+    before = unpack(ray.get(decode.stats.remote(), timeout=30), WorkerStats)
+    own, shared = run(both())
+    after = unpack(ray.get(decode.stats.remote(), timeout=30), WorkerStats)
+    assert shared == own and all(len(t) == 16 for t in shared)
+    frames, items = handle.channel.frames, handle.channel.items  # what the router received
+    assert (frames, items) == (after.output_frames - before.output_frames,
+                               after.output_items - before.output_items)  # what the worker sent
+    assert items >= 10 * 16 // 2  # a batch per request per step, give or take a merged pair
+    assert frames * 4 <= items, (frames, items)  # ten requests a step: most frames carry several
+    settle(client)
+
+
+def test_a_closed_channel_fails_its_attempts_and_loses_nothing(group: WorkerGroup,
+                                                               prompts: list[list[int]]) -> None:
+    """Closing a decode worker's channel while a request streams on it ends that request with an error
+    at once (no hang until the item timeout), the request is aborted on the worker (every block back),
+    and the next request opens a new channel and is served."""
+    client = PDClient([], group.decode)
+    handle = client.table.decode[0].handle
+    assert isinstance(handle, DecodeHandle)
+
+    async def flow() -> tuple[str, list[int]]:
+        stream = client.generate(req(prompts[5], max_tokens=400, ignore_eos=True))
+        await anext(stream)
+        first_name = handle.channel.name
+        handle.close()
+        with pytest.raises(RuntimeError, match="closed"):
+            async with asyncio.timeout(10):
+                async for _ in stream:
+                    pass
+        return first_name, await collect(client, req(prompts[0], max_tokens=4))
+
+    first_name, tokens = run(flow())
+    assert len(tokens) == 4 and handle.channel.name != first_name
+    settle(client)
