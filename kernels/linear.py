@@ -19,10 +19,14 @@ Kernels (``kernel=``): ``"plain"`` is ``F.linear`` (torch's default, the
   weight packed by ``_mkl_reorder_linear_weight`` for one row). torch's default
   takes a GEMV path that reads the ``[out, in]`` weight at 14 GB/s on the 49,152 x 576
   LM head here; the packed product streams it at the read-bandwidth floor (~3x faster).
-- ``rows > 1``: oneDNN's inner product (``torch.ops.mkldnn._linear_pointwise``):
+- ``1 < rows <= LARGE_ROWS``: oneDNN's inner product (``torch.ops.mkldnn._linear_pointwise``):
   with 2 threads about 2x torch's default on the LM head at 16 and 64 rows, with
   1 thread the same as torch's default; on the decoder's small shapes within the
   noise of the other candidates (``python -m bench.linear_kernels``).
+- ``rows > LARGE_ROWS`` (prefill chunks), whatever the kernel: torch's default (MKL's SGEMM on the
+  ``[out, in]`` weight). Measured on the 2-core Intel Xeon (AVX-512), 2 threads, the decoder's four
+  shapes x 30 layers: 815 ms at 1,371 rows against oneDNN's 933, and 5-12% ahead of it from 128
+  rows up (docs/benchmarks.md, "Prefill chunks on torch's default product").
 
 The packed MKL copy costs one more copy of each weight (for SmolLM2-135M fp32:
 +538 MB); MKL's packed product only serves the row count it was packed for
@@ -31,8 +35,8 @@ kept. Other dtypes and devices use ``"plain"``.
 
 ``"native"`` takes products of 1 to ``NATIVE_MAX_ROWS`` rows (decode steps) with the
 native kernel (``kernels.native_ops.NativeOps.linear``: the ``[out, in]`` weight read
-once in place, so no packed copy is kept) and larger ones (prefill chunks) with
-oneDNN as ``"prepacked"`` does; where the native library cannot be built it is
+once in place, so no packed copy is kept) and larger ones (prefill chunks) as
+``"prepacked"`` does; where the native library cannot be built it is
 ``"prepacked"``. Measured here (2 threads, the SmolLM2 decoder's shapes and LM head,
 ``python -m bench.linear_kernels``): the native product beats MKL's packed one at
 one row and oneDNN's from 2 to 64 rows (at 16 rows about 1.7x: it keeps 12
@@ -50,7 +54,8 @@ from kernels.native_ops import native_ops
 
 LinearKernel = Literal["plain", "prepacked", "native"]
 LINEAR_KERNELS: tuple[LinearKernel, ...] = ("plain", "prepacked", "native")
-NATIVE_MAX_ROWS = 64  # "native": the native product up to this many rows, oneDNN above
+NATIVE_MAX_ROWS = 64  # "native": the native product up to this many rows
+LARGE_ROWS = 64  # above this many rows every kernel is torch's default product (see the docstring)
 
 
 def prepacked_available(weight: torch.Tensor) -> bool:
@@ -85,6 +90,8 @@ def prepared_linear(x: torch.Tensor, weight: torch.Tensor, packed_row: torch.Ten
         return F.linear(x, weight, bias)
     if x.shape[0] == 1:
         return mkl_linear(x, packed_row, weight, bias, 1)
+    if x.shape[0] > LARGE_ROWS:
+        return F.linear(x, weight, bias)
     return onednn_linear(x, weight, bias)
 
 
@@ -108,6 +115,8 @@ class PreparedLinear:
         if self._native is not None and x.dim() == 2 and x.dtype == torch.float32 and x.shape[0]:
             if x.shape[0] <= NATIVE_MAX_ROWS:
                 return self._native.linear(x, self.weight, self.bias)
+            if x.shape[0] > LARGE_ROWS:
+                return F.linear(x, self.weight, self.bias)
             return onednn_linear(x, self.weight, self.bias)
         return prepared_linear(x, self.weight, self.packed_row, self.bias)
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.activation import silu_mul
-from kernels.linear import PreparedLinear, prepacked_available
+from kernels.linear import LARGE_ROWS, LinearKernel, PreparedLinear, prepacked_available
 
 
 @pytest.mark.parametrize("rows", [0, 1, 3, 64])
@@ -22,6 +22,24 @@ def test_prepacked_matches_f_linear(rows: int, with_bias: bool) -> None:
     out = layer(x)
     assert out.shape == (rows, 96)
     torch.testing.assert_close(out, F.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", ["prepacked", "native"])
+def test_prefill_chunks_take_torchs_default_product(kernel: LinearKernel) -> None:
+    """Above ``LARGE_ROWS`` rows every kernel is ``F.linear`` itself (bitwise: the same MKL product),
+    where oneDNN's, taken up to that many, sums in another order (docs/benchmarks.md, "Prefill chunks
+    on torch's default product")."""
+    gen = torch.Generator().manual_seed(7)
+    weight, bias = torch.randn(960, 576, generator=gen), torch.randn(960, generator=gen)
+    layer = PreparedLinear(weight, bias, kernel)
+    for rows in (LARGE_ROWS + 1, 300):
+        x = torch.randn(rows, 576, generator=gen)
+        assert torch.equal(layer(x), F.linear(x, weight, bias))
+    if prepacked_available(weight):  # up to LARGE_ROWS the prepacked kernel is oneDNN's, not F.linear
+        x = torch.randn(LARGE_ROWS, 576, generator=gen)
+        got = PreparedLinear(weight, bias, "prepacked")(x)
+        assert not torch.equal(got, F.linear(x, weight, bias))
+        torch.testing.assert_close(got, F.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
 
 
 def test_prepacked_packs_fp32_cpu_weights_only() -> None:

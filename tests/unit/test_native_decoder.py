@@ -59,7 +59,7 @@ def test_steps_it_does_not_take_run_the_per_layer_path() -> None:
     runner, reference = PagedRunner(hf), PagedRunner(hf)
     reference.model.use_native_decoder = False
     calls = spy_calls(runner)
-    for work in ([(0, prompt(70, seed=8))], [(0, [5])]):  # 70 rows: above NATIVE_MAX_ROWS, oneDNN's products
+    for work in ([(0, prompt(70, seed=8))], [(0, [5])]):  # 70 rows: above NATIVE_MAX_ROWS (F.linear)
         for got, want in zip(runner.step(work), reference.step(work), strict=True):
             assert torch.equal(got, want)
     assert calls == [1]
