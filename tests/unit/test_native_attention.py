@@ -75,6 +75,21 @@ def test_block_sizes(block_size: int) -> None:
     run_native([1, 9, 1], [70, 20, 3], 8, 2, head_dim=64, block_size=block_size, seed=2)
 
 
+@pytest.mark.parametrize(("num_heads", "kv_heads", "head_dim", "block_size", "threads"), [
+    (9, 3, 64, 16, 2),  # the default model's shape
+    (8, 1, 128, 8, 3),  # 8 query heads per KV head: the most the blocked kernel takes
+    (16, 1, 64, 32, 2),  # 16 per KV head: prompt chunks stay on the row kernel
+    (4, 2, 80, 128, 1),  # a head size the 16-float build leaves to the row kernel; one block per tile
+    (2, 2, 64, 1, 2),  # one-token blocks: every key of a tile from another block
+])
+def test_prompt_chunks(num_heads: int, kv_heads: int, head_dim: int, block_size: int, threads: int) -> None:
+    """Chunks of 16 tokens or more take the blocked kernel (8-token items, 64-key tiles gathered across
+    blocks): whole prompts, chunks after a cached prefix longer than a tile, lengths that fill neither
+    an item nor a tile, beside decode rows."""
+    run_native([16, 1, 37, 100, 1, 17], [16, 90, 37, 230, 5, 150], num_heads, kv_heads, head_dim,
+               block_size=block_size, seed=9, num_threads=threads)
+
+
 def test_many_heads_split_across_items() -> None:
     # 40 query heads do not fit one work item: rows are split within a token
     run_native([3, 1], [10, 33], 40, 8, head_dim=64, block_size=8, seed=3)
@@ -89,8 +104,9 @@ def test_q_view_with_token_stride() -> None:
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_bfloat16_cache() -> None:
-    meta, kv, q, k, v, expected = make_step([1, 6, 1], [30, 22, 5], 9, 3, 64, 16, seed=5)
+@pytest.mark.parametrize("query_lens", [[1, 6, 1], [1, 21, 40]])  # the row kernel; prompt chunks too
+def test_bfloat16_cache(query_lens: list[int]) -> None:
+    meta, kv, q, k, v, expected = make_step(query_lens, [30, 22, 90], 9, 3, 64, 16, seed=5)
     ref_kv = kv.to(torch.bfloat16)
     native_kv = ref_kv.clone()
     reference = TorchAttentionBackend()
