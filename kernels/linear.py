@@ -26,7 +26,7 @@ Kernels (``kernel=``): ``"plain"`` is ``F.linear`` (torch's default, the
 - ``rows > LARGE_ROWS`` (prefill chunks), whatever the kernel: torch's default (MKL's SGEMM on the
   ``[out, in]`` weight). Measured on the 2-core Intel Xeon (AVX-512), 2 threads, the decoder's four
   shapes x 30 layers: 815 ms at 1,371 rows against oneDNN's 933, and 5-12% ahead of it from 128
-  rows up (docs/benchmarks.md, "Prefill chunks on torch's default product").
+  rows up (docs/benchmarks.md, "... prompt chunks on MKL's product ...").
 
 The packed MKL copy costs one more copy of each weight (for SmolLM2-135M fp32:
 +538 MB); MKL's packed product only serves the row count it was packed for

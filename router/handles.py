@@ -15,6 +15,7 @@ token (reservation and prefill run at the same time).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
 from typing import Any
@@ -118,7 +119,8 @@ async def _items(channel: OutputChannel, stream: int, queue: asyncio.Queue[Recei
     def failed(future: Future[Any]) -> None:  # the submit call raised (the worker died, or a bug there)
         exc = future.exception() if not future.cancelled() else None
         if exc is not None:
-            loop.call_soon_threadsafe(channel.fail, stream, exc)
+            with contextlib.suppress(RuntimeError):  # the loop has closed: nobody reads the queue
+                loop.call_soon_threadsafe(channel.fail, stream, exc)
 
     call.future().add_done_callback(failed)
     try:

@@ -65,6 +65,8 @@ ALLOWED: dict[str, tuple[str, ...]] = {
 # generator or its reporting, and follows ALLOWED["bench"].
 IN_PROCESS_BENCHMARKS: dict[str, tuple[str, ...]] = {
     "bench.offline": ("engine",),
+    "bench.closed_loop": ("engine",),
+    "bench.ray_items": ("messages",),  # the cost of Ray stream items carrying the worker's messages
     "bench.tensor_parallel": ("engine",),
     "bench.preemption": ("engine",),
     "bench.structured": ("engine",),

@@ -27,8 +27,8 @@ def test_prepacked_matches_f_linear(rows: int, with_bias: bool) -> None:
 @pytest.mark.parametrize("kernel", ["prepacked", "native"])
 def test_prefill_chunks_take_torchs_default_product(kernel: LinearKernel) -> None:
     """Above ``LARGE_ROWS`` rows every kernel is ``F.linear`` itself (bitwise: the same MKL product),
-    where oneDNN's, taken up to that many, sums in another order (docs/benchmarks.md, "Prefill chunks
-    on torch's default product")."""
+    where oneDNN's, taken up to that many, sums in another order (docs/benchmarks.md, "... prompt chunks
+    on MKL's product ...")."""
     gen = torch.Generator().manual_seed(7)
     weight, bias = torch.randn(960, 576, generator=gen), torch.randn(960, generator=gen)
     layer = PreparedLinear(weight, bias, kernel)
