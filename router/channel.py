@@ -42,8 +42,9 @@ class OutputChannel:
         """A new attempt's number on this channel (started first if it is not running) and its queue."""
         if self._reader is None or self._reader.done():
             self.name = uuid.uuid4().hex
+            self._queues = {}  # the attempts of this channel alone: a closed one's reader fails its own
             stream = self.actor.outputs.options(num_returns="streaming").remote(self.name)
-            self._reader = asyncio.get_running_loop().create_task(self._read(stream, self.name))
+            self._reader = asyncio.get_running_loop().create_task(self._read(stream, self.name, self._queues))
         self._next += 1
         queue: asyncio.Queue[Received] = asyncio.Queue()
         self._queues[self._next] = queue
@@ -58,7 +59,7 @@ class OutputChannel:
         if queue is not None:
             queue.put_nowait(exc)
 
-    async def _read(self, stream: Any, name: str) -> None:
+    async def _read(self, stream: Any, name: str, queues: dict[int, asyncio.Queue[Received]]) -> None:
         error: BaseException = RuntimeError(f"the decode worker ended output channel {name}")
         try:
             async for ref in stream:
@@ -66,7 +67,7 @@ class OutputChannel:
                 self.frames += 1
                 self.items += len(frame.items)
                 for it in frame.items:
-                    queue = self._queues.get(it.stream)
+                    queue = queues.get(it.stream)
                     if queue is not None:
                         queue.put_nowait(it.item)
         except asyncio.CancelledError:
@@ -74,10 +75,10 @@ class OutputChannel:
             raise
         except Exception as exc:  # the worker's death (Ray's error) reaches every open attempt
             error = exc
-        finally:  # runs before the task is done, so before an ``open`` can start the next channel
-            for queue in self._queues.values():
+        finally:
+            for queue in queues.values():
                 queue.put_nowait(error)
-            self._queues.clear()
+            queues.clear()
             with contextlib.suppress(Exception):  # the worker's end stops too (a no-op once it failed)
                 ray.cancel(stream)
 

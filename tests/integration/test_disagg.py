@@ -308,10 +308,13 @@ def test_a_closed_channel_fails_its_attempts_and_loses_nothing(group: WorkerGrou
         await anext(stream)
         first_name = handle.channel.name
         handle.close()
+        number, queue = handle.channel.open()  # the next channel, before the closed one's reader has ended
         with pytest.raises(RuntimeError, match="closed"):
             async with asyncio.timeout(10):
                 async for _ in stream:
                     pass
+        assert queue.empty()  # the closed channel's end failed its own attempts only
+        handle.channel.release(number)
         return first_name, await collect(client, req(prompts[0], max_tokens=4))
 
     first_name, tokens = run(flow())
