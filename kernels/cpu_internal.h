@@ -33,6 +33,25 @@ typedef void (*attend_fn)(const Args *, const Item *);
 /* the kernel that attends one item for these arguments (head_dim and dtype specialised) */
 INTERNAL attend_fn pdserve_attend_pick(const Args *a);
 
+/* cpu_attention_blocked.c: prompt chunks. A sequence with at least BLK_MIN_QLEN new tokens, at most
+ * BLK_MAX_QPK query heads per KV head and a head size that is a multiple of BLK_HEAD_DIM_STEP takes
+ * items of BLK_TOKENS tokens (every head) */
+#define BLK_TOKENS 8
+#define BLK_MIN_QLEN 16
+#define BLK_MAX_QPK 8
+#if defined(__AVX512F__)
+#define BLK_HEAD_DIM_STEP 32
+#else
+#define BLK_HEAD_DIM_STEP 16
+#endif
+
+typedef struct {
+    int32_t seq, tok0, tok1; /* tokens tok0..tok1-1 of the sequence's new ones, every head */
+} BlockItem;
+
+typedef void (*block_fn)(const Args *, const BlockItem *);
+INTERNAL block_fn pdserve_block_pick(const Args *a);
+
 /* Cut every sequence's rows into items of at most `per_item` rows (<= 0, or more than an item holds:
  * the default, as many whole tokens as fit); writes them to `items` unless it is NULL; returns how
  * many there are. A `per_item` that divides num_heads and is a multiple of the query heads per KV

@@ -1,6 +1,7 @@
 """The native CPU attention backend: ``cpu_attention.c`` built on first use and called through ctypes.
 
-The same library holds ``cpu_ops.c`` (the per-layer small ops and the few-row product;
+The same library holds ``cpu_attention_blocked.c`` (the kernel for prompt chunks), ``cpu_ops.c`` (the
+per-layer small ops and the few-row product;
 ``kernels/native_ops.py`` wraps them) and ``cpu_decoder.c`` (every layer of a few-row step in one call;
 ``kernels/native_decoder.py``). All run their threads through OpenMP
 (``-fopenmp``): the library's ``libgomp.so.1`` resolves to the copy torch already
@@ -42,7 +43,8 @@ from kernels.torch_ref import TorchAttentionBackend
 
 logger = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_attention.c", "cpu_ops.c", "cpu_decoder.c"))
+SOURCES = tuple(Path(__file__).with_name(name)
+                for name in ("cpu_attention.c", "cpu_attention_blocked.c", "cpu_ops.c", "cpu_decoder.c"))
 # included by the sources: part of the build's hash
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_simd.h", "cpu_internal.h"))
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-shared", "-fPIC", "-fopenmp")

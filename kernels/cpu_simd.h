@@ -1,5 +1,5 @@
-/* What cpu_attention.c and cpu_ops.c share: GCC vector types of 8 floats (AVX2 width) and a
- * vector exp. Included by both; kernels/cpu_native.py hashes it with them into the library's name. */
+/* What the library's C files share: GCC vector types of 8 floats (AVX2 width), a vector exp, and
+ * the attention kernels' loads (float32 or bfloat16) and reductions. Included by both; kernels/cpu_native.py hashes it with them into the library's name. */
 #ifndef PDSERVE_CPU_SIMD_H
 #define PDSERVE_CPU_SIMD_H
 
@@ -28,6 +28,48 @@ static inline v8 exp8(v8 x) {
     p = p * (r * r) + r + 1.0f;
     const i32x8 bits = (__builtin_convertvector(n, i32x8) + 127) << 23;
     return p * (v8)bits;
+}
+
+typedef uint16_t u16x8 __attribute__((vector_size(16), aligned(2), may_alias));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+
+static inline v8 load8(const void *p, int bf16) {
+    if (bf16) {
+        u32x8 w = __builtin_convertvector(*(const u16x8 *)p, u32x8) << 16;
+        return (v8)w;
+    }
+    return *(const v8u *)p;
+}
+
+static inline float load1(const void *p, int64_t i, int bf16) {
+    if (bf16) {
+        union { uint32_t u; float f; } c = {.u = (uint32_t)((const uint16_t *)p)[i] << 16};
+        return c.f;
+    }
+    return ((const float *)p)[i];
+}
+
+static inline void store1(void *p, int64_t i, float x, int bf16) {
+    if (bf16) {
+        union { float f; uint32_t u; } c = {.f = x};
+        uint32_t u = c.u;
+        if ((u & 0x7fffffffu) > 0x7f800000u) {
+            ((uint16_t *)p)[i] = (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
+        } else {
+            ((uint16_t *)p)[i] = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16); /* round to nearest even */
+        }
+    } else {
+        ((float *)p)[i] = x;
+    }
+}
+
+static inline v8 vmax8(v8 a, v8 b) {
+    const i32x8 a_wins = a > b;
+    return (v8)(((i32x8)a & a_wins) | ((i32x8)b & ~a_wins));
+}
+
+static inline float hsum(v8 a) {
+    return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
 }
 
 #endif

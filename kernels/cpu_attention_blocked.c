@@ -1,0 +1,222 @@
+/* Paged attention on CPU for prompt chunks: the blocked kernel (cpu_attention.c has the layout, the
+ * row kernel and the call that runs both).
+ *
+ * An item is BLK_TOKENS tokens of one sequence, every head. For each KV head, a tile of BLK_TILE keys
+ * is gathered across KV blocks and transposed once (kt[d][j], 8x8 shuffles), so that four rows at a
+ * time compute their scores as outer-product updates (each key vector loaded once for four rows, no
+ * horizontal sums) and accumulate P.V the same way (each value vector loaded once for four rows), on
+ * vectors of BW floats: 16 where the build has AVX-512, else 8. Same online softmax, same float32
+ * accumulators as the row kernel; the summation order differs, so the two agree to float rounding,
+ * not bitwise.
+ */
+#include <math.h>
+#include <stdint.h>
+
+#include "cpu_internal.h"
+
+#define MAX_HEAD_DIM 256
+#define BLK_ROWS (BLK_TOKENS * BLK_MAX_QPK)
+#define BLK_TILE 64 /* keys per tile (gathered across KV blocks) */
+
+static const float zero_row[MAX_HEAD_DIM]; /* a padding key's row (all bits 0: zero in either dtype) */
+
+/* the blocked kernel's vectors: 16 floats where the build has AVX-512, else 8 */
+#if defined(__AVX512F__)
+#define BW 16
+typedef float vb __attribute__((vector_size(64)));
+typedef float vbu __attribute__((vector_size(64), aligned(4), may_alias));
+typedef uint16_t u16xb __attribute__((vector_size(32), aligned(2), may_alias));
+typedef uint32_t u32xb __attribute__((vector_size(64)));
+#else
+#define BW 8
+typedef v8 vb;
+typedef v8u vbu;
+typedef u16x8 u16xb;
+typedef u32x8 u32xb;
+#endif
+
+_Static_assert(BLK_HEAD_DIM_STEP == 2 * BW, "a head is whole steps of two vectors (cpu_internal.h)");
+
+static inline vb loadb(const void *p, int bf16) {
+    if (bf16) return (vb)(__builtin_convertvector(*(const u16xb *)p, u32xb) << 16);
+    return *(const vbu *)p;
+}
+
+/* kt[d0 + i][0..7] = column d0 + i of the 8 rows (keys) k[0..7], for i in 0..7 */
+static inline __attribute__((always_inline)) void transpose8(const char *const k[8], int d0, int esize, int bf16,
+                                                             float *kt) {
+    const i32x8 lo1 = {0, 8, 1, 9, 4, 12, 5, 13}, hi1 = {2, 10, 3, 11, 6, 14, 7, 15};
+    const i32x8 lo2 = {0, 1, 8, 9, 4, 5, 12, 13}, hi2 = {2, 3, 10, 11, 6, 7, 14, 15};
+    const i32x8 lo4 = {0, 1, 2, 3, 8, 9, 10, 11}, hi4 = {4, 5, 6, 7, 12, 13, 14, 15};
+    v8 r[8], t[8], u[8];
+    for (int i = 0; i < 8; i++) r[i] = load8(k[i] + d0 * esize, bf16);
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = __builtin_shuffle(r[2 * i], r[2 * i + 1], lo1);
+        t[2 * i + 1] = __builtin_shuffle(r[2 * i], r[2 * i + 1], hi1);
+    }
+    for (int h = 0; h < 8; h += 4) {
+        u[h] = __builtin_shuffle(t[h], t[h + 2], lo2);
+        u[h + 1] = __builtin_shuffle(t[h], t[h + 2], hi2);
+        u[h + 2] = __builtin_shuffle(t[h + 1], t[h + 3], lo2);
+        u[h + 3] = __builtin_shuffle(t[h + 1], t[h + 3], hi2);
+    }
+    for (int i = 0; i < 4; i++) {
+        *(v8u *)(kt + (d0 + i) * BLK_TILE) = __builtin_shuffle(u[i], u[i + 4], lo4);
+        *(v8u *)(kt + (d0 + i + 4) * BLK_TILE) = __builtin_shuffle(u[i], u[i + 4], hi4);
+    }
+}
+
+/* Four rows' scores against 2 * BW keys of the transposed tile: s[r][c] = sum_d q[r][d] kt[d][c]. */
+static inline __attribute__((always_inline)) void scores4(const float *q, const float *kt, float *p, int hd,
+                                                          int c0) {
+    vb s0[4] = {{0}}, s1[4] = {{0}};
+    for (int d = 0; d < hd; d++) {
+        const vb k0 = *(const vb *)(kt + d * BLK_TILE + c0);
+        const vb k1 = *(const vb *)(kt + d * BLK_TILE + c0 + BW);
+        for (int r = 0; r < 4; r++) {
+            const float b = q[r * hd + d];
+            s0[r] += b * k0;
+            s1[r] += b * k1;
+        }
+    }
+    for (int r = 0; r < 4; r++) {
+        *(vb *)(p + r * BLK_TILE + c0) = s0[r];
+        *(vb *)(p + r * BLK_TILE + c0 + BW) = s1[r];
+    }
+}
+
+static inline __attribute__((always_inline)) void attend_block(const Args *a, const BlockItem *it, int hd,
+                                                               int bf16) {
+    float kt[MAX_HEAD_DIM * BLK_TILE] __attribute__((aligned(64)));
+    float qbuf[BLK_ROWS * MAX_HEAD_DIM] __attribute__((aligned(64)));
+    float acc[BLK_ROWS * MAX_HEAD_DIM] __attribute__((aligned(64)));
+    float p[BLK_ROWS * BLK_TILE] __attribute__((aligned(64)));
+    float m[BLK_ROWS], l[BLK_ROWS], alpha[BLK_ROWS];
+    int32_t last[BLK_ROWS];
+    const v8 neg_inf = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY};
+    const i32x8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
+
+    const int esize = bf16 ? 2 : 4;
+    const int qpk = a->num_heads / a->kv_heads;
+    const int s = it->seq;
+    const int q0 = a->query_start_loc[s];
+    const int q_len = a->query_start_loc[s + 1] - q0;
+    const int ctx = a->seq_lens[s] - q_len;
+    const int ntok = it->tok1 - it->tok0;
+    const int nrows = ntok * qpk;           /* row r: token tok0 + r / qpk, head g * qpk + r % qpk */
+    const int prows = (nrows + 3) & ~3;     /* padded to whole groups of four (padding rows see no key) */
+    const int bs = a->block_size;
+    const int64_t key_stride = (int64_t)a->kv_heads * hd;
+    const int64_t block_stride = 2 * (int64_t)bs * key_stride;
+    const int32_t *table = a->block_tables + (int64_t)s * a->table_width;
+    const char *kv = (const char *)a->kv;
+    const int tile = BLK_TILE;
+    const int max_last = ctx + it->tok1 - 1;
+
+    for (int g = 0; g < a->kv_heads; g++) {
+        for (int r = 0; r < prows; r++) {
+            if (r < nrows) {
+                const int tok = it->tok0 + r / qpk, head = g * qpk + r % qpk;
+                const int64_t q_off = (int64_t)(q0 + tok) * a->q_token_stride + (int64_t)head * hd;
+                for (int d = 0; d < hd; d++) qbuf[r * hd + d] = load1(a->q, q_off + d, bf16) * a->scale;
+                last[r] = ctx + tok;
+            } else {
+                for (int d = 0; d < hd; d++) qbuf[r * hd + d] = 0.0f;
+                last[r] = -1;
+            }
+            for (int d = 0; d < hd; d++) acc[r * hd + d] = 0.0f;
+            m[r] = -INFINITY;
+            l[r] = 0.0f;
+        }
+        for (int start = 0; start <= max_last; start += tile) {
+            const int n = max_last + 1 - start < tile ? max_last + 1 - start : tile;
+            const int npad = (n + 2 * BW - 1) & ~(2 * BW - 1);
+            const char *krow[BLK_TILE], *vrow[BLK_TILE]; /* each key's K and V rows (the tile spans blocks) */
+            for (int j = 0; j < n; j++) {
+                const int pos = start + j;
+                const int64_t row = (int64_t)table[pos / bs] * block_stride + (int64_t)(pos % bs) * key_stride +
+                                    (int64_t)g * hd;
+                krow[j] = kv + row * esize;
+                vrow[j] = kv + (row + (int64_t)bs * key_stride) * esize;
+            }
+            for (int j = n; j < npad; j++) krow[j] = (const char *)zero_row; /* padding keys: zeros */
+            for (int j0 = 0; j0 < npad; j0 += 8) {
+                for (int d0 = 0; d0 < hd; d0 += 8) transpose8(krow + j0, d0, esize, bf16, kt + j0);
+            }
+            for (int r0 = 0; r0 < prows; r0 += 4) {
+                int group_last = last[r0];
+                for (int r = r0 + 1; r < r0 + 4; r++) group_last = last[r] > group_last ? last[r] : group_last;
+                if (group_last < start) continue; /* no row of the four sees a key of this tile */
+                for (int c0 = 0; c0 < n; c0 += 2 * BW) scores4(qbuf + r0 * hd, kt, p + r0 * BLK_TILE, hd, c0);
+                for (int r = r0; r < r0 + 4; r++) {
+                    float *pr = p + r * BLK_TILE;
+                    int nv = last[r] + 1 - start;
+                    if (nv > n) nv = n;
+                    if (nv <= 0) { /* no key of this tile: nothing to add */
+                        alpha[r] = 1.0f;
+                        for (int j0 = 0; j0 < n; j0 += 8) *(v8 *)(pr + j0) = (v8){0};
+                        continue;
+                    }
+                    v8 vmax = neg_inf;
+                    for (int j0 = 0; j0 < nv; j0 += 8) {
+                        const i32x8 keep = lane < (nv - j0);
+                        const v8 sc = (v8)(((i32x8) * (v8 *)(pr + j0) & keep) | ((i32x8)neg_inf & ~keep));
+                        vmax = vmax8(vmax, sc);
+                    }
+                    float mt = m[r];
+                    for (int u = 0; u < 8; u++) mt = vmax[u] > mt ? vmax[u] : mt;
+                    alpha[r] = exp8((v8){0} + (m[r] - mt))[0]; /* m = -inf at first: ~1e-38 * 0 */
+                    v8 vsum = {0};
+                    for (int j0 = 0; j0 < n; j0 += 8) {
+                        const i32x8 keep = lane < (nv - j0);
+                        const v8 e = (v8)((i32x8)exp8(*(v8 *)(pr + j0) - mt) & keep);
+                        *(v8 *)(pr + j0) = e;
+                        vsum += e;
+                    }
+                    l[r] = l[r] * alpha[r] + hsum(vsum);
+                    m[r] = mt;
+                }
+                for (int dc = 0; dc < hd; dc += 2 * BW) {
+                    vb o0[4], o1[4];
+                    for (int r = 0; r < 4; r++) {
+                        o0[r] = *(vb *)(acc + (r0 + r) * hd + dc) * alpha[r0 + r];
+                        o1[r] = *(vb *)(acc + (r0 + r) * hd + dc + BW) * alpha[r0 + r];
+                    }
+                    for (int j = 0; j < n; j++) {
+                        const char *vj = vrow[j] + dc * esize;
+                        const vb v0 = loadb(vj, bf16), v1 = loadb(vj + BW * esize, bf16);
+                        for (int r = 0; r < 4; r++) {
+                            const float pj = p[(r0 + r) * BLK_TILE + j];
+                            o0[r] += pj * v0;
+                            o1[r] += pj * v1;
+                        }
+                    }
+                    for (int r = 0; r < 4; r++) {
+                        *(vb *)(acc + (r0 + r) * hd + dc) = o0[r];
+                        *(vb *)(acc + (r0 + r) * hd + dc + BW) = o1[r];
+                    }
+                }
+            }
+        }
+        for (int r = 0; r < nrows; r++) {
+            const int tok = it->tok0 + r / qpk, head = g * qpk + r % qpk;
+            const int64_t out_off = ((int64_t)(q0 + tok) * a->num_heads + head) * hd;
+            const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+            for (int d = 0; d < hd; d++) store1(a->out, out_off + d, acc[r * hd + d] * inv, bf16);
+        }
+    }
+}
+
+static void block_f32_64(const Args *a, const BlockItem *it) { attend_block(a, it, 64, 0); }
+static void block_f32_128(const Args *a, const BlockItem *it) { attend_block(a, it, 128, 0); }
+static void block_f32_any(const Args *a, const BlockItem *it) { attend_block(a, it, a->head_dim, 0); }
+static void block_bf16_64(const Args *a, const BlockItem *it) { attend_block(a, it, 64, 1); }
+static void block_bf16_128(const Args *a, const BlockItem *it) { attend_block(a, it, 128, 1); }
+static void block_bf16_any(const Args *a, const BlockItem *it) { attend_block(a, it, a->head_dim, 1); }
+
+block_fn pdserve_block_pick(const Args *a) {
+    const int bf16 = a->dtype == DTYPE_BF16;
+    if (a->head_dim == 64) return bf16 ? block_bf16_64 : block_f32_64;
+    if (a->head_dim == 128) return bf16 ? block_bf16_128 : block_f32_128;
+    return bf16 ? block_bf16_any : block_f32_any;
+}
