@@ -110,7 +110,6 @@ static inline __attribute__((always_inline)) void attend_block(const Args *a, co
     const int64_t block_stride = 2 * (int64_t)bs * key_stride;
     const int32_t *table = a->block_tables + (int64_t)s * a->table_width;
     const char *kv = (const char *)a->kv;
-    const int tile = BLK_TILE;
     const int max_last = ctx + it->tok1 - 1;
 
     for (int g = 0; g < a->kv_heads; g++) {
@@ -128,8 +127,8 @@ static inline __attribute__((always_inline)) void attend_block(const Args *a, co
             m[r] = -INFINITY;
             l[r] = 0.0f;
         }
-        for (int start = 0; start <= max_last; start += tile) {
-            const int n = max_last + 1 - start < tile ? max_last + 1 - start : tile;
+        for (int start = 0; start <= max_last; start += BLK_TILE) {
+            const int n = max_last + 1 - start < BLK_TILE ? max_last + 1 - start : BLK_TILE;
             const int npad = (n + 2 * BW - 1) & ~(2 * BW - 1);
             const char *krow[BLK_TILE], *vrow[BLK_TILE]; /* each key's K and V rows (the tile spans blocks) */
             for (int j = 0; j < n; j++) {

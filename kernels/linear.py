@@ -90,6 +90,11 @@ def prepared_linear(x: torch.Tensor, weight: torch.Tensor, packed_row: torch.Ten
         return F.linear(x, weight, bias)
     if x.shape[0] == 1:
         return mkl_linear(x, packed_row, weight, bias, 1)
+    return _many_rows(x, weight, bias)
+
+
+def _many_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """More than one row: oneDNN's product up to ``LARGE_ROWS`` rows, torch's default above."""
     if x.shape[0] > LARGE_ROWS:
         return F.linear(x, weight, bias)
     return onednn_linear(x, weight, bias)
@@ -115,9 +120,7 @@ class PreparedLinear:
         if self._native is not None and x.dim() == 2 and x.dtype == torch.float32 and x.shape[0]:
             if x.shape[0] <= NATIVE_MAX_ROWS:
                 return self._native.linear(x, self.weight, self.bias)
-            if x.shape[0] > LARGE_ROWS:
-                return F.linear(x, self.weight, self.bias)
-            return onednn_linear(x, self.weight, self.bias)
+            return _many_rows(x, self.weight, self.bias)
         return prepared_linear(x, self.weight, self.packed_row, self.bias)
 
     @property
