@@ -31,11 +31,19 @@ static inline float hsum8(v8 a) {
  * torch holds it ([out, in]) and is read in place, once: the threads split the output features in
  * contiguous ranges of 4, and each block of 4 weight rows (4k floats, in L1) is multiplied by the
  * activation rows 3 at a time, 12 AVX2 accumulators summing along k (one horizontal sum per output
- * at the end). While a block is in use its successor is prefetched, spread evenly over the block's
- * row groups, so the DRAM stream overlaps the arithmetic: at 16 rows that is what makes the product
- * compute-bound instead of latency-bound. The empty asm statements pin the loaded vectors to
- * registers (otherwise GCC re-reads each one from memory for every FMA that uses it). */
+ * at the end). While a block is in use, the block PF_AHEAD blocks further on is prefetched into L2
+ * (prefetcht1), one instruction per cache line, spread evenly over the block's row groups, so the
+ * DRAM stream overlaps the arithmetic. Into L2 rather than L1: an L1 prefetch holds one of the core's
+ * few line-fill buffers for a whole DRAM round trip, which capped each core's stream at 8-10 GB/s while
+ * it computed; the block's first row group then reads it from L2. Against the L1 prefetch of the next
+ * block (four instructions a k step), every product of the model took 48.5-49.0 ms against 56.0-56.2
+ * at 10 rows on one thread, 25.2-25.5 against 28.7-29.4 on two, and 30.9-31.0 against 33.0-33.5 at
+ * 16 rows on two (2-core Xeon, AVX-512; docs/benchmarks.md, "Weights prefetched into L2"). The empty
+ * asm statements pin the loaded vectors to registers (otherwise GCC re-reads each one from memory for
+ * every FMA that uses it). */
 static inline v8 fma8(v8 a, v8 b, v8 c) { return a * b + c; }
+#define PF_AHEAD 2                                   /* blocks of 4 weight rows ahead of the one in use */
+#define PREFETCH_L2(p) __builtin_prefetch((p), 0, 2) /* prefetcht1 */
 
 /* pairwise sums within 128-bit lanes (vhaddps): [a0+a1, a2+a3, b0+b1, b2+b3 | a4+a5, a6+a7, b4+b5, b6+b7] */
 static inline v8 hadd8(v8 a, v8 b) {
@@ -65,11 +73,12 @@ static inline v8 hi8(v16 a) { return __builtin_shufflevector(a, a, 8, 9, 10, 11,
         for (int a = 0; a < WR; a++)                                                                  \
             for (int b = 0; b < MR; b++) wacc[a][b] = (v16){0};                                       \
         for (; i + 16 <= kv; i += 16) {                                                               \
-            __builtin_prefetch(pf);                                                                   \
-            __builtin_prefetch(pf + 16);                                                              \
-            __builtin_prefetch(pf + pstep);                                                           \
-            __builtin_prefetch(pf + pstep + 16);                                                      \
-            pf += 2 * pstep;                                                                          \
+            if (pn > 0) {                                                                             \
+                PREFETCH_L2(pf);                                                                      \
+                if (pwide) PREFETCH_L2(pf + 16);                                                      \
+                pf += 16 * (pwide + 1);                                                               \
+                pn -= pwide + 1;                                                                      \
+            }                                                                                         \
             v16 xv[MR];                                                                               \
             for (int b = 0; b < MR; b++) {                                                            \
                 xv[b] = ld16(x + b * k + i);                                                          \
@@ -91,16 +100,19 @@ static inline v8 hi8(v16 a) { return __builtin_shufflevector(a, a, 8, 9, 10, 11,
 #define GEMM_BLOCK(WR, MR)                                                                            \
     static inline void block_##WR##x##MR(const float *w, const float *x, float *y, int64_t k,          \
                                          int64_t kv, int64_t ldy, const float *bias, const float *pf,  \
-                                         int64_t pstep) {                                             \
+                                         int64_t pn, int pwide, int pnarrow) {                        \
         v8 acc[WR][MR];                                                                               \
         for (int a = 0; a < WR; a++)                                                                  \
             for (int b = 0; b < MR; b++) acc[a][b] = (v8){0};                                         \
         int64_t i = 0;                                                                                \
         WIDE_STEPS(WR, MR)                                                                            \
         for (; i < kv; i += 8) {                                                                      \
-            __builtin_prefetch(pf);                                                                   \
-            __builtin_prefetch(pf + 16);                                                              \
-            pf += pstep;                                                                              \
+            if (pn > 0) {                                                                             \
+                PREFETCH_L2(pf);                                                                      \
+                if (pnarrow) PREFETCH_L2(pf + 16);                                                    \
+                pf += 16 * (pnarrow + 1);                                                             \
+                pn -= pnarrow + 1;                                                                    \
+            }                                                                                         \
             v8 xv[MR];                                                                                \
             for (int b = 0; b < MR; b++) {                                                            \
                 xv[b] = ld(x + b * k + i);                                                            \
@@ -169,28 +181,33 @@ void pdserve_gemm_features(const float *w, const float *x, const float *bias, fl
     }
     const int64_t kv = k & ~(int64_t)7;
     const int64_t groups = (m + 2) / 3;
-    /* floats of the next block to prefetch per k step (two lines from pf on each step): the block
-     * (4k floats) spread over the groups * kv / 8 steps of this one. With one row group only its first
-     * half: the hardware prefetcher follows the rest, and prefetching all of it measured slower (every
-     * product of the model at one row, 2 threads: 24.0 ms against 21.4) */
-    const int64_t pstep = groups >= 2 ? (32 + groups - 1) / groups : 16;
-    const int64_t gspan = pstep * (kv / 8);
+    /* The block to prefetch (4k floats: `lines` cache lines) is split between the row groups, each
+     * prefetching its share (`per_group` lines from next + g * per_group * 16) one line a k step, or
+     * two (pwide: 16-float steps; pnarrow: 8-float ones) where its share has more lines than its k
+     * loop has steps. With one row group only the block's first half: the hardware prefetcher follows
+     * the rest, and prefetching all of it measured slower (every product of the model at one row,
+     * 2 threads: 24.0 ms against 21.4) */
+    const int64_t lines = (4 * k + 15) / 16;
+    const int64_t per_group = groups >= 2 ? (lines + groups - 1) / groups : lines / 2;
+    const int pwide = per_group > k / 16, pnarrow = per_group > k / 8;
+#define PN(g) (lines - (g) * per_group < per_group ? lines - (g) * per_group : per_group) /* g's share */
     for (int64_t r = r0; r < r1;) {
         const int wide = r + 4 <= r1;
         const float *wr = w + r * k, *br = bias ? bias + r : 0;
-        const float *next = r + 4 < r1 ? wr + 4 * k : wr;
+        const float *next = r + 4 * PF_AHEAD < r1 ? wr + 4 * PF_AHEAD * k : wr;
         int64_t b = 0, g = 0;
-        for (; b + 3 <= m; b += 3, g++) {
-            if (wide) block_4x3(wr, x + b * k, y + b * n + r, k, kv, n, br, next + g * gspan, pstep);
-            else block_1x3(wr, x + b * k, y + b * n + r, k, kv, n, br, next + g * gspan, pstep);
-        }
-        if (m - b == 2) {
-            if (wide) block_4x2(wr, x + b * k, y + b * n + r, k, kv, n, br, next + g * gspan, pstep);
-            else block_1x2(wr, x + b * k, y + b * n + r, k, kv, n, br, next + g * gspan, pstep);
-        } else if (m - b == 1) {
-            if (wide) block_4x1(wr, x + b * k, y + b * n + r, k, kv, n, br, next + g * gspan, pstep);
-            else block_1x1(wr, x + b * k, y + b * n + r, k, kv, n, br, next + g * gspan, pstep);
-        }
+/* activation rows b.. b+MR-1 times the 4-row block (or, at the end of the range, one weight row) */
+#define ARGS wr, x + b * k, y + b * n + r, k, kv, n, br, next + g * per_group * 16, PN(g), pwide, pnarrow
+#define BLOCK(MR)                          \
+    do {                                   \
+        if (wide) block_4x##MR(ARGS);      \
+        else block_1x##MR(ARGS);           \
+    } while (0)
+        for (; b + 3 <= m; b += 3, g++) BLOCK(3);
+        if (m - b == 2) BLOCK(2);
+        else if (m - b == 1) BLOCK(1);
+#undef BLOCK
+#undef ARGS
         r += wide ? 4 : 1;
     }
 }
