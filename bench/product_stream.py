@@ -4,9 +4,13 @@ Every product of the default model's shapes (per layer: fused QKV, output, fused
 the LM head), at one activation row, in a decode step's order, against a ``sum`` over the same bytes
 and one product over a single weight of the same size (best of ``--repeats``, no profiler). The gap
 between "one long product" and the ``sum`` is the kernel's; between the step's products and the one
-long product, the per-call cost.
+long product, the per-call cost. ``--rows 1,10,16`` adds the step's products at each of those
+activation row counts (a decode step of that batch), with the arithmetic rate they reached.
 
-    python -m bench.product_stream [--threads 2] [--repeats 7] [--layers 30]
+    python -m bench.product_stream [--threads 2] [--repeats 7] [--layers 30] [--rows 1,10,16]
+
+Start it with ``THP_MEM_ALLOC_ENABLE=1`` to read the weights through 2 MB pages, as the serving
+workers do (``cluster/workers.py``).
 """
 
 from __future__ import annotations
@@ -38,7 +42,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--rows", default="", help="comma-separated activation row counts for the step's "
+                        "products (default: none beyond the one-row table)")
     args = parser.parse_args(argv)
+    try:
+        row_counts = [int(r) for r in args.rows.split(",") if r.strip()]
+    except ValueError:
+        raise SystemExit(f"--rows: comma-separated integers expected, got {args.rows!r}") from None
+    if any(r < 1 for r in row_counts):
+        raise SystemExit(f"--rows: row counts must be at least 1, got {args.rows!r}")
     ops = native_ops()
     if ops is None:
         raise SystemExit("the native kernels are unavailable here (no C compiler, or "
@@ -66,6 +78,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{total / 1e6:.0f} MB of weights, {args.threads} threads, best of {args.repeats}")
     for name, seconds, nbytes in rows:
         print(f"{name:>28}: {seconds * 1000:7.2f} ms  {nbytes / seconds / 1e9:5.1f} GB/s")
+    for count in row_counts:
+        xr, xir = torch.randn(count, HIDDEN, generator=gen), torch.randn(count, INTER, generator=gen)
+
+        def step_rows(xr: torch.Tensor = xr, xir: torch.Tensor = xir) -> None:
+            for w in weights:
+                ops.linear(xir if w.shape[1] == INTER else xr, w, None)
+
+        seconds = best(step_rows, args.repeats)
+        flops = 2 * count * total / 4
+        print(f"{f'{len(weights)} products, {count} rows':>28}: {seconds * 1000:7.2f} ms  "
+              f"{total / seconds / 1e9:5.1f} GB/s  {flops / seconds / 1e9:5.0f} GFLOP/s")
     return 0
 
 

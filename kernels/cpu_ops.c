@@ -36,9 +36,9 @@ static inline float hsum8(v8 a) {
  * DRAM stream overlaps the arithmetic. Into L2 rather than L1: an L1 prefetch holds one of the core's
  * few line-fill buffers for a whole DRAM round trip, which capped each core's stream at 8-10 GB/s while
  * it computed; the block's first row group then reads it from L2. Against the L1 prefetch of the next
- * block (four instructions a k step), every product of the model took 48.5-49.0 ms against 56.0-56.2
- * at 10 rows on one thread, 25.2-25.5 against 28.7-29.4 on two, and 30.9-31.0 against 33.0-33.5 at
- * 16 rows on two (2-core Xeon, AVX-512; docs/benchmarks.md, "Weights prefetched into L2"). The empty
+ * block (four instructions a k step), every product of the model took 49.5-52.5 ms against 55.3-55.9
+ * at 10 rows on one thread and 66.4 against 69.8-70.2 at 16, on huge pages (2-core Xeon, AVX-512;
+ * docs/benchmarks.md, "Weights prefetched into L2 in the few-row product"). The empty
  * asm statements pin the loaded vectors to registers (otherwise GCC re-reads each one from memory for
  * every FMA that uses it). */
 static inline v8 fma8(v8 a, v8 b, v8 c) { return a * b + c; }

@@ -40,7 +40,7 @@ once in place, so no packed copy is kept) and larger ones (prefill chunks) as
 ``"prepacked"``. Measured here (2 threads, the SmolLM2 decoder's shapes and LM head,
 ``python -m bench.linear_kernels``): the native product beats MKL's packed one at
 one row and oneDNN's from 2 to 64 rows (at 16 rows about 1.7x: it keeps 12
-accumulators in registers and prefetches the next weight block while it computes).
+accumulators in registers and prefetches the weight blocks ahead into L2 while it computes).
 """
 
 from __future__ import annotations
