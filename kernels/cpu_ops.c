@@ -210,6 +210,7 @@ void pdserve_gemm_features(const float *w, const float *x, const float *bias, fl
 #undef ARGS
         r += wide ? 4 : 1;
     }
+#undef PN
 }
 
 void pdserve_gemm_f32(const float *w, const float *x, const float *bias, float *y, int64_t m, int64_t n,
