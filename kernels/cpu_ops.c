@@ -105,6 +105,7 @@ static inline v8 hi8(v16 a) { return __builtin_shufflevector(a, a, 8, 9, 10, 11,
         for (int a = 0; a < WR; a++)                                                                  \
             for (int b = 0; b < MR; b++) acc[a][b] = (v8){0};                                         \
         int64_t i = 0;                                                                                \
+        (void)pwide; /* read by WIDE_STEPS only */                                                    \
         WIDE_STEPS(WR, MR)                                                                            \
         for (; i < kv; i += 8) {                                                                      \
             if (pn > 0) {                                                                             \
@@ -147,11 +148,15 @@ GEMM_BLOCK(1, 2)
 GEMM_BLOCK(1, 3)
 
 /* One activation row (a batch-1 decode step): each weight row is read front to back, so each thread's
- * share of the weight is one sequential stream, which the hardware prefetcher follows at full speed,
- * summed in 4 accumulators along k. The 4-row blocks below read four rows at once (four streams 4k
- * floats apart, with software prefetch): at one row this path took 7-10% less time over every product
- * of the model (2 threads, interleaved: 20.6 ms against 22.0 best, 22.2 against 24.8 median), and a
- * software prefetch on it only slowed it (docs/benchmarks.md, "Decode step time"). */
+ * share of the weight is one sequential stream, summed in 4 accumulators along k. The 4-row blocks
+ * below read four rows at once (four streams 4k floats apart, with software prefetch): at one row this
+ * path took 7-10% less time over every product of the model (2 threads, interleaved: 20.6 ms against
+ * 22.0 best, 22.2 against 24.8 median; docs/benchmarks.md, "Decode step time"). The stream is
+ * prefetched into L2 ROW_PF_AHEAD floats ahead (16 KB, across row ends), one instruction per line: a
+ * batch-1 step took 21.8-23.1 ms against 24.1-25.3 with the hardware prefetcher alone (2 threads, huge
+ * pages, alternating; "Weights prefetched into L2 in the few-row product"). An L1 prefetch of the
+ * next lines had only slowed it. */
+#define ROW_PF_AHEAD 4096
 static void gemv_features(const float *w, const float *x, const float *bias, float *y, int64_t k, int64_t r0,
                           int64_t r1) {
     const int64_t k32 = k & ~(int64_t)31, kv = k & ~(int64_t)7;
@@ -160,6 +165,8 @@ static void gemv_features(const float *w, const float *x, const float *bias, flo
         v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
         int64_t i = 0;
         for (; i < k32; i += 32) {
+            PREFETCH_L2(wr + i + ROW_PF_AHEAD);
+            PREFETCH_L2(wr + i + ROW_PF_AHEAD + 16);
             a0 = fma8(ld(wr + i), ld(x + i), a0);
             a1 = fma8(ld(wr + i + 8), ld(x + i + 8), a1);
             a2 = fma8(ld(wr + i + 16), ld(x + i + 16), a2);
