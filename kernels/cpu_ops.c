@@ -44,6 +44,16 @@ static inline float hsum8(v8 a) {
 static inline v8 fma8(v8 a, v8 b, v8 c) { return a * b + c; }
 #define PF_AHEAD 2                                   /* blocks of 4 weight rows ahead of the one in use */
 #define PREFETCH_L2(p) __builtin_prefetch((p), 0, 2) /* prefetcht1 */
+/* one k step's part of a row group's prefetch share: a line, or two when `two`, until pn lines are done */
+#define PREFETCH_SHARE(two)                \
+    do {                                   \
+        if (pn > 0) {                      \
+            PREFETCH_L2(pf);               \
+            if (two) PREFETCH_L2(pf + 16); \
+            pf += 16 * ((two) + 1);        \
+            pn -= (two) + 1;               \
+        }                                  \
+    } while (0)
 
 /* pairwise sums within 128-bit lanes (vhaddps): [a0+a1, a2+a3, b0+b1, b2+b3 | a4+a5, a6+a7, b4+b5, b6+b7] */
 static inline v8 hadd8(v8 a, v8 b) {
@@ -73,12 +83,7 @@ static inline v8 hi8(v16 a) { return __builtin_shufflevector(a, a, 8, 9, 10, 11,
         for (int a = 0; a < WR; a++)                                                                  \
             for (int b = 0; b < MR; b++) wacc[a][b] = (v16){0};                                       \
         for (; i + 16 <= kv; i += 16) {                                                               \
-            if (pn > 0) {                                                                             \
-                PREFETCH_L2(pf);                                                                      \
-                if (pwide) PREFETCH_L2(pf + 16);                                                      \
-                pf += 16 * (pwide + 1);                                                               \
-                pn -= pwide + 1;                                                                      \
-            }                                                                                         \
+            PREFETCH_SHARE(pwide);                                                            \
             v16 xv[MR];                                                                               \
             for (int b = 0; b < MR; b++) {                                                            \
                 xv[b] = ld16(x + b * k + i);                                                          \
@@ -108,12 +113,7 @@ static inline v8 hi8(v16 a) { return __builtin_shufflevector(a, a, 8, 9, 10, 11,
         (void)pwide; /* read by WIDE_STEPS only */                                                    \
         WIDE_STEPS(WR, MR)                                                                            \
         for (; i < kv; i += 8) {                                                                      \
-            if (pn > 0) {                                                                             \
-                PREFETCH_L2(pf);                                                                      \
-                if (pnarrow) PREFETCH_L2(pf + 16);                                                    \
-                pf += 16 * (pnarrow + 1);                                                             \
-                pn -= pnarrow + 1;                                                                    \
-            }                                                                                         \
+            PREFETCH_SHARE(pnarrow);                                                          \
             v8 xv[MR];                                                                                \
             for (int b = 0; b < MR; b++) {                                                            \
                 xv[b] = ld(x + b * k + i);                                                            \
