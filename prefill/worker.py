@@ -13,7 +13,8 @@ Contract with the decode side (see DESIGN.md, steps 4-5):
   transfer completes ("done" notification), the decode side gives them up
   ("release"), the caller calls ``release``/``abort``, or the lease deadline
   passes. A background task polls the KV source every ``poll_interval``
-  seconds and frees them; afterwards the pool holds no block for the request.
+  seconds while any lease is held (and sleeps while none is: a new lease wakes
+  it) and frees them; afterwards the pool holds no block for the request.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class PrefillWorker(WorkerBase):
         self.request_timeout = request_timeout
         self.leases_expired = 0
         self._poller: asyncio.Task[None] | None = None
+        self._leased = asyncio.Event()  # set by each new lease: the poller wakes up
         self._computing: set[str] = set()  # requests in ``_prefill``, not leased yet
         self._dropped: set[str] = set()  # ... of those, the ones released or aborted meanwhile
 
@@ -119,6 +121,7 @@ class PrefillWorker(WorkerBase):
             lease_deadline=deadline,
         )
         self.source.add_lease(rid, deadline)
+        self._leased.set()
         lp = last.logprobs[0] if last.logprobs else None
         return PrefillResult(
             request_id=rid,
@@ -171,7 +174,11 @@ class PrefillWorker(WorkerBase):
                 await self._poll_once()
             except Exception:  # keep polling: a lease must never outlive its deadline
                 log.exception("lease poll failed on %s", self.worker_id)
-            await asyncio.sleep(self.poll_interval)
+            self._leased.clear()
+            if self.source.num_leases():
+                await asyncio.sleep(self.poll_interval)
+            else:
+                await self._leased.wait()
 
     async def _poll_once(self) -> None:
         released, expired = self.source.poll()

@@ -11,6 +11,16 @@ the source stopped calling into NIXL). ``ProgressPump`` is the middle ground: a 
 the notifications for the owner. Agents run with ``NIXL_THREAD_SYNC_STRICT`` so
 the pump and the owner's thread may call into NIXL concurrently.
 
+Cadence: the pump progresses every ``interval`` seconds only while its owner has
+transfers in flight, and every ``idle_interval`` seconds (``IDLE_INTERVAL_S``)
+otherwise, so an idle or computing worker does not wake a thousand times a second.
+"In flight" is ``busy()`` (the source: a lease is held, a sink may READ any moment)
+or a ``kick()`` less than ``linger`` seconds ago (the sink: it posted a READ or sent a
+notification, which completes only while it progresses). ``kick`` also wakes the
+thread at once. Measured on the 2-core host: a source pumping every millisecond
+through a 60 s load at concurrency 16 used 3.0 CPU-seconds (60,614 wake-ups) on a
+core the model needed.
+
 Read threads (sink side, UCX only): on a CPU-only host UCX moves a READ's bytes with
 cma (``process_vm_readv``), one kernel copy per descriptor on the thread that posts
 it, which reaches about two thirds of a user-space ``memmove`` on one core. With
@@ -30,6 +40,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
+from collections.abc import Callable
 
 from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
@@ -37,6 +49,8 @@ logger = logging.getLogger(__name__)
 
 READ_THREADS_ENV = "PDSERVE_KV_READ_THREADS"
 MAX_DEFAULT_READ_THREADS = 2
+IDLE_INTERVAL_S = 0.05
+LINGER_S = 0.1
 
 
 def default_read_threads(mem_type: str) -> int:
@@ -74,13 +88,20 @@ def new_agent(agent_name: str, backend: str, progress_thread: bool, read_threads
 class ProgressPump:
     """Progresses ``agent`` from a daemon thread and collects (or drops) its notifications."""
 
-    def __init__(self, agent: nixl_agent, name: str, interval: float, keep_notifs: bool = True) -> None:
+    def __init__(self, agent: nixl_agent, name: str, interval: float, keep_notifs: bool = True, *,
+                 busy: Callable[[], bool] | None = None, idle_interval: float = IDLE_INTERVAL_S,
+                 linger: float = LINGER_S) -> None:
         self._agent = agent
         self._interval = interval
+        self._idle_interval = max(interval, idle_interval)
+        self._busy = busy
+        self._linger = linger
+        self._busy_until = 0.0
         self._keep = keep_notifs
         self._lock = threading.Lock()
         self._messages: list[str] = []
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"nixl-progress-{name}", daemon=True)
         self._thread.start()
 
@@ -91,12 +112,25 @@ class ProgressPump:
             messages, self._messages = self._messages, []
         return messages
 
+    def kick(self) -> None:
+        """Progress every ``interval`` for the next ``linger`` seconds, starting now."""
+        self._busy_until = time.monotonic() + self._linger
+        self._wake.set()
+
+    def in_flight(self) -> bool:
+        return time.monotonic() < self._busy_until or (self._busy is not None and self._busy())
+
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         self._thread.join(timeout=5.0)
 
     def _run(self) -> None:
-        while not self._stop.wait(self._interval):
+        while not self._stop.is_set():
+            self._wake.wait(self._interval if self.in_flight() else self._idle_interval)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             try:
                 self._pump()
             except Exception:  # noqa: BLE001 - keep pumping; NIXL logs the cause

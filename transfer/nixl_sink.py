@@ -162,7 +162,7 @@ class KvSink:
         self._agent: nixl_agent | None = new_agent(agent_name, backend, progress_thread, read_threads)
         tensors = kv_cache if scales is None else [kv_cache, scales]
         self._reg = self._agent.register_memory(tensors, backends=[backend])
-        # Completes notification sends between reads; the sink expects no notifications.
+        # Completes notification sends (kicked by each READ and send); the sink expects no notifications.
         self._pump = ProgressPump(self._agent, agent_name, PROGRESS_INTERVAL_S, keep_notifs=False)
         table = region_table(kv_cache.data_ptr(), layout, device_id,
                              scales.data_ptr() if scales is not None else 0)
@@ -284,15 +284,14 @@ class KvSink:
 
     def notify_done(self, handle: KvHandle) -> None:
         """Tell the source its blocks were read (after reads with ``notify=False`` completed)."""
-        notif = (DONE_PREFIX + handle.request_id).encode()
-        self._live_agent().send_notif(self._remote(handle).nixl_name, notif)
+        self._send(self._remote(handle).nixl_name, (DONE_PREFIX + handle.request_id).encode())
 
     def release(self, handle: KvHandle) -> None:
         remote = self._remotes.get(handle.agent_name)
         if remote is None:
             logger.warning("release of %s: source %r never connected", handle.request_id, handle.agent_name)
             return
-        self._live_agent().send_notif(remote.nixl_name, (RELEASE_PREFIX + handle.request_id).encode())
+        self._send(remote.nixl_name, (RELEASE_PREFIX + handle.request_id).encode())
 
     def close(self) -> None:
         """Drop every remote, the descriptor lists and the registration (idempotent)."""
@@ -366,7 +365,7 @@ class KvSink:
         )
         if not direct and not staged:
             if notify:
-                agent.send_notif(remote.nixl_name, notif)
+                self._send(remote.nixl_name, notif)
             return None, stats
         # one READ to rank 0 carries the notification itself; otherwise it follows every READ
         carried = notif if not staged and len(direct) == 1 and direct[0][0] is remote.peers[0] else b""
@@ -384,6 +383,7 @@ class KvSink:
         except BaseException:
             self._release_xfer(pending)
             raise
+        self._pump.kick()  # the READs' notification goes out only while this agent progresses
         return pending, stats
 
     def _chunks(self, peer: _Peer, remote_blocks: np.ndarray, local_blocks: np.ndarray) -> list[_Chunk]:
@@ -437,7 +437,14 @@ class KvSink:
 
     def _notify_after(self, handle: KvHandle, pending: _Pending) -> None:
         if pending.notify_after:
-            self._live_agent().send_notif(self._remote(handle).nixl_name, pending.notify_after)
+            self._send(self._remote(handle).nixl_name, pending.notify_after)
+        else:
+            self._pump.kick()  # the notification a READ carried completes only while we progress
+
+    def _send(self, nixl_name: str, notif: bytes) -> None:
+        """Send a notification and progress at the fast cadence until it has gone out."""
+        self._live_agent().send_notif(nixl_name, notif)
+        self._pump.kick()
 
     def _indices(
         self, src: KvLayout, remote_blocks: np.ndarray, local_blocks: np.ndarray

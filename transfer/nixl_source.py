@@ -27,7 +27,9 @@ Contract
 - ``add_lease`` on an id that already holds a lease replaces its deadline.
 - Progress: a READ completes only while the source's NIXL agent progresses (true on
   a CPU-only host with UCX over cma + TCP; see ``transfer/agent.py``). A ``ProgressPump`` thread
-  does that every millisecond and keeps the notifications for ``poll``; NIXL's own
+  does that every millisecond while a lease is held (every ``IDLE_INTERVAL_S`` while
+  none is; always every millisecond with ``always_in_flight``, for a tensor-parallel
+  rank whose leases live on rank 0) and keeps the notifications for ``poll``; NIXL's own
   busy-spinning progress thread is off unless ``progress_thread=True`` (see
   ``transfer/agent.py``).
 - Single-threaded: call every method from one thread (the worker's event loop).
@@ -106,6 +108,7 @@ class KvSource:
         *,
         progress_thread: bool = False,
         scales: torch.Tensor | None = None,
+        always_in_flight: bool = False,
     ) -> None:
         check_tensor(kv_cache, layout, scales)
         self.layout = layout
@@ -116,7 +119,9 @@ class KvSource:
         self._agent: nixl_agent | None = new_agent(agent_name, backend, progress_thread)
         tensors = kv_cache if scales is None else [kv_cache, scales]
         self._reg = self._agent.register_memory(tensors, backends=[backend])
-        self._pump = ProgressPump(self._agent, agent_name, PROGRESS_INTERVAL_S)
+        self._leases: dict[str, float] = {}
+        self._pump = ProgressPump(self._agent, agent_name, PROGRESS_INTERVAL_S,
+                                  busy=lambda: always_in_flight or bool(self._leases))
         mem_type, device_id = tensor_placement(kv_cache)
         self._info = AgentInfo(
             wire_version=WIRE_VERSION,
@@ -129,13 +134,13 @@ class KvSource:
             layout=layout,
             scales_addr=scales.data_ptr() if scales is not None else 0,
         )
-        self._leases: dict[str, float] = {}
 
     def agent_info(self) -> AgentInfo:
         return self._info
 
     def add_lease(self, request_id: str, deadline: float) -> None:
         self._leases[request_id] = deadline
+        self._pump.kick()  # a sink may READ now: progress at the fast cadence
 
     def num_leases(self) -> int:
         return len(self._leases)

@@ -108,7 +108,9 @@ class RankKv:
         name = rank_agent_name(order.agent_name, self.rank)
         kv, scales = self.runner.kv_cache, self.runner.kv_scales
         if order.role == "source":
-            self.source = self.source or KvSource(kv, layout, name, scales=scales)
+            # rank 0 holds the leases; this rank cannot tell when a sink reads, so it always progresses
+            self.source = self.source or KvSource(kv, layout, name, scales=scales,
+                                                  always_in_flight=self.rank > 0)
             return pack(self.source.agent_info())
         self.sink = self.sink or KvSink(kv, layout, name, scales=scales)
         return b""

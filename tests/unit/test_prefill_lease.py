@@ -76,3 +76,36 @@ def test_abort_after_the_last_step_takes_no_lease(tiny_model_dir: Path) -> None:
     assert aborted == ["late"]
     assert isinstance(answer, WorkerError) and answer.kind is ErrorKind.ABORTED, answer
     assert (stats.num_leases, stats.num_used_blocks) == (0, 0)
+
+
+def test_lease_poller_sleeps_without_leases_and_wakes_for_a_new_one(tiny_model_dir: Path) -> None:
+    """No lease held: the poller does not run (it waits for one); a new lease wakes it, and it
+    polls until the lease ends, here at its deadline."""
+    config = EngineConfig(num_kv_blocks=64, block_size=16)
+    worker = PrefillWorker("prefill-t", str(tiny_model_dir), pack(config), lease_seconds=0.3)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    real_poll, polls = worker.source.poll, [0]
+
+    def counting_poll(now: float | None = None) -> tuple[list[str], list[str]]:
+        polls[0] += 1
+        return real_poll(now)
+
+    worker.source.poll = counting_poll  # type: ignore[method-assign]
+
+    async def main() -> tuple[int, WorkerStats, WorkerStats]:
+        await worker.ready()
+        await asyncio.sleep(0.3)
+        idle_polls = polls[0]
+        req = GenerateRequest(request_id="r", prompt_token_ids=list(range(1, 41)), sampling=params)
+        unpack(await worker.prefill(pack(req)), PrefillResult)
+        held = unpack(await worker.stats(), WorkerStats)
+        await asyncio.sleep(0.6)  # past the deadline
+        later = unpack(await worker.stats(), WorkerStats)
+        await worker.aengine.stop()
+        return idle_polls, held, later
+
+    idle_polls, held, later = asyncio.run(main())
+    assert idle_polls <= 1  # one pass at start-up, then asleep (every 10 ms would be ~30)
+    assert (held.num_leases, held.num_used_blocks) == (1, 3)
+    assert (later.num_leases, later.num_used_blocks, later.leases_expired) == (0, 0, 1)
+    assert polls[0] >= 10  # polled every 10 ms while the lease was held
