@@ -151,6 +151,14 @@ class KvSnapshot(msgspec.Struct, frozen=True):
     hashes: list[int]
 
 
+class WorkerRefresh(msgspec.Struct, frozen=True):
+    """What the router's periodic refresh reads from a worker in one call: its stats and, when
+    asked for, the ``KvEvents`` since the previous batch (both read between the same two steps)."""
+
+    stats: WorkerStats
+    events: KvEvents | None = None
+
+
 class ErrorKind(enum.StrEnum):
     """Why a request could not be served (machine-readable; the HTTP status follows from it)."""
 

@@ -23,7 +23,7 @@ from typing import Any
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from messages.codec import pack, unpack
-from messages.wire import GenerateRequest, KvEvents, KvSnapshot, TokenBatch, WorkerError, WorkerStats
+from messages.wire import GenerateRequest, KvSnapshot, TokenBatch, WorkerError, WorkerRefresh, WorkerStats
 from router.channel import OutputChannel, Received
 from router.errors import RequestFailed
 from transfer.wire import AgentInfo, KvLayout
@@ -48,8 +48,9 @@ class WorkerHandle:
     async def stats(self, timeout: float) -> WorkerStats:
         return unpack(await asyncio.wait_for(self.actor.stats.remote(), timeout), WorkerStats)
 
-    async def kv_events(self, timeout: float) -> KvEvents:
-        return unpack(await asyncio.wait_for(self.actor.kv_events.remote(), timeout), KvEvents)
+    async def refresh(self, events: bool, timeout: float) -> WorkerRefresh:
+        """Stats and (``events``) the KV events since the last batch, in one call."""
+        return unpack(await asyncio.wait_for(self.actor.refresh.remote(events), timeout), WorkerRefresh)
 
     async def kv_snapshot(self, timeout: float) -> KvSnapshot:
         return unpack(await asyncio.wait_for(self.actor.kv_snapshot.remote(), timeout), KvSnapshot)

@@ -225,16 +225,17 @@ class WorkerTable:
 
     async def _refresh_one(self, w: WorkerState) -> None:
         try:
-            stats = await w.handle.stats(self.call_timeout)
+            drained_after = time.monotonic()
+            got = await w.handle.refresh(self.index is not None, self.call_timeout)
+            stats = got.stats
             if w.pid and stats.pid != w.pid:  # Ray restarted it between two refreshes
                 log.warning("%s has a new process (pid %d, was %d)", stats.worker_id, stats.pid, w.pid)
                 self.mark_dead(w)
                 return
             w.stats, w.worker_id, w.free_blocks, w.pid = (stats, stats.worker_id, stats.num_free_kv_blocks,
                                                           stats.pid)
-            if self.index is not None:
-                drained_after = time.monotonic()
-                if not self.index.apply(await w.handle.kv_events(self.call_timeout)):
+            if self.index is not None and got.events is not None:
+                if not self.index.apply(got.events):
                     self.index.reset(await w.handle.kv_snapshot(self.call_timeout))
                 w.drop_published(drained_after)
         except (RayActorError, ActorUnavailableError) as exc:

@@ -2,7 +2,8 @@
 
 An engine driven by an ``AsyncEngine`` (its step runs in a worker thread), the
 KV-event publisher the router's prefix index polls, tracing, and the calls the
-router makes of every worker: ``stats``, ``kv_events``, ``kv_snapshot``,
+router makes of every worker: ``stats``, ``refresh`` (stats and KV events in one
+call, the router's periodic read), ``kv_snapshot``,
 ``abort``, ``check_integrity``, ``kv_digest``, ``drain``.
 
 Thread rule: the engine is touched by one thread at a time. Every read of
@@ -49,7 +50,7 @@ from engine.kv_sizing import kv_dtype_name
 from engine.llm import start_engine
 from engine.sampling_params import SamplingParams
 from messages.codec import pack
-from messages.wire import KvEvents, KvSnapshot, KvTierStats, WorkerStats
+from messages.wire import KvEvents, KvSnapshot, KvTierStats, WorkerRefresh, WorkerStats
 from telemetry.histogram import Histogram
 from telemetry.tracing import TracedRole
 from worker.tp_kv import EXTENSION
@@ -155,10 +156,16 @@ class WorkerBase(TracedRole):
         """The role's own figures added to ``common`` (``msgspec.structs.replace``); engine lock held."""
         return common
 
-    async def kv_events(self) -> bytes:
-        """``KvEvents`` since the last call (the router's prefix index polls this)."""
-        batch = await self.aengine.read(lambda e: self.events.drain())
-        return pack(KvEvents(self.worker_id, batch.seq, batch.stored, batch.removed))
+    async def refresh(self, events: bool = True) -> bytes:
+        """``WorkerRefresh``: the stats and (``events``) the ``KvEvents`` since the last batch, read
+        between the same two steps: the router's periodic poll, one call per worker."""
+        def read(e: LLMEngine) -> WorkerRefresh:
+            if not events:
+                return WorkerRefresh(self._stats(e))
+            batch = self.events.drain()
+            drained = KvEvents(self.worker_id, batch.seq, batch.stored, batch.removed)
+            return WorkerRefresh(self._stats(e), drained)
+        return pack(await self.aengine.read(read))
 
     async def kv_snapshot(self) -> bytes:
         seq, hashes = await self.aengine.read(lambda e: self.events.snapshot())
