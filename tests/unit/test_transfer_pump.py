@@ -42,7 +42,7 @@ def calls_in_window(counter: Counting) -> int:
 
 def test_idle_pump_is_slow_and_a_kick_makes_it_fast_for_the_linger() -> None:
     counter = Counting(new_agent("pump-kick", "UCX", progress_thread=False))
-    pump = ProgressPump(counter, "kick", FAST_S, keep_notifs=False,  # type: ignore[arg-type]
+    pump = ProgressPump(counter, "kick", FAST_S, keep_notifs=False,
                         idle_interval=IDLE_S, linger=LINGER_S)
     try:
         assert not pump.in_flight()
@@ -62,7 +62,7 @@ def test_idle_pump_is_slow_and_a_kick_makes_it_fast_for_the_linger() -> None:
 def test_busy_predicate_keeps_it_fast_and_stop_does_not_wait_for_the_idle_tick() -> None:
     busy = [True]
     counter = Counting(new_agent("pump-busy", "UCX", progress_thread=False))
-    pump = ProgressPump(counter, "busy", FAST_S, keep_notifs=False,  # type: ignore[arg-type]
+    pump = ProgressPump(counter, "busy", FAST_S, keep_notifs=False,
                         busy=lambda: busy[0], idle_interval=5.0, linger=LINGER_S)
     assert calls_in_window(counter) >= FAST_MIN
     busy[0] = False
