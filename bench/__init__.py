@@ -1,1 +1,8 @@
 """Benchmarks: offline throughput against Hugging Face transformers, load generation."""
+
+import os
+
+# Weights and KV through 2 MB pages, as in the serving workers (``cluster/workers.py``): torch reads
+# the switch once, at its first allocation, so it is set here, before any bench module imports torch.
+# An explicit value (``THP_MEM_ALLOC_ENABLE=0``) wins.
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")

@@ -12,7 +12,8 @@ gives for a served worker, so served and alone compare term by term.
     python -m bench.closed_loop [--concurrency 16] [--duration 40] [--input-len 256]
         [--output-len 64] [--threads 2] [--json OUT]
 
-Start it with ``THP_MEM_ALLOC_ENABLE=1`` to match the served workers (``cluster/workers.py``).
+Huge pages are on, as in the served workers (``bench/__init__.py``; ``THP_MEM_ALLOC_ENABLE=0``
+turns them off).
 """
 
 from __future__ import annotations

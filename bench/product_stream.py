@@ -9,8 +9,8 @@ activation row counts (a decode step of that batch), with the arithmetic rate th
 
     python -m bench.product_stream [--threads 2] [--repeats 7] [--layers 30] [--rows 1,10,16]
 
-Start it with ``THP_MEM_ALLOC_ENABLE=1`` to read the weights through 2 MB pages, as the serving
-workers do (``cluster/workers.py``).
+It reads the weights through 2 MB pages, as the serving workers do (``bench/__init__.py`` turns
+torch's ``THP_MEM_ALLOC_ENABLE`` on; ``THP_MEM_ALLOC_ENABLE=0`` turns it off).
 """
 
 from __future__ import annotations

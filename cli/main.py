@@ -4,6 +4,10 @@
 prints each completion with its token counts and timings. The engine flags are
 defined once in :func:`add_engine_args` so every subcommand that builds an
 engine accepts the same ones.
+
+In-process engines (``generate``, ``profile``) read their weights through 2 MB pages, as the serving
+workers do (``THP_MEM_ALLOC_ENABLE``, set at import here, before anything imports torch; an explicit
+value wins).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import os
 import re
 import sys
 import time
@@ -23,6 +28,8 @@ if TYPE_CHECKING:
     from engine.config import EngineConfig
     from engine.outputs import RequestOutput
     from engine.sampling import SamplingParams
+
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # see the module doc; torch is not imported yet
 
 PROG = "pdserve"
 DTYPES = ("float32", "bfloat16", "float16")
