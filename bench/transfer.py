@@ -90,7 +90,8 @@ def source_main(conn: Connection, device: str = "cpu") -> None:
     sources = []
     for i, (_, layout, _) in enumerate(cases()):
         kv = torch.randn(layout.shape, device=device).to(getattr(torch, layout.dtype))
-        sources.append(KvSource(kv, layout, f"bench-source-{i}"))
+        # progressed as a prefill worker's source is while it lends blocks (no leases are taken here)
+        sources.append(KvSource(kv, layout, f"bench-source-{i}", always_in_flight=True))
     conn.send_bytes(pack([s.agent_info() for s in sources]))
     while not conn.poll(0.01):
         for source in sources:

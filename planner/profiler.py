@@ -169,6 +169,7 @@ def measure_transfer(engine: LLMEngine, grid: Grid, progress: Progress) -> list[
         # small size measured cold can outlast the largest one, hiding the cost per byte
         warm = KvHandle("t-warm", source.agent_name, list(range(blocks)), blocks * block_size,
                         compat_hash(layout), time.time() + 60)
+        source.add_lease(warm.request_id, warm.lease_deadline)  # as a prefill worker holds one
         sink.read_blocking(warm, list(range(blocks)), list(range(blocks)), timeout=30.0)
         source.poll()
         for n in grid.transfer_blocks:
@@ -176,6 +177,7 @@ def measure_transfer(engine: LLMEngine, grid: Grid, progress: Progress) -> list[
             for rep in range(grid.repeats + 1):
                 handle = KvHandle(f"t-{n}-{rep}", source.agent_name, list(range(n)), n * block_size,
                                   compat_hash(layout), time.time() + 60)
+                source.add_lease(handle.request_id, handle.lease_deadline)
                 stats = sink.read_blocking(handle, list(range(n)), list(range(n)), timeout=30.0)
                 source.poll()
                 if rep:  # the first read of a size warms the path
