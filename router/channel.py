@@ -10,7 +10,9 @@ Failure: when the channel's Ray stream fails (the worker died or cannot be reach
 open on it gets that exception in its queue, as each would have from a stream of its own (the caller
 acts on ``router.handles.WORKER_DIED``); the next ``open`` starts a new channel under a new name (a
 restarted worker's first). ``fail(stream, exc)`` puts an error for one attempt (its ``submit`` call
-raised). The reader's end (``close``, or its event loop closing) cancels the worker's end.
+raised). The reader's end (``close``, or its event loop closing) cancels the worker's end; ``close(error)``
+gives the attempts still open that error (the worker table passes a ``WORKER_DIED`` one when a worker
+leaves with requests still running, so they migrate as from a dead worker).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class OutputChannel:
         self._queues: dict[int, asyncio.Queue[Received]] = {}
         self._next = 0
         self._reader: asyncio.Task[None] | None = None
+        self._close_error: BaseException | None = None
         self.frames = 0
         self.items = 0
 
@@ -71,7 +74,7 @@ class OutputChannel:
                     if queue is not None:
                         queue.put_nowait(it.item)
         except asyncio.CancelledError:
-            error = RuntimeError(f"output channel {name} closed")
+            error = self._close_error or RuntimeError(f"output channel {name} closed")
             raise
         except Exception as exc:  # the worker's death (Ray's error) reaches every open attempt
             error = exc
@@ -82,9 +85,10 @@ class OutputChannel:
             with contextlib.suppress(Exception):  # the worker's end stops too (a no-op once it failed)
                 ray.cancel(stream)
 
-    def close(self) -> None:
-        """Stop reading: every open attempt gets an error, and the worker's end is cancelled (its
-        ``outputs`` call ends)."""
+    def close(self, error: BaseException | None = None) -> None:
+        """Stop reading: every open attempt gets ``error`` (default: a ``RuntimeError``), and the worker's
+        end is cancelled (its ``outputs`` call ends)."""
         if self._reader is not None:
+            self._close_error = error
             self._reader.cancel()
             self._reader = None

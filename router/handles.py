@@ -109,8 +109,9 @@ class DecodeHandle(WorkerHandle):
         call = self.actor.submit.remote(self.channel.name, stream, pack(req), refs, attempt, prefill_timeout)
         return _items(self.channel, stream, queue, call, item_timeout)
 
-    def close(self) -> None:
-        self.channel.close()
+    def close(self, error: BaseException | None = None) -> None:
+        """Close the output channel; its open attempts get ``error`` (``OutputChannel.close``)."""
+        self.channel.close(error)
 
 
 async def _items(channel: OutputChannel, stream: int, queue: asyncio.Queue[Received], call: Any,

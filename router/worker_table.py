@@ -157,12 +157,14 @@ class WorkerTable:
             self.index.remove_worker(worker.worker_id)
 
     def remove(self, worker: WorkerState) -> None:
-        """Forget ``worker`` (idempotent): it leaves the table, the prefix index and supervision."""
+        """Forget ``worker`` (idempotent): it leaves the table, the prefix index and supervision; the
+        decode requests still open on it get ``ActorUnavailableError`` (they migrate)."""
         workers = self.role(worker.role)
         workers[:] = [w for w in workers if w is not worker]
         worker.alive = False
         if isinstance(worker.handle, DecodeHandle):
-            worker.handle.close()
+            # requests still running there (a drain past its deadline) move on as from a dead worker
+            worker.handle.close(ActorUnavailableError(f"{worker.worker_id} left the cluster", None))
         if self.index is not None:
             self.index.remove_worker(worker.worker_id)
         task = self._revivals.pop(id(worker), None)

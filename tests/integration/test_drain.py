@@ -111,3 +111,34 @@ def test_decode_worker_drained_under_load(server: PdserveServer, load: Load) -> 
         return all(w[k] == 0 for w in workers(server, AUTH)["workers"] for k in HELD[:5])
 
     wait_for("every lease, reservation and used block freed", idle, 30, server)
+
+
+def test_drain_past_its_deadline_moves_running_requests_on(server: PdserveServer, load: Load) -> None:
+    """A worker added, then a streaming decode worker drained with a 50 ms deadline: it is retired at once
+    with what it runs, and those requests finish on the other worker (migrated with their tokens so far),
+    each with the text its prompt gets alone. Found by the chaos soak: they ended in a 500."""
+    added = httpx.post(f"{server.url}/v1/workers", headers=AUTH, json={"role": "decode"}, timeout=180)
+    assert added.status_code == 200, added.text
+    newcomer, victim = added.json()["worker_id"], "decode-1"
+    running = Load(server.url, AUTH, PROMPTS, partial(chat_body, MODEL, max_tokens=MAX_TOKENS, stream=True),
+                   CLIENTS, load.references)
+    running.start(CLIENTS)
+    try:
+        busy: list[Record] = []
+
+        def streaming() -> bool:
+            busy[:] = running.running(victim, MAX_TOKENS // 2)
+            return bool(busy)
+
+        wait_for(f"{victim} streams a request", streaming, 60, server)
+        resp = httpx.post(f"{server.url}/v1/workers/{victim}/drain", headers=AUTH, json={"deadline_s": 0.05},
+                          timeout=120)
+        assert resp.status_code == 200, resp.text
+        report = resp.json()
+        assert report["worker_id"] == victim and report["moved"] >= 1 and report["final"] is None, report
+        wait_for("the moved requests end", lambda: all(r.ended is not None for r in busy), 120, server)
+    finally:
+        running.close()
+    assert not lost_or_disturbed(running, MAX_TOKENS), lost_or_disturbed(running, MAX_TOKENS)[:5]
+    assert all(r.status == 200 for r in busy), busy
+    assert sorted(w["worker_id"] for w in workers(server, AUTH)["workers"]) == [newcomer, "prefill-0"]

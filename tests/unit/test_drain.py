@@ -13,7 +13,7 @@ from engine.sampling_params import SamplingParams
 from messages.wire import GenerateRequest
 from router.drain import Drainer
 from router.errors import DrainRefused
-from router.handles import DecodeHandle, PrefillHandle
+from router.handles import WORKER_DIED, DecodeHandle, PrefillHandle
 from router.load import Chooser
 from router.load_window import LoadWindow, Served
 from router.policy import LeastLoaded
@@ -130,3 +130,46 @@ def test_slo_and_planner_flags(capsys: pytest.CaptureFixture[str]) -> None:
     options = PlannerOptions(enabled=True, profile="p.json", max_decode=4)
     assert options.bounds(1, 2) == (1, 1, 2, 4)
     assert ServeConfig(num_decode=2, planner=options).planner.bounds(1, 2) == (1, 1, 2, 4)
+
+
+class _Silent:
+    """A decode actor's ``outputs`` stream that never yields (the worker is busy): enough for a channel."""
+
+    def options(self, **_: object) -> _Silent:
+        return self
+
+    def remote(self, _channel: str) -> _Silent:
+        return self
+
+    def __aiter__(self) -> _Silent:
+        return self
+
+    async def __anext__(self) -> object:
+        await asyncio.Event().wait()
+        raise StopAsyncIteration
+
+
+class _Actor:
+    outputs = _Silent()
+
+
+def test_removed_decode_worker_moves_its_open_requests_on() -> None:
+    """A drain past its deadline removes a worker that still streams: those attempts get Ray's "worker
+    died" error (the client migrates them, as after a death), not a bare error that fails them. Found
+    by the chaos soak: such requests ended in a 500 ("output channel closed")."""
+    t = WorkerTable([], [DecodeHandle(_Actor()), DecodeHandle(_Actor())], 1.0)
+    d0, d1 = t.decode
+    d0.worker_id = "decode-0"
+
+    async def main() -> tuple[object, object]:
+        assert isinstance(d0.handle, DecodeHandle) and isinstance(d1.handle, DecodeHandle)
+        _, left = d0.handle.channel.open()
+        _, shut = d1.handle.channel.open()
+        await asyncio.sleep(0)  # the readers start
+        t.remove(d0)
+        d1.handle.close()  # the router shutting down: a plain error is enough there
+        return await asyncio.wait_for(left.get(), 5), await asyncio.wait_for(shut.get(), 5)
+
+    left, shut = asyncio.run(main())
+    assert isinstance(left, WORKER_DIED) and "decode-0 left the cluster" in str(left), repr(left)
+    assert isinstance(shut, RuntimeError) and not isinstance(shut, WORKER_DIED), repr(shut)
