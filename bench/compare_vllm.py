@@ -71,7 +71,9 @@ def render(runs: dict[str, Run], concurrency: list[int], started: str, command: 
              "`scripts/vllm_cpu.sh serve` on the folder written by `python -m bench.export_hf` (the same "
              "weights). pdserve: `pdserve serve` (default: 1 prefill + 1 decode, one torch thread each) and "
              "colocated `pdserve serve --num-prefill 0 --num-decode 1 --worker-cpus 2` (one worker, two "
-             "torch threads). Each server gets one untimed warm-up request first.", "",
+             "torch threads). Each server gets one untimed warm-up request first. Both systems' "
+             "processes start with torch's huge pages on (`THP_MEM_ALLOC_ENABLE=1`: pdserve's workers "
+             "always, vLLM's server from this command's environment, `bench/__init__.py`).", "",
              "| concurrency | system | ok/sent | output tok/s | / vLLM | ITL p50 (ms) | TTFT p50 (ms) |",
              "|---:|---|---:|---:|---:|---:|---:|"]
     for conc in concurrency:
