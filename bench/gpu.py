@@ -105,7 +105,13 @@ def graphed_decode_step(model: CausalLM, kv: torch.Tensor, backend_name: str, ba
     runner = DecodeGraphRunner(model, kv, None, config, "capture", blocks, backend)
     tables = [list(range(b * blocks, (b + 1) * blocks)) for b in range(batch)]
     plan = StepPlan([0] * batch, [ctx] * batch, [1] * batch, [ctx + 1] * batch, tables, list(range(batch)))
-    return lambda: runner.execute(plan)
+
+    @torch.inference_mode()
+    def step() -> object:
+        rows = runner.execute(plan)
+        return None if rows is None else model.compute_logits(rows)
+
+    return step
 
 
 def main(argv: list[str] | None = None) -> int:

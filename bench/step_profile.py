@@ -15,10 +15,11 @@ weights are re-prepared between them), and each phase keeps its best time of
 
 - ``schedule``: ``Scheduler.schedule``;
 - ``metadata``: ``ModelRunner.prepare`` (flat inputs, attention metadata);
-- ``forward``: ``ModelRunner.run`` (decoder and LM head), split once more under
+- ``forward``: ``ModelRunner.run`` (the decoder), split once more under
   torch.profiler into GEMM, attention, norm/rope/activation and other (per-op
   self times, scaled to the unprofiled forward time);
-- ``sampling``: ``LLMEngine.sample``; ``output``: ``LLMEngine.process``.
+- ``sampling``: ``LLMEngine.sample``, the LM head included (the greedy head where it applies:
+  ``kernels/greedy_head.py``); ``output``: ``LLMEngine.process``.
 
 Floors, measured in the same run: ``bw_floor`` = (weight bytes + KV bytes
 read) / read bandwidth (a torch ``sum`` over ``--bw-bytes`` bytes, best of 5);
@@ -119,9 +120,9 @@ def timed_step(engine: LLMEngine) -> dict[str, float]:
     t1 = time.perf_counter()
     inputs = engine.runner.prepare(out, engine.kv)
     t2 = time.perf_counter()
-    logits = engine.runner.run(inputs)
+    rows = engine.runner.run(inputs)
     t3 = time.perf_counter()
-    sampled = engine.sample(out, logits)
+    sampled = engine.sample(out, rows)
     t4 = time.perf_counter()
     engine.process(out, sampled)
     t5 = time.perf_counter()

@@ -35,13 +35,13 @@ from engine.kv_cache import KVCacheManager
 from engine.kv_sizing import KvTier, kv_block_bytes, num_kv_blocks
 from engine.loader import ModelSource, load_model_source, resolve_model
 from engine.model import CausalLM
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, StepRows
 from engine.offload import KvOffload
 from engine.outputs import RequestOutput
 from engine.rejection import Verified, verify
 from engine.request import Request
-from engine.sampling import Sampler, SamplerOutput, SamplingParams, TokenLogprobs
-from engine.scheduler import KvWindow, Scheduler, SchedulerOutput
+from engine.sampling import Sampler, SamplerOutput, SamplingParams, TokenLogprobs, plain_greedy
+from engine.scheduler import KvWindow, ScheduledRequest, Scheduler, SchedulerOutput
 from engine.spec_decode import SpecDecoder, SpecStats
 from engine.step_work import StepWork, step_work
 from engine.structured import Grammars, apply_logit_bias
@@ -111,6 +111,13 @@ def build_runner(source: ModelSource, config: EngineConfig, group: TpGroup | Non
         group.connect()
         blocks = group.min_int(blocks)
     return ModelRunner(net, source.config, config, blocks)
+
+
+def _greedy_only(item: ScheduledRequest) -> bool:
+    """Whether this chunk's next token is the plain argmax of the model's logits."""
+    request = item.request
+    return (not item.spec_token_ids and request.guide is None and request.params.structured is None
+            and not request.params.logit_bias and plain_greedy(request.sampling))
 
 
 class LLMEngine:
@@ -266,20 +273,26 @@ class LLMEngine:
             self.last_step_work = None
             return []
         self.last_step_work = step_work(out)
-        logits = self.runner.execute(out, self.kv)
-        return self.process(out, self.sample(out, logits))
+        return self.process(out, self.sample(out, self.runner.execute(out, self.kv)))
 
-    def sample(self, out: SchedulerOutput, logits: torch.Tensor) -> SamplerOutput | Verified | None:
+    def sample(self, out: SchedulerOutput, rows: StepRows) -> SamplerOutput | Verified | None:
         """One token per completing chunk of ``out`` (None when no chunk completes); with proposed
         tokens in the step, 1 to 1 + proposals per chunk (``engine/rejection.py``). Logit bias and
         grammar masks apply to every row; a constrained request never has proposals
-        (``SpecDecoder.propose``), so its one row is masked by its guide's current state."""
+        (``SpecDecoder.propose``), so its one row is masked by its guide's current state. A step whose
+        rows are all plain greedy (no bias, grammar, penalties, logprobs, banned ids or proposals) takes
+        the model's greedy head when it applies (``StepRows.greedy_ids``): the same tokens, bitwise."""
         completing = [item for item in out.scheduled if item.completes]
         if not completing:
             return None
-        rows = [1 + len(item.spec_token_ids) for item in completing]
-        params = [item.request.params for item, n in zip(completing, rows, strict=True) for _ in range(n)]
-        guides = [item.request.guide for item, n in zip(completing, rows, strict=True) for _ in range(n)]
+        if all(_greedy_only(item) for item in completing):
+            ids = rows.greedy_ids()
+            if ids is not None:
+                return SamplerOutput(ids, [None] * len(ids))
+        logits = rows.logits()
+        counts = [1 + len(item.spec_token_ids) for item in completing]
+        params = [item.request.params for item, n in zip(completing, counts, strict=True) for _ in range(n)]
+        guides = [item.request.guide for item, n in zip(completing, counts, strict=True) for _ in range(n)]
         logits = apply_logit_bias(logits, params)
         logits = self.grammars.apply(logits, guides)
         states = [item.request.sampling for item in completing]

@@ -104,7 +104,8 @@ class DecodeGraphRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor | None:
-        """Logits of the step's rows to sample (as ``ModelRunner.run``), or None: run it eagerly instead."""
+        """The final hidden rows to sample (as ``ModelRunner.run``; a view of this bucket's buffers when
+        they are the first rows), or None: run it eagerly instead."""
         bucket = self.handles(plan) if self.mode is not None else None
         if bucket is None:
             return None
@@ -125,9 +126,9 @@ class DecodeGraphRunner:
             hidden = self._forward(entry.backend, padded)
         n = padded.num_real
         if plan.sample_rows == list(range(n)):
-            return self.model.compute_logits(hidden[:n])
+            return hidden[:n]
         rows = torch.tensor(plan.sample_rows, dtype=torch.int64, device=self.device)
-        return self.model.compute_logits(hidden.index_select(0, rows))
+        return hidden.index_select(0, rows)
 
     def _forward(self, backend: AttentionBackend, padded: PaddedDecode) -> torch.Tensor:
         return self.model(padded.input_ids, padded.positions, self.kv_cache, backend, padded.meta,

@@ -23,6 +23,10 @@ SiLU*up is one call. Same values as the torch path up to the norm's and SiLU's r
 tokens whose products all take the native kernel go further: every layer and the final norm in one
 native call (``kernels/native_decoder.py``), bitwise the values of the per-layer fused path;
 ``use_native_decoder`` (default: on unless ``PDSERVE_NATIVE_DECODER=0``) turns that off alone.
+
+Greedy rows: ``greedy_tokens`` picks each row's argmax of the LM head without the whole float32 product
+where ``kernels/greedy_head.py`` applies (the native float32 LM head on one rank), bitwise the tokens
+``compute_logits(...).argmax(-1)`` gives.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from engine.tp_group import TpGroup
 from kernels.activation import silu_mul
 from kernels.attention import AttentionBackend, AttentionMetadata
 from kernels.cpu_native import env_off
+from kernels.greedy_head import GreedyHead
 from kernels.linear import LinearKernel, PreparedLinear
 from kernels.native_decoder import DecoderLayerWeights, DecoderShape, NativeDecoder
 from kernels.native_ops import NativeOps, native_ops
@@ -198,6 +203,7 @@ class CausalLM(nn.Module):
             self.lm_head.data.zero_()
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, device)
         self.lm_head_linear = PreparedLinear(self.lm_head, None, "plain")
+        self.greedy_head: GreedyHead | None = None
         self.use_native_ops = True
         self.use_native_decoder = not env_off("PDSERVE_NATIVE_DECODER")
         self.native_decoder: NativeDecoder | None = None
@@ -210,6 +216,7 @@ class CausalLM(nn.Module):
             assert isinstance(layer, DecoderLayer)
             layer.prepare_linears(self.linear_kernel)
         self.lm_head_linear = PreparedLinear(self.lm_head, None, self.linear_kernel)
+        self.greedy_head = GreedyHead.build(self.lm_head_linear) if self.group is None else None
         self.native_decoder = self._build_native_decoder()
 
     def _build_native_decoder(self) -> NativeDecoder | None:
@@ -317,6 +324,12 @@ class CausalLM(nn.Module):
         outside = (input_ids < start) | (input_ids >= stop)
         rows = F.embedding((input_ids - start).masked_fill(outside, 0), self.embed_tokens)
         return self.group.all_reduce(rows.masked_fill(outside.unsqueeze(-1), 0.0))
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Each row's argmax of ``compute_logits(hidden)`` (int64 ``[N]``), bitwise the token the full
+        product picks, computed without it (``kernels/greedy_head.py``); None where that does not apply
+        (then take ``compute_logits``)."""
+        return None if self.greedy_head is None else self.greedy_head.argmax(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[N, vocab]`` in float32 (with tensor parallelism: on rank 0; the others get their

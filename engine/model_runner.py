@@ -1,4 +1,9 @@
-"""Runs the model for one scheduled step: builds inputs and attention metadata, returns logits.
+"""Runs the model for one scheduled step: builds inputs and attention metadata, returns the rows to sample.
+
+A step's result is a ``StepRows``: the final hidden rows to sample, with the LM head applied on demand,
+so a step whose rows are all plain greedy can take ``greedy_ids`` (``CausalLM.greedy_tokens``) and never
+compute the whole ``[rows, vocab]`` logits. With tensor parallelism the logits are computed in the step
+itself (every rank takes part in their gather).
 
 With tensor parallelism the runner on rank 0 turns each step into a ``StepPlan`` and sends it to the
 other ranks before its own forward (``engine/tp_group.py``); ``follow`` is the other ranks' loop: the
@@ -27,6 +32,38 @@ from kernels import AttentionMetadata, get_attention_backend
 
 if TYPE_CHECKING:
     from engine.compiled import CompiledDecoder
+
+
+class StepRows:
+    """The final hidden rows of a step's tokens to sample, in the order ``execute`` documents.
+
+    ``logits()`` is ``CausalLM.compute_logits`` over them (``[rows, vocab]`` float32, computed once);
+    ``greedy_ids()`` each row's argmax of those logits, bitwise, computed without them where the model's
+    greedy head applies, else None. Read them before the next step: a padded decode step's rows are
+    a view of buffers the next one overwrites (``engine/graph_runner.py``).
+    """
+
+    def __init__(self, model: CausalLM, hidden: torch.Tensor | None, logits: torch.Tensor | None = None
+                 ) -> None:
+        if hidden is None and logits is None:
+            raise ValueError("StepRows needs the hidden rows or their logits")
+        self.model = model
+        self.hidden = hidden
+        self._logits = logits
+
+    def logits(self) -> torch.Tensor:
+        if self._logits is None:
+            assert self.hidden is not None
+            with torch.inference_mode():
+                self._logits = self.model.compute_logits(self.hidden)
+        return self._logits
+
+    def greedy_ids(self) -> list[int] | None:
+        if self._logits is not None or self.hidden is None:
+            return None
+        with torch.inference_mode():
+            ids = self.model.greedy_tokens(self.hidden)
+        return None if ids is None else ids.tolist()
 
 
 @dataclass
@@ -87,15 +124,15 @@ class ModelRunner:
             total += self.kv_scales.numel() * self.kv_scales.element_size()
         return total
 
-    def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> torch.Tensor:
-        """Run every scheduled chunk; logits in scheduling order, one row per completing chunk plus one
-        per proposed token it verifies (``ScheduledRequest.spec_token_ids``)."""
+    def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> StepRows:
+        """Run every scheduled chunk; the rows to sample in scheduling order, one per completing chunk
+        plus one per proposed token it verifies (``ScheduledRequest.spec_token_ids``)."""
         plan = self.plan(out, kv)
         if self.group is None:
             if self.decode_graphs is not None:  # pure-decode steps padded to a bucket, replayed
-                logits = self.decode_graphs.execute(plan)
-                if logits is not None:
-                    return logits
+                rows = self.decode_graphs.execute(plan)
+                if rows is not None:
+                    return StepRows(self.model, rows)
             return self.run(self.inputs(plan))
         with self.group.lock:  # the plan and this forward's collectives, never interleaved with a keep-alive
             self.group.send_plan(plan)
@@ -155,12 +192,15 @@ class ModelRunner:
                           torch.tensor(plan.sample_rows, dtype=torch.int64, device=self.device))
 
     @torch.inference_mode()
-    def run(self, inputs: StepInputs) -> torch.Tensor:
-        """The forward pass and the LM head over the rows to sample."""
+    def run(self, inputs: StepInputs) -> StepRows:
+        """The forward pass; the rows to sample (their logits too with tensor parallelism)."""
         if self.compiled is not None and self.compiled.handles(inputs.meta):
             hidden = self.compiled.forward(inputs.input_ids, inputs.positions, self.kv_cache, self.backend,
                                            self.kv_scales)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, self.backend, inputs.meta,
                                 self.kv_scales)
-        return self.model.compute_logits(hidden.index_select(0, inputs.sample_rows))
+        rows = hidden.index_select(0, inputs.sample_rows)
+        if self.group is not None:  # every rank computes its logits' share now, for the gather
+            return StepRows(self.model, None, self.model.compute_logits(rows))
+        return StepRows(self.model, rows)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampling import Sampler, SamplingState, TokenLogprobs
+from engine.sampling import Sampler, SamplingState, TokenLogprobs, plain_greedy
 
 
 @dataclass
@@ -42,11 +42,6 @@ class Verified:
 
     def num_accepted(self, i: int) -> int:
         return len(self.token_ids[i]) - 1
-
-
-def _plain_greedy(state: SamplingState) -> bool:
-    p = state.params
-    return p.greedy and not p.has_penalties and p.logprobs is None and not state.banned_token_ids
 
 
 def verify(sampler: Sampler, logits: torch.Tensor, states: Sequence[SamplingState],
@@ -61,7 +56,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, states: Sequence[SamplingStat
         raise ValueError(f"logits {tuple(logits.shape)} do not match {row} verification rows")
     tokens: list[list[int]] = [[] for _ in states]
     lps: list[list[TokenLogprobs | None]] = [[] for _ in states]
-    if all(_plain_greedy(s) for s in states):
+    if all(plain_greedy(s) for s in states):
         best = logits.argmax(dim=-1).tolist()
         for i, draft in enumerate(drafts):
             for j in range(len(draft) + 1):

@@ -204,7 +204,9 @@ def _logprobs(
     return result
 
 
-def _plain_greedy(state: SamplingState) -> bool:
+def plain_greedy(state: SamplingState) -> bool:
+    """Greedy with nothing that changes the argmax of the model's logits (penalties, banned ids) and no
+    logprobs: the token is ``logits.argmax()``."""
     p = state.params
     return p.greedy and not p.has_penalties and p.logprobs is None and not state.banned_token_ids
 
@@ -216,7 +218,7 @@ class Sampler:
         """Sample ``[B, V]`` logits, row ``i`` for ``requests[i]``."""
         if logits.dim() != 2 or logits.shape[0] != len(requests):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(requests)} requests")
-        if all(_plain_greedy(s) for s in requests):
+        if all(plain_greedy(s) for s in requests):
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(requests))
         penalised = apply_penalties(logits.float(), requests)
         masked = _mask_banned(penalised, requests)

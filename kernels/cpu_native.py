@@ -2,8 +2,9 @@
 
 The same library holds ``cpu_attention_blocked.c`` (the kernel for prompt chunks), ``cpu_ops.c`` (the
 per-layer small ops and the few-row product;
-``kernels/native_ops.py`` wraps them) and ``cpu_decoder.c`` (every layer of a few-row step in one call;
-``kernels/native_decoder.py``). All run their threads through OpenMP
+``kernels/native_ops.py`` wraps them), ``cpu_decoder.c`` (every layer of a few-row step in one call;
+``kernels/native_decoder.py``) and ``cpu_greedy.c`` (the greedy head's screen;
+``kernels/greedy_head.py``). All run their threads through OpenMP
 (``-fopenmp``): the library's ``libgomp.so.1`` resolves to the copy torch already
 loaded, so the kernels share torch's thread team instead of starting threads that
 compete with its spinning ones for the same cores.
@@ -44,7 +45,8 @@ from kernels.torch_ref import TorchAttentionBackend
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("cpu_attention.c", "cpu_attention_blocked.c", "cpu_ops.c", "cpu_decoder.c"))
+                for name in ("cpu_attention.c", "cpu_attention_blocked.c", "cpu_ops.c", "cpu_decoder.c",
+                                  "cpu_greedy.c"))
 # included by the sources: part of the build's hash
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_simd.h", "cpu_internal.h"))
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-shared", "-fPIC", "-fopenmp")
@@ -137,11 +139,15 @@ def bind_ops(lib: ctypes.CDLL) -> None:
         "pdserve_add_rms_norm_f32": [ptr, ptr, ptr, ptr, i64, i64, f32, i32],  # h, delta, w, out, rows, dim
         "pdserve_rope_f32": [ptr, i64, ptr, ptr, i64, i32, i32, i32],  # x, stride, cos, sin, T, heads, hd
         "pdserve_silu_mul_f32": [ptr, ptr, i64, i64, i32],  # gate_up, out, rows, inter, threads
+        "pdserve_screen_f16": [ptr, ptr, ptr, i64, i64, i64, i32],  # q, x, y, m, n, k, threads
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
         fn.restype = None
         fn.argtypes = argtypes
+    candidates = lib.pdserve_screen_candidates
+    candidates.restype = i64
+    candidates.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, i64]  # y, c, x, m, n, k, out, cap
     decoder = lib.pdserve_decoder_f32
     decoder.restype = i32
     decoder.argtypes = [

@@ -80,7 +80,11 @@ def greedy(n: int = NEW_TOKENS) -> SamplingParams:
 def test_greedy_matches_transformers_in_one_mixed_chunked_batch(
     llm: LLM, prompts: list[list[int]], hf_reference: list[list[int]]
 ) -> None:
+    head = llm.engine.runner.model.greedy_head
+    assert head is not None, "the default model's LM head takes the greedy head on CPU float32"
+    steps = head.steps
     outs = llm.generate(prompts, greedy())
+    assert head.steps > steps  # every row greedy: the tokens below came through kernels/greedy_head.py
     for i, (out, ref) in enumerate(zip(outs, hf_reference, strict=True)):
         assert out.token_ids == ref, f"prompt {i} diverged"
         assert out.finish_reason == ("stop" if len(ref) < NEW_TOKENS else "length")
