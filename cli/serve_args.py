@@ -78,6 +78,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="times a stream moves to another decode worker when its worker dies (default: 1)")
     c.add_argument("--lease-seconds", type=_positive(float), default=d.lease_seconds, metavar="SECONDS",
                    help="how long prefill keeps KV blocks for decode to pull (default: 30)")
+    c.add_argument("--share-cores", action=argparse.BooleanOptionalAction, default=d.share_cores,
+                   help="decode workers run their steps on the threads of idle prefill workers on the same "
+                        "node too, and give them back before the prefill worker computes again "
+                        "(default: on)")
     c.add_argument("--worker-cpus", type=_positive(float), default=d.prefill.num_cpus, metavar="N",
                    help="Ray CPUs reserved by each worker; with --device cuda each also reserves one "
                         "GPU (default: 1)")

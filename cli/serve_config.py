@@ -51,7 +51,7 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
         prefill=workers("prefill"), decode=workers("decode"),
         tracing=TraceFlags(endpoint=args.otlp_traces_endpoint, protocol=args.otlp_traces_protocol,
                            sample_ratio=args.otlp_traces_sample_ratio),
-        inject_transfer_failures=args.inject_transfer_failures,
+        inject_transfer_failures=args.inject_transfer_failures, share_cores=args.share_cores,
         planner=PlannerOptions(
             enabled=args.planner, profile=args.planner_profile, min_prefill=args.min_prefill,
             max_prefill=args.max_prefill, min_decode=args.min_decode, max_decode=args.max_decode,

@@ -124,6 +124,7 @@ class ServeConfig:
     decode: WorkerOptions = field(default_factory=lambda: _role("decode"))
     tracing: TraceFlags = field(default_factory=TraceFlags)
     inject_transfer_failures: float = 0.0  # fault injection (testing only): fraction of KV pulls failed
+    share_cores: bool = True  # idle prefill workers lend their threads to decode steps on their node
     planner: PlannerOptions = field(default_factory=PlannerOptions)
 
     def __post_init__(self) -> None:
@@ -174,7 +175,7 @@ SETTINGS: dict[str, tuple[str, ...]] = {
        for name in ("resources", "labels", "tp")},
     "otlp_traces_endpoint": ("tracing.endpoint",), "otlp_traces_protocol": ("tracing.protocol",),
     "otlp_traces_sample_ratio": ("tracing.sample_ratio",),
-    "inject_transfer_failures": ("inject_transfer_failures",),
+    "inject_transfer_failures": ("inject_transfer_failures",), "share_cores": ("share_cores",),
     "planner": ("planner.enabled",), "planner_profile": ("planner.profile",),
     **{f"{edge}_{role}": (f"planner.{edge}_{role}",) for edge in ("min", "max")
        for role in ("prefill", "decode")},

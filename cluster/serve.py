@@ -220,7 +220,8 @@ def launch_service(config: ServeConfig, prepared: Prepared) -> Service:
     group = start_workers(prepared.model_path, config.engine, config.num_prefill, config.num_decode,
                           config.prefill, config.decode, lease_seconds=config.lease_seconds,
                           tracing=prepared.trace_config,
-                          transfer_failure_rate=config.inject_transfer_failures)
+                          transfer_failure_rate=config.inject_transfer_failures,
+                          share_cores=config.share_cores)
     try:
         client = PDClient(group.prefill, group.decode, config.client)
         name = prepared.router_config.model_name

@@ -63,6 +63,7 @@ class Launcher:
     prefix: str
     tracing: bytes | None
     transfer_failure_rate: float = 0.0  # fault injection (testing only), decode workers
+    share_cores: bool = True  # idle prefill cores lent to decode steps on their node (worker/core_share.py)
 
     def launch(self, role: str, index: int) -> Member:
         worker_id = f"{role}-{index}"
@@ -71,6 +72,7 @@ class Launcher:
         engine_config = self.engine_config
         config = unpack(engine_config, EngineConfig)
         opts = dataclasses.replace(opts, tp=opts.tp or config.tensor_parallel_size)
+        share = self.prefix if self.share_cores else None
         if config.tensor_parallel_size != opts.tp:  # the role's own size (--prefill-tp / --decode-tp)
             engine_config = pack(dataclasses.replace(config, tensor_parallel_size=opts.tp))
         pg = reserve(opts.placement(), name, opts.placement_timeout, opts.resources_flag) \
@@ -80,11 +82,12 @@ class Launcher:
             if role == "prefill":
                 actor = cls.remote(worker_id, self.model, engine_config,
                                    lease_seconds=self.lease_seconds, torch_threads=opts.threads,
-                                   tracing=self.tracing)
+                                   tracing=self.tracing, core_share=share)
             else:
                 actor = cls.remote(worker_id, self.model, engine_config,
                                    transfer_timeout=self.transfer_timeout, torch_threads=opts.threads,
-                                   tracing=self.tracing, transfer_failure_rate=self.transfer_failure_rate)
+                                   tracing=self.tracing, transfer_failure_rate=self.transfer_failure_rate,
+                                   core_share=share)
         except BaseException:
             if pg is not None:
                 release([pg])
@@ -204,13 +207,16 @@ def start_workers(
     name_prefix: str | None = None,
     tracing: TraceConfig | None = None,
     transfer_failure_rate: float = 0.0,
+    share_cores: bool = True,
 ) -> WorkerGroup:
     """Create the actors (they load the model in their own processes); call ``ready`` before use.
 
     With placement groups, raises TimeoutError naming the role's resources flag when a worker's
     reservation cannot be placed (the groups made so far are removed). With ``tracing`` (an OTLP
     endpoint) each worker exports its spans there. ``transfer_failure_rate`` > 0 makes the decode workers
-    fail that fraction of KV pulls on purpose (fault injection for tests and chaos runs)."""
+    fail that fraction of KV pulls on purpose (fault injection for tests and chaos runs). ``share_cores``:
+    decode workers run their steps on the threads of idle prefill workers on their node too
+    (``worker/core_share.py``)."""
     if num_decode < 1:
         raise ValueError("at least one decode worker is needed (--num-decode)")
     if num_prefill < 0:
@@ -218,7 +224,7 @@ def start_workers(
     launcher = Launcher(model, pack(engine_config), prefill_opts or UNPLACED, decode_opts or UNPLACED,
                         lease_seconds, transfer_timeout, name_prefix or f"pdserve-{uuid.uuid4().hex[:6]}",
                         pack(tracing) if tracing is not None and tracing.endpoint else None,
-                        transfer_failure_rate)
+                        transfer_failure_rate, share_cores)
     group = WorkerGroup(launcher=launcher)
     try:
         for _ in range(num_prefill):

@@ -102,8 +102,9 @@ class DecodeWorker(WorkerBase):
     def __init__(self, worker_id: str, model: str | None, engine_config: bytes,
                  transfer_timeout: float = 30.0, torch_threads: int = 1,
                  request_timeout: float = 300.0, tracing: bytes | None = None,
-                 transfer_failure_rate: float = 0.0) -> None:
-        super().__init__(worker_id, model, unpack(engine_config, EngineConfig), torch_threads, tracing)
+                 transfer_failure_rate: float = 0.0, core_share: str | None = None) -> None:
+        super().__init__(worker_id, model, unpack(engine_config, EngineConfig), torch_threads, tracing,
+                         core_share)
         self.transfer_time = Histogram()
         self._traces: dict[str, _Trace] = {}
         self._kv_ready: dict[str, float] = {}

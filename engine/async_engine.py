@@ -49,7 +49,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -111,11 +111,23 @@ class StepClock:
                 self.work.add(done, wall)
 
 
-class AsyncEngine:
-    """``thread``: the engine's own thread (see the module docstring); one is made when not given."""
+class StepGate(Protocol):
+    """Called on the engine thread around every step: ``before`` it, and ``after`` it with whether the
+    engine still has work (``worker/core_share.py`` lends and borrows cores there)."""
 
-    def __init__(self, engine: LLMEngine, thread: EngineThread | None = None) -> None:
+    def before_step(self) -> None: ...
+
+    def after_step(self, more: bool) -> None: ...
+
+
+class AsyncEngine:
+    """``thread``: the engine's own thread (see the module docstring); one is made when not given.
+    ``gate``: called around every step on that thread (``StepGate``)."""
+
+    def __init__(self, engine: LLMEngine, thread: EngineThread | None = None, gate: StepGate | None = None
+                 ) -> None:
         self.engine = engine
+        self.gate = gate
         self.thread = thread if thread is not None else EngineThread()
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
@@ -197,6 +209,16 @@ class AsyncEngine:
     def _work(self) -> StepWork | None:
         return self.engine.last_step_work
 
+    def _step(self) -> list[RequestOutput]:
+        gate = self.gate
+        if gate is None:
+            return self.engine.step()
+        gate.before_step()
+        try:
+            return self.engine.step()
+        finally:
+            gate.after_step(self.engine.has_unfinished())
+
     async def _run(self) -> None:
         while True:
             if not self.engine.has_unfinished():
@@ -205,7 +227,7 @@ class AsyncEngine:
                 continue
             try:
                 async with self._lock:
-                    outputs = await self.thread.run(self.clock.timed, self.engine.step, self._work)
+                    outputs = await self.thread.run(self.clock.timed, self._step, self._work)
             except Exception as exc:  # the loop must not die silently: end every waiter's stream
                 self.error = exc
                 for rid in list(self._queues):

@@ -126,6 +126,14 @@ class WorkerStats(msgspec.Struct, frozen=True, kw_only=True):
     step_prefill_wall_seconds: float = 0.0
     step_prefill_tokens: int = 0
     step_prefill_attended_pairs: float = 0.0
+    # shared cores (``worker/core_share.py``), cumulative: a decode worker's steps run on an idle prefill
+    # worker's threads too and those threads summed; a prefill worker's waits to get its threads back,
+    # their seconds, and the waits that gave up at the deadline
+    cores_borrowed_steps: int = 0
+    cores_borrowed_threads: int = 0
+    cores_reclaim_waits: int = 0
+    cores_reclaim_seconds: float = 0.0
+    cores_reclaim_late: int = 0
     # a decode worker's output channels (``decode/outbox.py``), cumulative: Ray items sent and the
     # stream items they carried (items / frames: requests served per Ray item)
     output_frames: int = 0

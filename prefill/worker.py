@@ -47,10 +47,11 @@ class PrefillWorker(WorkerBase):
 
     def __init__(self, worker_id: str, model: str | None, engine_config: bytes,
                  lease_seconds: float = 30.0, torch_threads: int = 1, poll_interval: float = 0.01,
-                 request_timeout: float = 300.0, tracing: bytes | None = None) -> None:
+                 request_timeout: float = 300.0, tracing: bytes | None = None,
+                 core_share: str | None = None) -> None:
         # speculation is decoding's business: a prefill worker emits one token per request
         config = dataclasses.replace(unpack(engine_config, EngineConfig), speculative_config=None)
-        super().__init__(worker_id, model, config, torch_threads, tracing)
+        super().__init__(worker_id, model, config, torch_threads, tracing, core_share)
         # one agent per tensor-parallel rank; leases live on rank 0's (``worker/tp_kv.py``)
         self.source, self.agent = open_source(self.engine, f"{worker_id}-{uuid.uuid4().hex[:8]}")
         self.lease_seconds = lease_seconds

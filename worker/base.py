@@ -53,6 +53,7 @@ from messages.codec import pack
 from messages.wire import KvEvents, KvSnapshot, KvTierStats, WorkerRefresh, WorkerStats
 from telemetry.histogram import Histogram
 from telemetry.tracing import TracedRole
+from worker.core_share import step_gate
 from worker.tp_kv import EXTENSION
 from worker.tp_watch import GroupWatch
 
@@ -61,7 +62,7 @@ class WorkerBase(TracedRole):
     role = "worker"
 
     def __init__(self, worker_id: str, model: str | None, config: EngineConfig, torch_threads: int,
-                 tracing: bytes | None = None) -> None:
+                 tracing: bytes | None = None, core_share: str | None = None) -> None:
         torch.set_num_threads(torch_threads)
         self.worker_id = worker_id
         if config.tensor_parallel_size > 1:  # the rank processes take the actor's thread count too
@@ -73,12 +74,21 @@ class WorkerBase(TracedRole):
         except BaseException:
             thread.close()
             raise
-        self.aengine = AsyncEngine(self.engine, thread)
+        shares = core_share is not None and config.tensor_parallel_size == 1 and config.device == "cpu"
+        self.cores = (step_gate(self.role, core_share, worker_id, torch_threads, self.decode_only)
+                      if shares and core_share is not None else None)
+        self.aengine = AsyncEngine(self.engine, thread, self.cores)
         self.watch = (GroupWatch(self.ranks, lambda: self.aengine.error, worker_id).start()
                       if self.ranks is not None else None)
         self.events = KvEventPublisher(self.engine.kv)
         self.queue_time = Histogram()
         self.init_tracing(tracing)
+
+    def decode_only(self) -> bool:
+        """Whether the engine's next step can only be a decode step: nothing waits and every running
+        request has computed all its tokens but the last one (engine thread, between steps)."""
+        s = self.engine.scheduler
+        return not s.waiting and all(r.num_computed_tokens >= r.num_tokens - 1 for r in s.running)
 
     def exit_if_group_broken(self) -> None:
         """A tensor-parallel worker whose group broke ends its process here (``GroupWatch``): call it
@@ -145,6 +155,8 @@ class WorkerBase(TracedRole):
             step_prefill_wall_seconds=w.prefill_wall_s, step_prefill_tokens=w.prefill_tokens,
             step_prefill_attended_pairs=w.prefill_attended,
         )
+        if self.cores is not None:
+            common = msgspec.structs.replace(common, **self.cores.stats())
         if s.spec is not None:
             common = msgspec.structs.replace(
                 common, spec_num_drafts=s.spec.num_drafts, spec_num_draft_tokens=s.spec.num_draft_tokens,

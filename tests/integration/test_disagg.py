@@ -96,6 +96,8 @@ def test_disaggregated_equals_colocated(group: WorkerGroup, prompts: list[list[i
     assert all(len(t) > 0 for t in local)
     stats = {s.worker_id: s for s in run(disagg.stats())}
     assert stats["decode-0"].transfer_blocks > 0
+    # the idle prefill workers lent their threads to decode steps (worker/core_share.py): same tokens
+    assert stats["decode-0"].cores_borrowed_steps > 0
     settle(disagg)
 
 

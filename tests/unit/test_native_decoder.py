@@ -54,6 +54,25 @@ def test_one_call_decoder_is_bitwise_the_per_layer_path(variant: str, threads: i
     assert calls == [28, 2, 1, 6]
 
 
+def test_one_call_decoder_gives_the_same_bits_on_any_thread_count() -> None:
+    """Each output of a native decode step is computed by one thread in one order, so a decode worker
+    may run a step on borrowed threads (worker/core_share.py) without changing a token."""
+    hf = hf_model("llama3")
+    one, two = PagedRunner(hf), PagedRunner(hf)
+    before = torch.get_num_threads()
+    try:
+        for work in STEPS:
+            torch.set_num_threads(1)
+            got = one.step(work)
+            torch.set_num_threads(2)
+            want = two.step(work)
+            for a, b in zip(got, want, strict=True):
+                assert torch.equal(a, b)
+            assert torch.equal(one.kv, two.kv)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_steps_it_does_not_take_run_the_per_layer_path() -> None:
     hf = hf_model("llama3")
     runner, reference = PagedRunner(hf), PagedRunner(hf)

@@ -1,0 +1,169 @@
+"""Shared cores (worker/core_share.py): idle prefill threads lent to decode steps on the same node, and
+back before the prefill worker computes again."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from worker.core_share import (
+    BorrowGate,
+    CoreBorrower,
+    CoreLender,
+    LendGate,
+    remove_stale,
+    share_key,
+)
+
+KEY = share_key("deploy-a", "node-1")
+
+
+def test_an_idle_lenders_threads_go_to_one_borrower_for_one_step(tmp_path: Path) -> None:
+    lender = CoreLender(KEY, "prefill-0", 3, str(tmp_path))
+    first, second = CoreBorrower(KEY, str(tmp_path)), CoreBorrower(KEY, str(tmp_path))
+    assert first.borrow() == 3
+    assert second.borrow() == 0  # lent to one borrower at a time
+    first.give_back()
+    assert second.borrow() == 3
+    second.give_back()
+    lender.claim()  # free: no wait
+    assert lender.held and lender.waits == 0
+    assert first.borrow() == 0  # the lender computes
+    lender.release()
+    assert first.borrow() == 3 and first.steps == 2 and first.threads == 6
+    first.give_back()
+    assert CoreBorrower(share_key("deploy-b", "node-1"), str(tmp_path)).borrow() == 0  # another deployment
+    assert CoreBorrower(share_key("deploy-a", "node-2"), str(tmp_path)).borrow() == 0  # another node
+    lender.close()
+    assert not lender.path.exists()
+
+
+def test_a_lender_waits_for_the_borrowers_step_and_nobody_borrows_meanwhile(tmp_path: Path) -> None:
+    lender = CoreLender(KEY, "prefill-0", 1, str(tmp_path))
+    borrower, other = CoreBorrower(KEY, str(tmp_path)), CoreBorrower(KEY, str(tmp_path))
+    assert borrower.borrow() == 1
+    seen: list[int] = []
+
+    def step_then_give_back() -> None:
+        time.sleep(0.1)
+        seen.append(other.borrow())  # the lender's wish is set: no one takes its cores again
+        time.sleep(0.1)
+        borrower.give_back()
+
+    t = threading.Thread(target=step_then_give_back)
+    t.start()
+    start = time.monotonic()
+    lender.claim()
+    waited = time.monotonic() - start
+    t.join()
+    assert lender.held and 0.15 < waited < 1.0
+    assert seen == [0]
+    assert lender.waits == 1 and lender.late == 0 and lender.wait_s >= 0.15
+    assert borrower.borrow() == 0  # held by the lender now
+    lender.close()
+
+
+def test_a_lender_computes_anyway_past_its_deadline(tmp_path: Path) -> None:
+    lender = CoreLender(KEY, "prefill-0", 1, str(tmp_path), deadline_s=0.1)
+    stuck = CoreBorrower(KEY, str(tmp_path))
+    assert stuck.borrow() == 1  # and never gives back
+    start = time.monotonic()
+    lender.claim()
+    assert time.monotonic() - start < 0.5
+    assert not lender.held and lender.late == 1
+    stuck.give_back()
+    lender.claim()
+    assert lender.held
+    lender.close()
+
+
+def _child(code: str, tmp_path: Path) -> subprocess.Popen[str]:
+    script = textwrap.dedent(f"""
+        import sys, time
+        from worker.core_share import CoreBorrower, CoreLender
+        {code}
+        print("ready", flush=True)
+        time.sleep(60)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                            cwd=Path(__file__).resolve().parents[2])
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def test_a_dead_processs_locks_and_files_do_not_count(tmp_path: Path) -> None:
+    lender = CoreLender(KEY, "prefill-0", 1, str(tmp_path))
+    child = _child(f"b = CoreBorrower({KEY!r}, {str(tmp_path)!r}); assert b.borrow() == 1", tmp_path)
+    assert CoreBorrower(KEY, str(tmp_path)).borrow() == 0  # the child holds it
+    child.send_signal(signal.SIGKILL)
+    child.wait(10)
+    lender.claim()  # the kernel dropped the dead borrower's lock
+    assert lender.held and lender.waits == 0
+    lender.close()
+
+    dead = _child(f"CoreLender({KEY!r}, 'prefill-9', 2, {str(tmp_path)!r})", tmp_path)
+    dead.send_signal(signal.SIGKILL)
+    dead.wait(10)
+    assert len(list(tmp_path.glob("*.cores"))) == 1
+    assert CoreBorrower(KEY, str(tmp_path)).borrow() == 0  # its process is gone: its cores are not lent
+    assert remove_stale(str(tmp_path)) == 1 and not list(tmp_path.glob("*.cores"))
+
+
+def test_gates_lend_when_idle_and_borrow_only_for_decode_only_steps(tmp_path: Path) -> None:
+    lend = LendGate(CoreLender(KEY, "prefill-0", 1, str(tmp_path)))
+    decode_only = [True]
+    borrow = BorrowGate(CoreBorrower(KEY, str(tmp_path)), 1, lambda: decode_only[0])
+    borrow.cpus = 2
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        borrow.before_step()
+        assert torch.get_num_threads() == 2
+        borrow.after_step(True)
+        assert torch.get_num_threads() == 1
+        decode_only[0] = False  # a prompt to compute: its own threads only
+        borrow.before_step()
+        assert torch.get_num_threads() == 1
+        borrow.after_step(True)
+        decode_only[0] = True
+        lend.before_step()
+        lend.after_step(True)  # more work: still held
+        borrow.before_step()
+        assert torch.get_num_threads() == 1
+        borrow.after_step(True)
+        lend.after_step(False)  # idle: lent again
+        borrow.before_step()
+        assert torch.get_num_threads() == 2
+        borrow.after_step(False)
+        assert borrow.stats() == {"cores_borrowed_steps": 2, "cores_borrowed_threads": 2}
+        assert lend.stats()["cores_reclaim_late"] == 0
+    finally:
+        torch.set_num_threads(threads)
+        lend.close()
+        borrow.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="needs sched_getaffinity")
+def test_a_borrower_never_runs_more_threads_than_its_cpus(tmp_path: Path) -> None:
+    lenders = [CoreLender(KEY, f"prefill-{i}", 1, str(tmp_path)) for i in range(3)]
+    gate = BorrowGate(CoreBorrower(KEY, str(tmp_path)), 1, lambda: True)
+    gate.cpus = 2
+    threads = torch.get_num_threads()
+    try:
+        gate.before_step()
+        assert torch.get_num_threads() == 2
+        gate.after_step(False)
+    finally:
+        torch.set_num_threads(threads)
+        for lender in lenders:
+            lender.close()
+        gate.close()
