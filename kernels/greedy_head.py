@@ -22,10 +22,10 @@ Why it is exact:
   product of length ``k`` (any summation order, with or without FMA) is within
   ``g sum|x_i||w_i| <= g |x| |w|`` of the real one. So ``|z_r - y_r| <= |x| (|w_r - q_r| + g (|w_r| +
   |q_r|))``: the real products differ by at most ``|x| |w_r - q_r|`` (Cauchy-Schwarz), and each float32
-  one by its rounding. ``c_r`` is that
-  coefficient computed in float64 at load, times 1.05, plus 1e-30: the margin covers the float32
-  arithmetic of steps 2-3 (each of its roundings is below ``u / g`` of the bound, under 2% for ``k >= 64``)
-  and the ``1e-30`` covers underflow, which the screen refuses below ``|x| = 1e-10``.
+  one by its rounding. ``c_r`` is that coefficient computed at load (``error_coefficients``: float32,
+  within a few ``g`` of the real value), times 1.05, plus 1e-30: the margin covers that and the float32
+  arithmetic of steps 2-3 (each of its roundings is below ``u / g`` of the bound, under 2% for
+  ``k >= 64``); the ``1e-30`` covers underflow, which the screen refuses below ``|x| = 1e-10``.
 - The winner is a candidate: its exact logit is at least every other's, so ``y_win + B_win >= z_win >=
   z_s >= y_s - B_s`` for every s. Every feature tied with it is a candidate too.
 - The exact step computes each candidate's logit bitwise as the full product would: ``NativeOps.linear``
@@ -58,30 +58,31 @@ ABSOLUTE = 1e-30
 MIN_HIDDEN = 64  # the margin's argument needs k >= 64
 
 
-def error_coefficients(weight: torch.Tensor, half: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
-    """``c_r`` of the module docstring for each row of ``weight`` and its half copy (float32), in
-    float64 ``chunk`` rows at a time."""
+def error_coefficients(weight: torch.Tensor, half: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
+    """``c_r`` of the module docstring for each row of ``weight`` and its half copy, ``chunk`` rows at a
+    time. In float32: ``w - q`` is exact (Sterbenz: ``q`` is ``w`` rounded to half, within a factor 2 of
+    it), and each norm is within ``g`` (relative) of its real value, far inside ``MARGIN``."""
     k = weight.shape[1]
     u = 2.0 ** -24
     g = k * u / (1 - k * u)
     parts = []
     for start in range(0, weight.shape[0], chunk):
-        w = weight[start:start + chunk].double()
-        q = half[start:start + chunk].double()
-        parts.append((w - q).norm(dim=1) + g * (w.norm(dim=1) + q.norm(dim=1)))
-    c = torch.cat(parts) if parts else weight.new_empty(0, dtype=torch.float64)
-    return (c * MARGIN + ABSOLUTE).float()
-
+        w = weight[start:start + chunk]
+        q = half[start:start + chunk].float()
+        delta = torch.linalg.vector_norm(w - q, dim=1)
+        parts.append(delta + g * (torch.linalg.vector_norm(w, dim=1) + torch.linalg.vector_norm(q, dim=1)))
+    c = torch.cat(parts) if parts else weight.new_empty(0)
+    return c * (MARGIN * (1 + 4 * g)) + ABSOLUTE
 
 class GreedyHead:
     """The screen over one LM head weight; see the module docstring for ``argmax``'s contract."""
 
-    def __init__(self, weight: torch.Tensor, ops: NativeOps) -> None:
+    def __init__(self, weight: torch.Tensor, ops: NativeOps, half: torch.Tensor | None = None) -> None:
         lib = load_library()
         if lib is None:
             raise RuntimeError("the native kernel library is unavailable")
         self.weight = weight.detach()
-        self.half = self.weight.half().contiguous()
+        self.half = (half if half is not None else self.weight.half()).contiguous()
         self.coefficients = error_coefficients(self.weight, self.half)
         self._ops = ops
         self._screen = lib.pdserve_screen_f16
@@ -99,10 +100,12 @@ class GreedyHead:
         w = linear.weight
         if (env_off("PDSERVE_GREEDY_HEAD") or ops is None or linear.kernel != "native"
                 or linear.bias is not None or w.dtype != torch.float32 or w.device.type != "cpu"
-                or not w.is_contiguous() or w.shape[1] < MIN_HIDDEN
-                or not bool(torch.isfinite(w.half()).all())):
+                or not w.is_contiguous() or w.shape[1] < MIN_HIDDEN):
             return None
-        return cls(w, ops)
+        half = w.half()
+        if not bool(torch.isfinite(half).all()):
+            return None
+        return cls(w, ops, half)
 
     @property
     def extra_bytes(self) -> int:

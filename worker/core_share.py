@@ -223,9 +223,11 @@ class LendGate:
 class BorrowGate:
     """``engine.async_engine.StepGate`` of a borrower: a decode-only step (``decode_only()``) runs on its
     own ``threads`` plus whatever idle lenders lend, up to the CPUs this process may run on, given back
-    after the step. Only decode-only steps: the native decode kernels give bitwise the same values on
-    any thread count (each output is computed by one thread, in one order), torch's prompt-chunk
-    products are not promised to, and a prompt computed here should not depend on the load."""
+    after the step. Only decode-only steps: the native decode kernels give bitwise the same values on any
+    thread count (each output is computed by one thread, in one order), torch's prompt-chunk products
+    are not promised to, and a prompt computed here should not depend on the load. The premise is
+    Ray's: a worker's CPUs are the node's cores it reserved, so an idle lender's cores are idle; where
+    Ray is told of more CPUs than the node has (the test suite), turn sharing off."""
 
     def __init__(self, borrower: CoreBorrower, threads: int, decode_only: Callable[[], bool]) -> None:
         self.borrower = borrower

@@ -173,7 +173,9 @@ def worker_group_factory(ray_session: None) -> Iterator[Callable[..., WorkerGrou
     """Start prefill/decode worker actors in the session's Ray on the built-in model, connected to one
     another; every group started stops (its actors killed) at module end.
 
-    ``start(config, num_prefill=1, num_decode=1, lease_seconds=60.0, **start_workers_kwargs)``."""
+    ``start(config, num_prefill=1, num_decode=1, lease_seconds=60.0, **start_workers_kwargs)``. Shared
+    cores are off unless a module asks (``share_cores=True``): this Ray is told of 16 CPUs on a 2-core
+    machine, so an idle prefill worker's reservation is no idle core (``worker/core_share.py``)."""
     import ray
 
     from cluster.workers import start_workers
@@ -183,9 +185,10 @@ def worker_group_factory(ray_session: None) -> Iterator[Callable[..., WorkerGrou
     groups: list[WorkerGroup] = []
 
     def start(config: EngineConfig, num_prefill: int = 1, num_decode: int = 1, lease_seconds: float = 60.0,
-              **kwargs: Any) -> WorkerGroup:
+              share_cores: bool = False, **kwargs: Any) -> WorkerGroup:
         group = start_workers(str(default_model_path()), config, num_prefill=num_prefill,
-                              num_decode=num_decode, lease_seconds=lease_seconds, **kwargs)
+                              num_decode=num_decode, lease_seconds=lease_seconds, share_cores=share_cores,
+                              **kwargs)
         groups.append(group)
         asyncio.run(PDClient(group.prefill, group.decode).start())
         return group

@@ -58,7 +58,7 @@ def prompts(tokenizer: Any) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def group(worker_group_factory: Callable[..., WorkerGroup]) -> WorkerGroup:
-    return worker_group_factory(CONFIG, num_prefill=2, num_decode=1, transfer_timeout=20.0)
+    return worker_group_factory(CONFIG, num_prefill=2, num_decode=1, transfer_timeout=20.0, share_cores=True)
 
 
 def req(tokens: list[int], max_tokens: int = 24, **kw: Any) -> GenerateRequest:

@@ -167,3 +167,4 @@ def test_a_borrower_never_runs_more_threads_than_its_cpus(tmp_path: Path) -> Non
         for lender in lenders:
             lender.close()
         gate.close()
+
