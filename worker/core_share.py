@@ -23,11 +23,15 @@ names the deployment and the node (``share_key``):
   lender file whose wish is 0 without waiting, and answers how many threads it got; the step then runs
   on its own threads plus those (``torch.set_num_threads``). ``give_back()`` after the step unlocks
   them all.
-- A process that dies holding a lock loses it (the kernel drops a dead process's ``flock``s); a lender
-  removes its file when it closes. Nothing is left after a crash but a 9-byte file no borrower uses.
+- A process that dies holding a lock loses it (the kernel drops a dead process's ``flock``s). A lender's
+  file outlives its process (Ray kills a worker without a hook): no borrower uses the file of a process
+  that is gone, and the next lender started on the node removes such files (``remove_stale``).
 
-What it does not do: borrow across nodes (each node has its own files), or lend a decode worker's
-cores, or take part with tensor parallelism (the ranks' thread counts are fixed).
+Borrowers take decode-only steps only (``BorrowGate``), whose values do not depend on the thread count,
+so sharing changes no token. The workers share only on CPU, without tensor parallelism, and only
+among one deployment's workers on one node (``cluster/workers.py`` passes the deployment's name
+prefix; ``--no-share-cores`` turns it off). The premise is Ray's: a worker's CPUs are cores of the node
+reserved for it, so an idle lender's cores are idle.
 """
 
 from __future__ import annotations
