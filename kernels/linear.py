@@ -23,10 +23,16 @@ Kernels (``kernel=``): ``"plain"`` is ``F.linear`` (torch's default, the
   with 2 threads about 2x torch's default on the LM head at 16 and 64 rows, with
   1 thread the same as torch's default; on the decoder's small shapes within the
   noise of the other candidates (``python -m bench.linear_kernels``).
-- ``rows > LARGE_ROWS`` (prefill chunks), whatever the kernel: torch's default (MKL's SGEMM on the
-  ``[out, in]`` weight). Measured on the 2-core Intel Xeon (AVX-512), 2 threads, the decoder's four
-  shapes x 30 layers: 815 ms at 1,371 rows against oneDNN's 933, and 5-12% ahead of it from 128
-  rows up (docs/benchmarks.md, "... prompt chunks on MKL's product ...").
+- ``rows > LARGE_ROWS`` (prefill chunks), whatever the kernel: the product ``LARGE_PRODUCT`` names,
+  fixed per machine (``large_product``): torch's default (MKL's SGEMM on the ``[out, in]`` weight) on
+  Intel CPUs, oneDNN's inner product on other x86 CPUs. MKL takes its AVX-512 SGEMM on Intel CPUs
+  only: on the 2-core Intel Xeon (AVX-512, 2 threads, the decoder's four shapes x 30 layers) it took
+  815 ms at 1,371 rows against oneDNN's 933, and was 5-12% ahead from 128 rows up; on a 2-core AMD
+  EPYC (Zen 5, AVX-512, 1 thread) it ran the same shapes at 103-106 GFLOP/s (the AVX2 FMA rate)
+  against oneDNN's 200-229, and a 256-token prompt chunk took 587 ms against 289 (docs/benchmarks.md,
+  "Prompt chunks on oneDNN's product off Intel CPUs"). ``PDSERVE_LARGE_PRODUCT=mkl|onednn`` picks one
+  by hand (the same in every process of a deployment, or disaggregated and colocated prompts may
+  round differently).
 
 The packed MKL copy costs one more copy of each weight (for SmolLM2-135M fp32:
 +538 MB); MKL's packed product only serves the row count it was packed for
@@ -45,6 +51,8 @@ accumulators in registers and prefetches the weight blocks ahead into L2 while i
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -55,7 +63,32 @@ from kernels.native_ops import native_ops
 LinearKernel = Literal["plain", "prepacked", "native"]
 LINEAR_KERNELS: tuple[LinearKernel, ...] = ("plain", "prepacked", "native")
 NATIVE_MAX_ROWS = 64  # "native": the native product up to this many rows
-LARGE_ROWS = 64  # above this many rows every kernel is torch's default product (see the docstring)
+LARGE_ROWS = 64  # above this many rows every kernel is LARGE_PRODUCT (see the docstring)
+LargeProduct = Literal["mkl", "onednn"]
+
+
+def cpu_vendor(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The CPU's ``vendor_id`` (``GenuineIntel``, ``AuthenticAMD``, ...), or "" where none is listed."""
+    try:
+        for line in Path(cpuinfo).read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def large_product(vendor: str, override: str | None = None) -> LargeProduct:
+    """The product of more than ``LARGE_ROWS`` rows: ``override`` (``PDSERVE_LARGE_PRODUCT``) when set,
+    else MKL's on Intel CPUs and on CPUs that list no vendor, oneDNN's on the others."""
+    if override:
+        if override not in ("mkl", "onednn"):
+            raise ValueError(f"PDSERVE_LARGE_PRODUCT must be mkl or onednn, not {override!r}")
+        return "mkl" if override == "mkl" else "onednn"
+    return "mkl" if vendor in ("GenuineIntel", "") else "onednn"
+
+
+LARGE_PRODUCT: LargeProduct = large_product(cpu_vendor(), os.environ.get("PDSERVE_LARGE_PRODUCT"))
 
 
 def prepacked_available(weight: torch.Tensor) -> bool:
@@ -94,8 +127,8 @@ def prepared_linear(x: torch.Tensor, weight: torch.Tensor, packed_row: torch.Ten
 
 
 def _many_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """More than one row: oneDNN's product up to ``LARGE_ROWS`` rows, torch's default above."""
-    if x.shape[0] > LARGE_ROWS:
+    """More than one row: oneDNN's product up to ``LARGE_ROWS`` rows, ``LARGE_PRODUCT`` above."""
+    if x.shape[0] > LARGE_ROWS and LARGE_PRODUCT == "mkl":
         return F.linear(x, weight, bias)
     return onednn_linear(x, weight, bias)
 

@@ -80,9 +80,12 @@ def _free_port() -> int:
 # 180 s on a loaded 2-core machine
 HEALTHY_WITHIN_S = 240
 # `--linear-kernel plain`: no packed copy of the weights, so a worker holds ~1.3 GB, not ~1.9 GB (two
-# xdist workers' servers and worker groups share 24 GB); the prepacked kernels run in the in-process tests
+# xdist workers' servers and worker groups share 24 GB); the prepacked kernels run in the in-process tests.
+# `--no-share-cores`: a test server's workers reserve half a CPU each beside the other xdist worker's load,
+# so an idle prefill worker's reservation is no idle core (worker/core_share.py), as for the worker groups
+# below; tests/integration/test_disagg.py tests sharing.
 SERVER_FLAGS = ("--num-prefill", "1", "--num-decode", "1", "--worker-cpus", "0.5", "--torch-threads", "1",
-                "--kv-cache-memory", "256M", "--linear-kernel", "plain")
+                "--kv-cache-memory", "256M", "--linear-kernel", "plain", "--no-share-cores")
 
 
 def session_ray_address() -> str:

@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels import linear
 from kernels.activation import silu_mul
-from kernels.linear import LARGE_ROWS, LinearKernel, PreparedLinear, prepacked_available
+from kernels.linear import (
+    LARGE_ROWS,
+    LargeProduct,
+    LinearKernel,
+    PreparedLinear,
+    onednn_linear,
+    prepacked_available,
+)
 
 
 @pytest.mark.parametrize("rows", [0, 1, 3, 64])
@@ -24,22 +35,46 @@ def test_prepacked_matches_f_linear(rows: int, with_bias: bool) -> None:
     torch.testing.assert_close(out, F.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("product", ["mkl", "onednn"])
 @pytest.mark.parametrize("kernel", ["prepacked", "native"])
-def test_prefill_chunks_take_torchs_default_product(kernel: LinearKernel) -> None:
-    """Above ``LARGE_ROWS`` rows every kernel is ``F.linear`` itself (bitwise: the same MKL product),
-    where oneDNN's, taken up to that many, sums in another order (docs/benchmarks.md, "... prompt chunks
-    on MKL's product ...")."""
+def test_prefill_chunks_take_the_machines_large_product(kernel: LinearKernel, product: LargeProduct,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Above ``LARGE_ROWS`` rows every kernel is ``LARGE_PRODUCT``'s product, bitwise: ``F.linear`` itself
+    (MKL's) or oneDNN's inner product, which sums in another order (docs/benchmarks.md, "Prompt chunks
+    on oneDNN's product off Intel CPUs")."""
+    if not prepacked_available(torch.zeros(2, 2)):
+        pytest.skip("this torch build has no MKL / oneDNN")
+    monkeypatch.setattr(linear, "LARGE_PRODUCT", product)
     gen = torch.Generator().manual_seed(7)
     weight, bias = torch.randn(960, 576, generator=gen), torch.randn(960, generator=gen)
     layer = PreparedLinear(weight, bias, kernel)
+    expect = F.linear if product == "mkl" else onednn_linear
     for rows in (LARGE_ROWS + 1, 300):
         x = torch.randn(rows, 576, generator=gen)
-        assert torch.equal(layer(x), F.linear(x, weight, bias))
-    if prepacked_available(weight):  # up to LARGE_ROWS the prepacked kernel is oneDNN's, not F.linear
-        x = torch.randn(LARGE_ROWS, 576, generator=gen)
-        got = PreparedLinear(weight, bias, "prepacked")(x)
-        assert not torch.equal(got, F.linear(x, weight, bias))
+        got = layer(x)
+        assert torch.equal(got, expect(x, weight, bias))
         torch.testing.assert_close(got, F.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
+    # up to LARGE_ROWS the prepacked kernel is oneDNN's, not F.linear
+    x = torch.randn(LARGE_ROWS, 576, generator=gen)
+    got = PreparedLinear(weight, bias, "prepacked")(x)
+    assert not torch.equal(got, F.linear(x, weight, bias))
+    torch.testing.assert_close(got, F.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
+
+
+def test_large_product_is_mkl_on_intel_only(tmp_path: Path) -> None:
+    for vendor, product in (("GenuineIntel", "mkl"), ("AuthenticAMD", "onednn"), ("HygonGenuine", "onednn")):
+        info = tmp_path / vendor
+        info.write_text(f"processor\t: 0\nvendor_id\t: {vendor}\ncpu family\t: 26\n")
+        assert linear.cpu_vendor(str(info)) == vendor
+        assert linear.large_product(vendor) == product
+    assert linear.cpu_vendor(str(tmp_path / "missing")) == ""
+    assert linear.large_product("") == "mkl"
+    assert linear.large_product("GenuineIntel", "onednn") == "onednn"
+    assert linear.large_product("AuthenticAMD", "mkl") == "mkl"
+    with pytest.raises(ValueError, match="PDSERVE_LARGE_PRODUCT must be mkl or onednn"):
+        linear.large_product("AuthenticAMD", "openblas")
+    assert linear.large_product(
+        linear.cpu_vendor(), os.environ.get("PDSERVE_LARGE_PRODUCT")) == linear.LARGE_PRODUCT
 
 
 def test_prepacked_packs_fp32_cpu_weights_only() -> None:
