@@ -31,8 +31,8 @@ Kernels (``kernel=``): ``"plain"`` is ``F.linear`` (torch's default, the
   EPYC (Zen 5, AVX-512, 1 thread) it ran the same shapes at 103-106 GFLOP/s (the AVX2 FMA rate)
   against oneDNN's 200-229, and a 256-token prompt chunk took 587 ms against 289 (docs/benchmarks.md,
   "Prompt chunks on oneDNN's product off Intel CPUs"). ``PDSERVE_LARGE_PRODUCT=mkl|onednn`` picks one
-  by hand (the same in every process of a deployment, or disaggregated and colocated prompts may
-  round differently).
+  by hand (``pdserve serve`` passes its value to every worker: one deployment's prompts must round
+  alike, or disaggregated and colocated outputs may differ).
 
 The packed MKL copy costs one more copy of each weight (for SmolLM2-135M fp32:
 +538 MB); MKL's packed product only serves the row count it was packed for

@@ -93,3 +93,14 @@ def test_silu_mul_is_bitwise_the_unfused_expression() -> None:
     gate_up = torch.randn(5, 32)
     gate, up = gate_up.chunk(2, dim=-1)
     assert torch.equal(silu_mul(gate_up), F.silu(gate) * up)
+
+
+def test_workers_get_the_drivers_large_product(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cluster.workers import worker_env
+
+    monkeypatch.delenv("PDSERVE_LARGE_PRODUCT", raising=False)
+    assert "PDSERVE_LARGE_PRODUCT" not in worker_env(1)
+    monkeypatch.setenv("PDSERVE_LARGE_PRODUCT", "onednn")
+    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
+    assert worker_env(2) == {"OMP_NUM_THREADS": "2", "THP_MEM_ALLOC_ENABLE": "1",
+                             "PDSERVE_LARGE_PRODUCT": "onednn"}
