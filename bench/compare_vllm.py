@@ -23,6 +23,7 @@ runs the same after its own scenarios.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shlex
 import signal
 import sys
@@ -40,20 +41,26 @@ SYSTEMS: dict[str, tuple[str, ...]] = {
 }
 
 
-def run_all(c: Comparer, concurrency: list[int]) -> None:
-    """Every system at every concurrency, one server at a time."""
-    for tag, flags in SYSTEMS.items():
-        with c.pdserve(f"vllm_{tag}", *flags) as url:
-            for conc in concurrency:
-                c.bench(url, f"{tag}_random_c{conc}", "random", RANDOM_VLLM, f"c{conc}")
-    hf = c.args.out / "smollm2-hf"
+def vllm_server(out: Path, log: Path) -> contextlib.AbstractContextManager[str]:
+    """vLLM's CPU build (``scripts/vllm_cpu.sh serve``) on the Hugging Face folder ``bench.export_hf``
+    writes from the built-in GGUF (into ``out``, once), until the block ends; yields its URL."""
+    hf = out / "smollm2-hf"
     if not (hf / "config.json").is_file():
         from bench.export_hf import export_hf
 
         export_hf(None, hf)
     port = _free_port()
     cmd = ["bash", str(ROOT / "scripts" / "vllm_cpu.sh"), "serve", str(hf), str(port)]
-    with server(cmd, f"http://127.0.0.1:{port}", c.args.out / "vllm.log", ready_timeout=900) as url:
+    return server(cmd, f"http://127.0.0.1:{port}", log, ready_timeout=900)
+
+
+def run_all(c: Comparer, concurrency: list[int]) -> None:
+    """Every system at every concurrency, one server at a time."""
+    for tag, flags in SYSTEMS.items():
+        with c.pdserve(f"vllm_{tag}", *flags) as url:
+            for conc in concurrency:
+                c.bench(url, f"{tag}_random_c{conc}", "random", RANDOM_VLLM, f"c{conc}")
+    with vllm_server(c.args.out, c.args.out / "vllm.log") as url:
         for conc in concurrency:
             c.bench(url, f"vllm_random_c{conc}", "random", RANDOM_VLLM, f"c{conc}")
 
