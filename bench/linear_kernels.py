@@ -7,9 +7,10 @@ count, times (best of ``--repeats``, candidates interleaved so load hits all ali
 - ``mkl_packed``: MKL packed SGEMM with the weight packed for exactly that row count;
 - ``onednn``: oneDNN inner product (``torch.ops.mkldnn._linear_pointwise``);
 - ``mm_t``: ``x @ w_t`` with the weight stored transposed (``[in, out]``);
-- ``native``: ``kernels.native_ops.NativeOps.linear`` (the ``[out, in]`` weight in
-  place; what ``--linear-kernel native`` runs up to ``kernels.linear.NATIVE_MAX_ROWS`` rows);
-- ``prepared``: ``kernels.linear.PreparedLinear`` (what the engine runs).
+- ``native``: ``kernels.native_ops.NativeOps.packed_linear`` on the weight packed once
+  (what ``--linear-kernel native``, the default, runs at every row count);
+- ``prepared``: ``kernels.linear.PreparedLinear`` with ``--linear-kernel prepacked`` (MKL's
+  packed product at one row, oneDNN's up to 64, ``LARGE_PRODUCT``'s above).
 
 and the per-step total (every layer's four products plus the LM head).
 
@@ -61,7 +62,8 @@ def candidates(x: torch.Tensor, w: torch.Tensor, w_t: torch.Tensor,
     }
     ops = native_ops()
     if ops is not None:
-        fns["native"] = lambda: ops.linear(x, w, None)
+        panels = ops.pack(w)
+        fns["native"] = lambda: ops.packed_linear(x, panels, w.shape[0], None)
     return fns
 
 
@@ -69,7 +71,7 @@ def sweep_shape(out_f: int, in_f: int, rows: list[int], repeats: int) -> dict[in
     """Best seconds per candidate for an ``[out_f, in_f]`` weight at each row count."""
     w = torch.randn(out_f, in_f) * 0.02
     w_t = w.t().contiguous()
-    prepared = PreparedLinear(w)
+    prepared = PreparedLinear(w, None, "prepacked")
     result = {}
     with torch.inference_mode():
         for m in rows:

@@ -1,4 +1,4 @@
-"""How fast the one-row native product streams a decode step's weights, against a plain ``sum``.
+"""How fast the native packed product streams a decode step's weights, against a plain ``sum``.
 
 Every product of the default model's shapes (per layer: fused QKV, output, fused gate/up, down; then
 the LM head), at one activation row, in a decode step's order, against a ``sum`` over the same bytes
@@ -59,21 +59,25 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(0)
     shapes = [s for _ in range(args.layers)
               for s in ((QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER))]
-    weights = [torch.randn(*s, generator=gen) for s in [*shapes, (VOCAB, HIDDEN)]]
-    total = sum(w.numel() * 4 for w in weights)
-    one = torch.randn(total // 4 // HIDDEN, HIDDEN, generator=gen)
+    # (packed weight, output features), packed once as the engine does
+    weights = [(ops.pack(w), w.shape[0]) for w in (torch.randn(*s, generator=gen)
+                                                   for s in [*shapes, (VOCAB, HIDDEN)])]
+    total = sum(p.numel() * 4 for p, _ in weights)
+    one_rows = total // 4 // HIDDEN
+    one = ops.pack(torch.randn(one_rows, HIDDEN, generator=gen))
     flat = torch.randn(total // 4, generator=gen)
     x, xi = torch.randn(1, HIDDEN, generator=gen), torch.randn(1, INTER, generator=gen)
 
     def step() -> None:
-        for w in weights:
-            ops.linear(xi if w.shape[1] == INTER else x, w, None)
+        for p, n in weights:
+            ops.packed_linear(xi if p.shape[1] == INTER else x, p, n, None)
 
+    head, vocab = weights[-1]
     rows = [("sum", best(flat.sum, args.repeats), total),
-            (f"one {one.shape[0]} x {HIDDEN} product", best(lambda: ops.linear(x, one, None), args.repeats),
-             total),
-            ("LM head alone", best(lambda: ops.linear(x, weights[-1], None), args.repeats),
-             weights[-1].numel() * 4),
+            (f"one {one_rows} x {HIDDEN} product", best(lambda: ops.packed_linear(x, one, one_rows, None),
+                                                        args.repeats), total),
+            ("LM head alone", best(lambda: ops.packed_linear(x, head, vocab, None), args.repeats),
+             head.numel() * 4),
             (f"{len(weights)} products", best(step, args.repeats), total)]
     print(f"{total / 1e6:.0f} MB of weights, {args.threads} threads, best of {args.repeats}")
     for name, seconds, nbytes in rows:
@@ -82,8 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         xr, xir = torch.randn(count, HIDDEN, generator=gen), torch.randn(count, INTER, generator=gen)
 
         def step_rows(xr: torch.Tensor = xr, xir: torch.Tensor = xir) -> None:
-            for w in weights:
-                ops.linear(xir if w.shape[1] == INTER else xr, w, None)
+            for p, n in weights:
+                ops.packed_linear(xir if p.shape[1] == INTER else xr, p, n, None)
 
         seconds = best(step_rows, args.repeats)
         flops = 2 * count * total / 4

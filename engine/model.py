@@ -46,7 +46,7 @@ from kernels.cpu_native import env_off
 from kernels.greedy_head import GreedyHead
 from kernels.linear import LinearKernel, PreparedLinear
 from kernels.native_decoder import DecoderLayerWeights, DecoderShape, NativeDecoder
-from kernels.native_ops import NativeOps, native_ops
+from kernels.native_ops import PANEL, NativeOps, native_ops
 from kernels.norm import rms_norm
 from kernels.rope import RotaryEmbedding, apply_rotary
 
@@ -224,16 +224,20 @@ class CausalLM(nn.Module):
         layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
         linears = [lin for layer in layers
                    for lin in (layer.qkv_linear, layer.o_linear, layer.gate_up_linear, layer.down_linear)]
+        packed = [lin.packed for lin in linears]
         if (self.group is not None or native_ops() is None or self.dtype != torch.float32
-                or any(lin.kernel != "native" for lin in linears)):
+                or any(lin.kernel != "native" for lin in linears) or any(p is None for p in packed)
+                or self.shard.intermediate_size % PANEL):
             return None
         c = self.config
         shape = DecoderShape(c.hidden_size, self.shard.num_heads, self.shard.num_kv_heads, c.head_dim,
                              self.shard.intermediate_size, c.rms_norm_eps)
-        weights = [DecoderLayerWeights(layer.input_norm.data, layer.qkv.data,
+        mats = [p for p in packed if p is not None]  # all of them: checked above
+        weights = [DecoderLayerWeights(layer.input_norm.data, mats[4 * i],
                                        None if layer.qkv_bias is None else layer.qkv_bias.data,
-                                       layer.o_proj.data, layer.post_norm.data, layer.gate_up.data,
-                                       layer.down_proj.data) for layer in layers]
+                                       mats[4 * i + 1], layer.post_norm.data, mats[4 * i + 2],
+                                       mats[4 * i + 3])
+                   for i, layer in enumerate(layers)]
         return NativeDecoder(weights, self.norm.data, shape)
 
     def _hf_targets(self) -> dict[str, torch.Tensor]:

@@ -13,10 +13,12 @@
  *   8. delta = act . Wdown^T                     features split
  * and after the last layer out = rms_norm(hidden += delta) * final_norm.
  *
- * Every value is computed by the same code as the per-op calls (cpu_ops.c, cpu_attention.c) in the same
- * order, so the result is bitwise that of the per-op path: the feature ranges are multiples of 8, so a
- * product takes the same 4-row weight blocks and SiLU the same vector spans whatever the split, and an
- * attention row's arithmetic does not depend on the item it is in. What it saves is the per-op cost of a
+ * The four matrices are packed (cpu_packed.c's layout) and the products split by whole panels, so the
+ * intermediate width must be a multiple of PANEL (gate and up panels then line up with the activation's
+ * share). Every value is computed by the same code as the per-op calls (cpu_packed.c, cpu_ops.c,
+ * cpu_attention.c) in the same order, so the result is bitwise that of the per-op path: a product's
+ * output does not depend on the split, SiLU takes the same vector spans (the shares are multiples of 8),
+ * and an attention row's arithmetic does not depend on the item it is in. What it saves is the per-op cost of a
  * decode step: ~10 ctypes calls, torch allocations and fork/joins of the thread team per layer.
  */
 #include <omp.h>
@@ -27,12 +29,11 @@
 
 enum { W_INPUT_NORM, W_QKV, W_QKV_BIAS, W_O, W_POST_NORM, W_GATE_UP, W_DOWN, W_PER_LAYER };
 
-/* thread t's share [*r0, *r1) of n output features: chunks of 8, as evenly as they go */
-static inline void feature_share(int64_t n, int t, int nt, int64_t *r0, int64_t *r1) {
-    const int64_t chunks = (n + 7) / 8;
-    const int64_t e = chunks * (t + 1) / nt * 8;
-    *r0 = chunks * t / nt * 8;
-    *r1 = e < n ? e : n;
+/* thread t's share [*q0, *q1) of the panels of n output features, as evenly as they go */
+static inline void panel_share(int64_t n, int t, int nt, int64_t *q0, int64_t *q1) {
+    const int64_t panels = (n + PANEL - 1) / PANEL;
+    *q0 = panels * t / nt;
+    *q1 = panels * (t + 1) / nt;
 }
 
 static inline void norm_rows(float *hidden, const float *delta, const float *weight, float *out, int64_t rows,
@@ -54,6 +55,7 @@ int pdserve_decoder_f32(const int64_t *layer_weights, int32_t num_layers, float 
     if (kv_heads <= 0 || num_heads % kv_heads != 0) return -2;
     if (block_size <= 0 || (block_size & (block_size - 1)) != 0) return -3;
     if (tokens < 1) return -4;
+    if (intermediate % PANEL != 0) return -6;
     const int64_t T = tokens, H = hidden_size, I = intermediate, hd = head_dim;
     const int64_t q_width = (int64_t)num_heads * hd, kv_width = (int64_t)kv_heads * hd;
     const int64_t qkv_width = q_width + 2 * kv_width;
@@ -78,10 +80,11 @@ int pdserve_decoder_f32(const int64_t *layer_weights, int32_t num_layers, float 
 #pragma omp parallel num_threads(threads)
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        int64_t q0, q1, h0, h1, g0, g1; /* h0..h1: this thread's share of the hidden width (O and down) */
-        feature_share(qkv_width, t, nt, &q0, &q1);
-        feature_share(H, t, nt, &h0, &h1);
-        feature_share(I, t, nt, &g0, &g1);
+        int64_t q0, q1, h0, h1, g0, g1; /* panels; h0..h1: this thread's share of the hidden width (O, down) */
+        panel_share(qkv_width, t, nt, &q0, &q1);
+        panel_share(H, t, nt, &h0, &h1);
+        panel_share(I, t, nt, &g0, &g1);
+        const int64_t gate_panels = I / PANEL;
         for (int layer = 0; layer < num_layers; layer++) {
             const int64_t *lw = layer_weights + (int64_t)layer * W_PER_LAYER;
             const float *w_qkv = (const float *)lw[W_QKV], *bias = (const float *)lw[W_QKV_BIAS];
@@ -89,7 +92,7 @@ int pdserve_decoder_f32(const int64_t *layer_weights, int32_t num_layers, float 
             float *kv = kv_cache + layer * kv_layer_stride;
             norm_rows(hidden, layer ? delta : 0, (const float *)lw[W_INPUT_NORM], x, T, H, eps, t, nt);
 #pragma omp barrier
-            pdserve_gemm_features(w_qkv, x, bias, qkv, T, qkv_width, H, q0, q1);
+            pdserve_packed_panels(w_qkv, x, bias, qkv, T, qkv_width, H, q0, q1);
 #pragma omp barrier
             for (int64_t tok = t; tok < T; tok += nt) {
                 float *row = qkv + tok * qkv_width;
@@ -109,18 +112,18 @@ int pdserve_decoder_f32(const int64_t *layer_weights, int32_t num_layers, float 
                 }
             }
 #pragma omp barrier
-            pdserve_gemm_features((const float *)lw[W_O], attn, 0, delta, T, H, q_width, h0, h1);
+            pdserve_packed_panels((const float *)lw[W_O], attn, 0, delta, T, H, q_width, h0, h1);
 #pragma omp barrier
             norm_rows(hidden, delta, (const float *)lw[W_POST_NORM], x, T, H, eps, t, nt);
 #pragma omp barrier
-            pdserve_gemm_features(w_gu, x, 0, gate_up, T, 2 * I, H, g0, g1);
-            pdserve_gemm_features(w_gu, x, 0, gate_up, T, 2 * I, H, I + g0, I + g1);
+            pdserve_packed_panels(w_gu, x, 0, gate_up, T, 2 * I, H, g0, g1);
+            pdserve_packed_panels(w_gu, x, 0, gate_up, T, 2 * I, H, gate_panels + g0, gate_panels + g1);
             for (int64_t r = 0; r < T; r++) {
                 const float *g = gate_up + r * 2 * I;
-                pdserve_silu_mul_range(g, g + I, act + r * I, g0, g1);
+                pdserve_silu_mul_range(g, g + I, act + r * I, g0 * PANEL, g1 * PANEL);
             }
 #pragma omp barrier
-            pdserve_gemm_features((const float *)lw[W_DOWN], act, 0, delta, T, H, I, h0, h1);
+            pdserve_packed_panels((const float *)lw[W_DOWN], act, 0, delta, T, H, I, h0, h1);
 #pragma omp barrier
         }
         norm_rows(hidden, num_layers ? delta : 0, final_norm, out, T, H, eps, t, nt);

@@ -60,9 +60,6 @@ INTERNAL int64_t pdserve_plan_items(const int32_t *query_start_loc, int32_t num_
                                     int32_t per_item, Item *items);
 
 /* cpu_ops.c: the pieces of its kernels, for callers that already run inside an OpenMP team */
-/* output features r0..r1 of Y[m, n] = X[m, k] . W[n, k]^T (+ bias) */
-INTERNAL void pdserve_gemm_features(const float *w, const float *x, const float *bias, float *y, int64_t m,
-                                    int64_t n, int64_t k, int64_t r0, int64_t r1);
 /* one row: h += d (d may be NULL), o = rms_norm(h) * wt */
 INTERNAL void pdserve_add_rms_norm_row(float *h, const float *d, const float *wt, float *o, int64_t dim,
                                        float eps);
@@ -70,5 +67,11 @@ INTERNAL void pdserve_add_rms_norm_row(float *h, const float *d, const float *wt
 INTERNAL void pdserve_rope_token(float *x, const float *c, const float *s, int32_t heads, int32_t head_dim);
 /* o[i] = silu(g[i]) * u[i] for i in i0..i1 (i0 a multiple of 8: the same values as the whole row) */
 INTERNAL void pdserve_silu_mul_range(const float *g, const float *u, float *o, int64_t i0, int64_t i1);
+
+/* cpu_packed.c: the product against packed weights (its header comment has the layout). Output panels
+ * q0..q1-1 (PANEL features each) of every row; cpu_decoder.c splits them over its threads. */
+#define PANEL 16
+INTERNAL void pdserve_packed_panels(const float *p, const float *x, const float *bias, float *y, int64_t m,
+                                    int64_t n, int64_t k, int64_t q0, int64_t q1);
 
 #endif

@@ -45,8 +45,8 @@ from kernels.torch_ref import TorchAttentionBackend
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("cpu_attention.c", "cpu_attention_blocked.c", "cpu_ops.c", "cpu_decoder.c",
-                                  "cpu_greedy.c"))
+                for name in ("cpu_attention.c", "cpu_attention_blocked.c", "cpu_ops.c", "cpu_packed.c",
+                             "cpu_decoder.c", "cpu_greedy.c"))
 # included by the sources: part of the build's hash
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_simd.h", "cpu_internal.h"))
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-shared", "-fPIC", "-fopenmp")
@@ -132,10 +132,13 @@ def load_library() -> ctypes.CDLL | None:
 
 
 def bind_ops(lib: ctypes.CDLL) -> None:
-    """Declare the signatures of ``cpu_ops.c``'s functions (pointers as ``c_void_p``)."""
+    """Declare the signatures of ``cpu_ops.c``'s, ``cpu_packed.c``'s and ``cpu_decoder.c``'s functions
+    (pointers as ``c_void_p``)."""
     ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
     signatures = {
-        "pdserve_gemm_f32": [ptr, ptr, ptr, ptr, i64, i64, i64, i32],  # w, x, bias, y, m, n, k, threads
+        "pdserve_pack_f32": [ptr, ptr, i64, i64],  # w, packed, n, k
+        # packed weight, x, bias, y, m, n, k, threads
+        "pdserve_packed_f32": [ptr, ptr, ptr, ptr, i64, i64, i64, i32],
         "pdserve_add_rms_norm_f32": [ptr, ptr, ptr, ptr, i64, i64, f32, i32],  # h, delta, w, out, rows, dim
         "pdserve_rope_f32": [ptr, i64, ptr, ptr, i64, i32, i32, i32],  # x, stride, cos, sin, T, heads, hd
         "pdserve_silu_mul_f32": [ptr, ptr, i64, i64, i32],  # gate_up, out, rows, inter, threads

@@ -11,9 +11,9 @@ keeps an IEEE half copy ``Q`` of ``W`` (half the bytes) and, per step:
 4. exact: the float32 product of the rows over the candidates' weight rows only, with the same kernel
    the full product uses (``NativeOps.linear``), and each row's argmax among them.
 
-The contract: ``argmax(x)`` returns, for each row, the token the full product's
-``NativeOps.linear(x, W).argmax(-1)`` returns, bitwise (ties to the lowest id), or ``None`` when it
-cannot promise that (a non-finite or near-zero row, more than ``MAX_CANDIDATES`` candidates) or would
+The contract: ``argmax(x)`` returns, for each row, the token the full product's (the LM head's native
+product, ``NativeOps.linear(x, W)``) ``argmax(-1)`` returns, bitwise (ties to the lowest id), or ``None``
+when it cannot promise that (a non-finite or near-zero row, more than ``MAX_CANDIDATES`` candidates) or would
 not be faster (a row count outside ``1..MAX_ROWS``); the caller then takes the full product.
 
 Why it is exact:
@@ -28,11 +28,10 @@ Why it is exact:
   ``k >= 64``); the ``1e-30`` covers underflow, which the screen refuses below ``|x| = 1e-10``.
 - The winner is a candidate: its exact logit is at least every other's, so ``y_win + B_win >= z_win >=
   z_s >= y_s - B_s`` for every s. Every feature tied with it is a candidate too.
-- The exact step computes each candidate's logit bitwise as the full product would: ``NativeOps.linear``
-  computes each output from its weight row and ``x`` alone, in the one-row path when ``x`` has one row
-  and otherwise in 4-row blocks, except the last ``vocab % 4`` features, which take 1-row blocks. The
-  candidates are padded to a multiple of 4 (repeating the last), so each takes a 4-row block; a
-  candidate among those last features sends the step to the full product instead.
+- The exact step computes each candidate's logit bitwise as the full product would: the packed product
+  (``NativeOps.packed_linear``, which the LM head's ``PreparedLinear`` runs) computes each output as one
+  FMA chain over its weight row and its row of ``x``, whatever the other rows and features, so the
+  candidates' rows packed alone give the same logits.
 
 Only for the native float32 kernel on one rank (``CausalLM.prepare_linears`` builds it when the LM head
 takes ``NativeOps.linear``); ``PDSERVE_GREEDY_HEAD=0`` turns it off.
@@ -122,15 +121,13 @@ class GreedyHead:
         y = x.new_empty(rows, vocab)
         self._screen(self.half.data_ptr(), x.data_ptr(), y.data_ptr(), rows, vocab, k,
                      torch.get_num_threads())
-        found = torch.empty(MAX_CANDIDATES + 3, dtype=torch.int64)
+        found = torch.empty(MAX_CANDIDATES, dtype=torch.int64)
         count = int(self._candidates(y.data_ptr(), self.coefficients.data_ptr(), x.data_ptr(), rows, vocab, k,
                                      ctypes.c_void_p(found.data_ptr()), MAX_CANDIDATES))
-        if count <= 0 or int(found[count - 1]) >= vocab - vocab % 4:
+        if count <= 0:
             self.fallbacks += 1
             return None
-        padded = -(-count // 4) * 4
-        found[count:padded] = found[count - 1]
-        ids = found[:padded]
+        ids = found[:count]
         exact = self._ops.linear(x, self.weight.index_select(0, ids), None)
         self.steps += 1
         self.candidates += count

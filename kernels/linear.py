@@ -39,14 +39,19 @@ The packed MKL copy costs one more copy of each weight (for SmolLM2-135M fp32:
 (other row counts fall back to torch's default), so only the single-row pack is
 kept. Other dtypes and devices use ``"plain"``.
 
-``"native"`` takes products of 1 to ``NATIVE_MAX_ROWS`` rows (decode steps) with the
-native kernel (``kernels.native_ops.NativeOps.linear``: the ``[out, in]`` weight read
-once in place, so no packed copy is kept) and larger ones (prefill chunks) as
-``"prepacked"`` does; where the native library cannot be built it is
-``"prepacked"``. Measured here (2 threads, the SmolLM2 decoder's shapes and LM head,
-``python -m bench.linear_kernels``): the native product beats MKL's packed one at
-one row and oneDNN's from 2 to 64 rows (at 16 rows about 1.7x: it keeps 12
-accumulators in registers and prefetches the weight blocks ahead into L2 while it computes).
+``"native"`` (the engine's default) packs the weight once into the native library's
+panels (``kernels.native_ops.NativeOps.pack``: ``[ceil(out / 16), in, 16]``, a copy of
+the weight's size) and takes every row count with ``NativeOps.packed_linear``: a
+register tile of 8 rows x 48 features (AVX-512; 6 x 16 otherwise) with no horizontal
+sums, the next weight panels prefetched while it computes. Each output is one FMA chain
+over ``in``, so a row's result does not depend on the other rows or the row count: a
+token rounds alike in a prompt chunk, a decode step, on either side of a disaggregated
+handoff. Measured on a 2-core AMD EPYC (Zen 5, AVX-512), every product of SmolLM2-135M
+(``bench.linear_kernels``; docs/benchmarks.md, "One packed product for every row count"):
+at 16 rows, 2 threads, weights from DRAM, 11.6 ms against 20.4 for the previous native
+kernel (the ``[out, in]`` weight read in place) and 27.7 for oneDNN; at 1 row 6.5 against
+7.2; prompt-sized products (256 rows and more) about 10% ahead of oneDNN's. Where the
+native library cannot be built it is ``"prepacked"``.
 """
 
 from __future__ import annotations
@@ -62,8 +67,8 @@ from kernels.native_ops import native_ops
 
 LinearKernel = Literal["plain", "prepacked", "native"]
 LINEAR_KERNELS: tuple[LinearKernel, ...] = ("plain", "prepacked", "native")
-NATIVE_MAX_ROWS = 64  # "native": the native product up to this many rows
-LARGE_ROWS = 64  # above this many rows every kernel is LARGE_PRODUCT (see the docstring)
+NATIVE_MAX_ROWS = 64  # steps of up to this many tokens take the one-call decoder (kernels/native_decoder.py)
+LARGE_ROWS = 64  # "prepacked": above this many rows, LARGE_PRODUCT (see the docstring)
 LargeProduct = Literal["mkl", "onednn"]
 
 
@@ -144,22 +149,22 @@ class PreparedLinear:
         self.bias = bias.detach() if bias is not None else None
         self.out_features, self.in_features = weight.shape
         self.kernel: LinearKernel = kernel if prepacked_available(weight) else "plain"
-        self._native = native_ops() if self.kernel == "native" and self.weight.is_contiguous() else None
+        self._native = native_ops() if self.kernel == "native" else None
         if self.kernel == "native" and self._native is None:
             self.kernel = "prepacked"
         self.packed_row = mkl_pack(self.weight, 1) if self.kernel == "prepacked" else None
+        # "native": the weight in the native library's panels (cpu_packed.c)
+        self.packed = self._native.pack(self.weight) if self._native is not None else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._native is not None and x.dim() == 2 and x.dtype == torch.float32 and x.shape[0]:
-            if x.shape[0] <= NATIVE_MAX_ROWS:
-                return self._native.linear(x, self.weight, self.bias)
-            return _many_rows(x, self.weight, self.bias)
+        if self._native is not None and self.packed is not None and x.dim() == 2 and x.dtype == torch.float32:
+            return self._native.packed_linear(x, self.packed, self.out_features, self.bias)
         return prepared_linear(x, self.weight, self.packed_row, self.bias)
 
     @property
     def extra_bytes(self) -> int:
         """Bytes held beyond the weight itself (the packed copy)."""
-        p = self.packed_row
+        p = self.packed_row if self.packed is None else self.packed
         return 0 if p is None else p.numel() * p.element_size()
 
 

@@ -17,9 +17,11 @@ Contract:
   product takes; above, the products are oneDNN's and the per-op path runs), float32 CPU hidden states,
   a contiguous float32 cache of this model's shape, no KV scales (quantized caches take the per-op path),
   and the ``NativeCpuAttentionBackend`` prepared for the step (``paged_arrays``).
-- Weights: the layers' tensors are read in place through pointers taken when the decoder is built; it
-  keeps a reference to every tensor, and must be rebuilt when the weights are replaced (the model does
-  so in ``prepare_linears``).
+- Weights: the four matrices packed (``NativeOps.pack``, as the layers' ``PreparedLinear`` holds them),
+  the norms and the bias as they are; the intermediate width a multiple of ``PANEL`` (the products are
+  split by whole panels; every Llama-family model's is). The tensors are read in place through pointers
+  taken when the decoder is built; it keeps a reference to every tensor, and must be rebuilt when the
+  weights are replaced (the model does so in ``prepare_linears``).
 - Threads: ``torch.get_num_threads()`` at each call, on torch's OpenMP team.
 """
 
@@ -33,12 +35,13 @@ import torch
 from kernels.attention import AttentionBackend
 from kernels.cpu_native import NativeCpuAttentionBackend, load_library
 from kernels.linear import NATIVE_MAX_ROWS
+from kernels.native_ops import PANEL, NativeOps
 
 
 @dataclass(frozen=True)
 class DecoderLayerWeights:
     """One layer's tensors, Llama layout: ``qkv`` rows are q heads, k heads, v heads; ``gate_up`` rows
-    are gate, then up; every matrix ``[out, in]``."""
+    are gate, then up; every matrix an ``[out, in]`` weight packed by ``NativeOps.pack``."""
 
     input_norm: torch.Tensor
     qkv: torch.Tensor
@@ -85,10 +88,13 @@ class NativeDecoder:
         self._call = lib.pdserve_decoder_f32
         self.shape = shape
         s = shape
+        if s.intermediate_size % PANEL:
+            raise ValueError(f"intermediate size {s.intermediate_size} is not a multiple of {PANEL}")
+        packed = NativeOps.packed_shape
         expected = (
-            (s.hidden_size,), (s.qkv_width, s.hidden_size), (s.qkv_width,),
-            (s.hidden_size, s.num_heads * s.head_dim), (s.hidden_size,),
-            (2 * s.intermediate_size, s.hidden_size), (s.hidden_size, s.intermediate_size),
+            (s.hidden_size,), packed(s.qkv_width, s.hidden_size), (s.qkv_width,),
+            packed(s.hidden_size, s.num_heads * s.head_dim), (s.hidden_size,),
+            packed(2 * s.intermediate_size, s.hidden_size), packed(s.hidden_size, s.intermediate_size),
         )
         pointers: list[list[int]] = []
         for i, layer in enumerate(layers):

@@ -1,4 +1,4 @@
-"""The decoder's per-layer small ops and the few-row product as native calls (``cpu_ops.c``).
+"""The decoder's per-layer small ops and the product as native calls (``cpu_ops.c``, ``cpu_packed.c``).
 
 At decode sizes each torch op costs more in dispatch and allocation than in
 arithmetic (a norm of one 576-float row, a rope over 15 heads), so a decode layer
@@ -14,11 +14,17 @@ does each group in one call through ctypes, on float32 CPU tensors only:
   ``kernels.rope.apply_rotary``;
 - ``silu_mul(gate_up)``: ``kernels.activation.silu_mul``, equal to rounding (a
   polynomial ``exp``, about 1 ulp);
-- ``linear(x, weight, bias)``: ``F.linear`` for the few rows of a decode step
-  (``x`` of ``[rows, in]``, any ``rows`` >= 1; ``kernels.linear`` uses it up to
-  ``NATIVE_MAX_ROWS``), the ``[out, in]`` weight read once in place (no packed
-  copy), output features split over the threads; equal to rounding (another
-  summation order).
+- ``pack(weight)``: the ``[out, in]`` weight in ``cpu_packed.c``'s panels
+  (``[ceil(out / PANEL), in, PANEL]``, zero-padded), made once at load;
+- ``packed_linear(x, packed, out_features, bias)``: ``F.linear`` for ``x`` of
+  ``[rows, in]`` (any ``rows`` >= 1: decode steps and prompt chunks) against the
+  packed weight, output panels split over the threads. Each output is one FMA
+  chain over ``in`` in order, so its value depends on its row of ``x`` and its
+  weight row only: bitwise the same whatever the row count, the thread count
+  and the other rows (a token rounds alike in a prompt chunk and a decode step);
+  equal to ``F.linear`` to rounding;
+- ``linear(x, weight, bias)``: ``pack`` then ``packed_linear``, for one-off
+  products (bitwise the products of a packed layer with the same weight rows).
 
 Callers check ``usable`` for their tensors (float32, CPU, contiguous where
 stated) and take the torch path otherwise. Threads: ``torch.get_num_threads()``
@@ -35,6 +41,8 @@ import torch
 
 from kernels.cpu_native import load_library, native_available
 
+PANEL = 16  # output features per packed panel (cpu_internal.h)
+
 
 class NativeOps:
     """ctypes calls into ``cpu_ops.c``; see the module docstring for each op's contract."""
@@ -43,7 +51,8 @@ class NativeOps:
         lib = load_library()
         if lib is None:
             raise RuntimeError("native CPU kernel library is unavailable")
-        self._gemm = lib.pdserve_gemm_f32
+        self._pack = lib.pdserve_pack_f32
+        self._packed = lib.pdserve_packed_f32
         self._norm = lib.pdserve_add_rms_norm_f32
         self._rope = lib.pdserve_rope_f32
         self._silu_mul = lib.pdserve_silu_mul_f32
@@ -82,16 +91,38 @@ class NativeOps:
         self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
         return out
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``F.linear(x, weight, bias)`` for ``x`` of ``[rows, in]`` and a contiguous ``weight``."""
+    @staticmethod
+    def packed_shape(out_features: int, in_features: int) -> tuple[int, int, int]:
+        """The packed tensor's shape for an ``[out_features, in_features]`` weight."""
+        return (-(-out_features // PANEL), in_features, PANEL)
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` (float32 ``[out, in]``) in the packed layout (a new tensor)."""
         out_features, in_features = weight.shape
-        if not x.is_contiguous():
-            x = x.contiguous()
+        weight = weight.contiguous()
+        packed = weight.new_empty(self.packed_shape(out_features, in_features))
+        self._pack(weight.data_ptr(), packed.data_ptr(), out_features, in_features)
+        return packed
+
+    def packed_linear(self, x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                      bias: torch.Tensor | None) -> torch.Tensor:
+        """``F.linear(x, weight, bias)`` for ``x`` of ``[rows, in]``, ``packed = pack(weight)``."""
+        in_features = packed.shape[1]
+        if tuple(packed.shape) != self.packed_shape(out_features, in_features) or not packed.is_contiguous():
+            raise ValueError(f"a packed weight of shape {tuple(packed.shape)} for {out_features} outputs")
+        if x.shape[-1] != in_features:
+            raise ValueError(f"input of width {x.shape[-1]} for a product of {in_features} inputs")
+        x = x.contiguous()
+        bias = None if bias is None else bias.contiguous()
         rows = x.shape[0]
         y = x.new_empty(rows, out_features)
-        self._gemm(weight.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
-                   rows, out_features, in_features, torch.get_num_threads())
+        self._packed(packed.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(),
+                     y.data_ptr(), rows, out_features, in_features, torch.get_num_threads())
         return y
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``F.linear(x, weight, bias)``: ``pack(weight)``, then ``packed_linear``."""
+        return self.packed_linear(x, self.pack(weight), weight.shape[0], bias)
 
 
 @functools.lru_cache(maxsize=1)

@@ -36,12 +36,13 @@ def test_prepacked_matches_f_linear(rows: int, with_bias: bool) -> None:
 
 
 @pytest.mark.parametrize("product", ["mkl", "onednn"])
-@pytest.mark.parametrize("kernel", ["prepacked", "native"])
+@pytest.mark.parametrize("kernel", ["prepacked"])
 def test_prefill_chunks_take_the_machines_large_product(kernel: LinearKernel, product: LargeProduct,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Above ``LARGE_ROWS`` rows every kernel is ``LARGE_PRODUCT``'s product, bitwise: ``F.linear`` itself
-    (MKL's) or oneDNN's inner product, which sums in another order (docs/benchmarks.md, "Prompt chunks
-    on oneDNN's product off Intel CPUs")."""
+    """Above ``LARGE_ROWS`` rows the prepacked kernel is ``LARGE_PRODUCT``'s product, bitwise: ``F.linear``
+    itself (MKL's) or oneDNN's inner product, which sums in another order (docs/benchmarks.md, "Prompt
+    chunks on oneDNN's product off Intel CPUs"). The native kernel takes every row count itself
+    (tests/unit/test_native_ops.py)."""
     if not prepacked_available(torch.zeros(2, 2)):
         pytest.skip("this torch build has no MKL / oneDNN")
     monkeypatch.setattr(linear, "LARGE_PRODUCT", product)

@@ -1,4 +1,4 @@
-"""The native small ops and one-row product (``kernels/native_ops.py``) against the torch expressions."""
+"""The native small ops and the packed product (``kernels/native_ops.py``) against the torch expressions."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from kernels.activation import silu_mul
 from kernels.linear import NATIVE_MAX_ROWS, PreparedLinear
-from kernels.native_ops import NativeOps, native_ops
+from kernels.native_ops import PANEL, NativeOps, native_ops
 from kernels.norm import rms_norm
 from kernels.rope import apply_rotary
 
@@ -71,14 +71,47 @@ def test_linear_matches_f_linear(out_f: int, in_f: int, rows: int, threads: int)
     torch.testing.assert_close(got, F.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [0, 1, 5, NATIVE_MAX_ROWS + 1])
-def test_native_linear_kernel_keeps_no_packed_copy(rows: int) -> None:
+def test_pack_lays_out_panels_of_16_features() -> None:
+    weight = torch.randn(37, 5)
+    packed = ops().pack(weight)
+    assert packed.shape == (3, 5, PANEL) == NativeOps.packed_shape(37, 5)
+    for feature in range(37):
+        assert torch.equal(packed[feature // PANEL, :, feature % PANEL], weight[feature])
+    assert not packed[2, :, 37 - 2 * PANEL:].any()  # the last panel's padding
+
+
+@pytest.mark.parametrize("rows", [0, 1, 5, NATIVE_MAX_ROWS + 1, 300])
+def test_native_linear_kernel_packs_once(rows: int) -> None:
     gen = torch.Generator().manual_seed(rows)
-    weight, bias = torch.randn(96, 40, generator=gen), torch.randn(96, generator=gen)
+    weight, bias = torch.randn(100, 40, generator=gen), torch.randn(100, generator=gen)
     layer = PreparedLinear(weight, bias, "native")
-    assert layer.kernel == "native" and layer.extra_bytes == 0
+    assert layer.kernel == "native" and layer.packed is not None
+    assert layer.extra_bytes == 7 * 40 * PANEL * 4  # ceil(100 / 16) panels
     x = torch.randn(rows, 40, generator=gen)
     torch.testing.assert_close(layer(x), F.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("out_f", "in_f"), [(832, 576), (100, 1536), (50000, 64)])
+def test_a_rows_product_depends_on_that_row_only(out_f: int, in_f: int) -> None:
+    """Each output is one FMA chain over the inputs: the same bits whatever the row count (a decode step
+    of 1 or 16 rows, a prompt chunk of 200), the other rows and the thread count."""
+    gen = torch.Generator().manual_seed(out_f + in_f)
+    weight, bias = torch.randn(out_f, in_f, generator=gen), torch.randn(out_f, generator=gen)
+    layer = PreparedLinear(weight, bias, "native")
+    x = torch.randn(200, in_f, generator=gen)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        whole = layer(x)
+        torch.set_num_threads(1)
+        assert torch.equal(layer(x), whole)
+        for start, stop in ((0, 1), (7, 23), (150, 200), (3, 4)):
+            assert torch.equal(layer(x[start:stop]), whole[start:stop])
+        torch.set_num_threads(2)
+        assert torch.equal(layer(x[40:56].flip(0)), whole[40:56].flip(0))
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(whole, F.linear(x, weight, bias), atol=2e-4, rtol=1e-5)
 
 
 def test_disabled_by_env(monkeypatch: pytest.MonkeyPatch) -> None:
