@@ -26,17 +26,19 @@
 
 #include "cpu_internal.h"
 
-typedef float vp __attribute__((vector_size(PANEL * 4)));
-typedef float vpu __attribute__((vector_size(PANEL * 4), aligned(4), may_alias));
-
 #if defined(__AVX512F__)
+#define VW 16 /* floats per vector register */
 #define TILE_ROWS 8
 #define TILE_PANELS 3
 #else
+#define VW 8
 #define TILE_ROWS 6
 #define TILE_PANELS 1
 #endif
-#define MC_BYTES (256 * 1024) /* activation rows per chunk: about this many bytes of x */
+#define VPP (PANEL / VW)              /* vectors per panel's k step */
+#define MC_BYTES (256 * 1024)         /* activation rows per chunk: about this many bytes of x */
+typedef float vw __attribute__((vector_size(VW * 4)));
+typedef float vwu __attribute__((vector_size(VW * 4), aligned(4), may_alias));
 
 void pdserve_pack_f32(const float *w, float *p, int64_t n, int64_t k) {
     const int64_t panels = (n + PANEL - 1) / PANEL;
@@ -58,39 +60,41 @@ void pdserve_pack_f32(const float *w, float *p, int64_t n, int64_t k) {
 static inline __attribute__((always_inline)) void tile(const float *p, int64_t k, const float *x, int64_t ldx,
                                                        float *y, int64_t ldy, const float *bias, int64_t cols,
                                                        const float *pf, const int R, const int V) {
-    vp acc[TILE_ROWS][TILE_PANELS];
+    vw acc[TILE_ROWS][TILE_PANELS * VPP];
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++)
-#pragma GCC unroll 3
-        for (int v = 0; v < V; v++) acc[r][v] = (vp){0};
+#pragma GCC unroll 6
+        for (int u = 0; u < V * VPP; u++) acc[r][u] = (vw){0};
     for (int64_t i = 0; i < k; i++) {
-        vp w[TILE_PANELS];
+        vw w[TILE_PANELS * VPP];
 #pragma GCC unroll 3
         for (int v = 0; v < V; v++) {
+            const float *src = p + (v * k + i) * PANEL;
             if (pf) __builtin_prefetch(pf + (v * k + i) * PANEL, 0, 3);
-            w[v] = *(const vpu *)(p + (v * k + i) * PANEL);
+#pragma GCC unroll 2
+            for (int h = 0; h < VPP; h++) w[v * VPP + h] = *(const vwu *)(src + h * VW);
         }
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
-            const vp b = (vp){0} + x[r * ldx + i];
-#pragma GCC unroll 3
-            for (int v = 0; v < V; v++) acc[r][v] = w[v] * b + acc[r][v];
+            const vw b = (vw){0} + x[r * ldx + i];
+#pragma GCC unroll 6
+            for (int u = 0; u < V * VPP; u++) acc[r][u] = w[u] * b + acc[r][u];
         }
     }
     if (cols == V * PANEL) {
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++)
-#pragma GCC unroll 3
-            for (int v = 0; v < V; v++) {
-                vp out = acc[r][v];
-                if (bias) out = out + *(const vpu *)(bias + v * PANEL);
-                *(vpu *)(y + r * ldy + v * PANEL) = out;
+#pragma GCC unroll 6
+            for (int u = 0; u < V * VPP; u++) {
+                vw out = acc[r][u];
+                if (bias) out = out + *(const vwu *)(bias + u * VW);
+                *(vwu *)(y + r * ldy + u * VW) = out;
             }
         return;
     }
     for (int r = 0; r < R; r++) {
         float row[TILE_PANELS * PANEL];
-        for (int v = 0; v < V; v++) memcpy(row + v * PANEL, &acc[r][v], sizeof(vp));
+        for (int u = 0; u < V * VPP; u++) memcpy(row + u * VW, &acc[r][u], sizeof(vw));
         for (int64_t c = 0; c < cols; c++) y[r * ldy + c] = bias ? row[c] + bias[c] : row[c];
     }
 }
