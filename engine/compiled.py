@@ -78,6 +78,7 @@ class CompiledDecoder:
     def __init__(self, model: CausalLM, max_num_seqs: int) -> None:
         use_disk_cache()
         self.model = model
+        model.restore_plain_weights()  # the compiled halves take the [out, in] matrices
         self.buckets = decode_buckets(max_num_seqs)
         # one graph per bucket and function; dynamo's default limit (8) would fall back to eager
         limit = 2 * len(self.buckets) + 4

@@ -96,20 +96,52 @@ class DecoderLayer(nn.Module):
         self.post_norm = _weight(c.hidden_size, dtype=dtype, device=device)
         self.gate_up = _weight(2 * inter, c.hidden_size, dtype=dtype, device=device)
         self.down_proj = _weight(c.hidden_size, inter, dtype=dtype, device=device)
+        self.plain_released = False  # release_plain / restore_plain
         self.prepare_linears("plain")
 
     def _reduce(self, x: torch.Tensor) -> torch.Tensor:
         return self.group.all_reduce(x) if self.group is not None else x
 
-    def prepare_linears(self, kernel: LinearKernel) -> None:
-        """(Re)build the prepared products from the current weights."""
+    def prepare_linears(self, kernel: LinearKernel, keep_plain: bool = False) -> None:
+        """(Re)build the prepared products from the current weights. The native kernel's products hold
+        the packed copy only: unless ``keep_plain``, the ``[out, in]`` matrices are then released
+        (``release_plain``)."""
+        self.restore_plain()
         self.qkv_linear = PreparedLinear(self.qkv, self.qkv_bias, kernel)
         self.o_linear = PreparedLinear(self.o_proj, None, kernel)
         self.gate_up_linear = PreparedLinear(self.gate_up, None, kernel)
         self.down_linear = PreparedLinear(self.down_proj, None, kernel)
+        if not keep_plain:
+            self.release_plain()
+
+    def _matrices(self) -> list[tuple[nn.Parameter, PreparedLinear]]:
+        return [(self.qkv, self.qkv_linear), (self.o_proj, self.o_linear),
+                (self.gate_up, self.gate_up_linear), (self.down_proj, self.down_linear)]
+
+    def release_plain(self) -> None:
+        """Free the ``[out, in]`` matrices whose product holds a packed copy (one copy of the weights in
+        memory, not two): each becomes a zero-stride stand-in of its shape (4 bytes) until
+        ``restore_plain``."""
+        for param, linear in self._matrices():
+            if linear.packed is not None and param.data.stride() != (0, 0):
+                param.data = torch.zeros((), dtype=param.dtype, device=param.device).expand(param.shape)
+                linear.release_weight(param.data)
+                self.plain_released = True
+
+    def restore_plain(self) -> None:
+        """The ``[out, in]`` matrices back from the packed copies, bitwise (loading weights, another
+        kernel and the compiled path read them)."""
+        if not self.plain_released:
+            return
+        for param, linear in self._matrices():
+            if linear.packed is not None and param.data.stride() == (0, 0):
+                param.data = NativeOps.unpack(linear.packed, param.shape[0])
+                linear.weight = param.data
+        self.plain_released = False
 
     def hf_targets(self, prefix: str) -> dict[str, torch.Tensor]:
         """Hugging Face name -> the (view of the) tensor it fills."""
+        self.restore_plain()
         q = self.num_heads * self.head_dim
         kv = self.num_kv_heads * self.head_dim
         inter = self.gate_up.shape[0] // 2
@@ -207,6 +239,8 @@ class CausalLM(nn.Module):
         self.use_native_ops = True
         self.use_native_decoder = not env_off("PDSERVE_NATIVE_DECODER")
         self.native_decoder: NativeDecoder | None = None
+        # keep the decoder's [out, in] matrices beside the native packed copies (the compiled path reads them)
+        self.keep_plain_weights = False
 
     def prepare_linears(self, kernel: LinearKernel | None = None) -> None:
         """Pack every matrix for ``kernel`` (default: ``linear_kernel``) from the current weights."""
@@ -214,10 +248,18 @@ class CausalLM(nn.Module):
             self.linear_kernel = kernel
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)
-            layer.prepare_linears(self.linear_kernel)
+            layer.prepare_linears(self.linear_kernel, keep_plain=self.keep_plain_weights)
         self.lm_head_linear = PreparedLinear(self.lm_head, None, self.linear_kernel)
         self.greedy_head = GreedyHead.build(self.lm_head_linear) if self.group is None else None
         self.native_decoder = self._build_native_decoder()
+
+    def restore_plain_weights(self) -> None:
+        """Keep every layer's ``[out, in]`` matrices from now on (``keep_plain_weights``): the compiled
+        decode path reads them."""
+        self.keep_plain_weights = True
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            layer.restore_plain()
 
     def _build_native_decoder(self) -> NativeDecoder | None:
         """The one-call decoder over the current weights, when every product is the native one."""

@@ -157,9 +157,22 @@ class PreparedLinear:
         self.packed = self._native.pack(self.weight) if self._native is not None else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._native is not None and self.packed is not None and x.dim() == 2 and x.dtype == torch.float32:
-            return self._native.packed_linear(x, self.packed, self.out_features, self.bias)
+        if self._native is not None and self.packed is not None:
+            if x.dtype != torch.float32 or x.device.type != "cpu":
+                raise TypeError(f"the native product takes float32 CPU inputs, not {x.dtype} on {x.device}")
+            if x.dim() == 2:
+                return self._native.packed_linear(x, self.packed, self.out_features, self.bias)
+            y = self._native.packed_linear(x.reshape(-1, self.in_features), self.packed, self.out_features,
+                                           self.bias)
+            return y.view(*x.shape[:-1], self.out_features)
         return prepared_linear(x, self.weight, self.packed_row, self.bias)
+
+    def release_weight(self, placeholder: torch.Tensor) -> None:
+        """Drop the reference to the ``[out, in]`` weight (the native kernel reads the packed copy only),
+        keeping ``placeholder`` (the model's zero-stride stand-in) as ``weight``."""
+        if self.packed is None:
+            raise ValueError(f"only the native kernel's packed copy stands alone, not {self.kernel!r}'s")
+        self.weight = placeholder
 
     @property
     def extra_bytes(self) -> int:

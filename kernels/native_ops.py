@@ -23,6 +23,7 @@ does each group in one call through ctypes, on float32 CPU tensors only:
   weight row only: bitwise the same whatever the row count, the thread count
   and the other rows (a token rounds alike in a prompt chunk and a decode step);
   equal to ``F.linear`` to rounding;
+- ``unpack(packed, out_features)``: the weight back, bitwise;
 - ``linear(x, weight, bias)``: ``pack`` then ``packed_linear``, for one-off
   products (bitwise the products of a packed layer with the same weight rows).
 
@@ -95,6 +96,11 @@ class NativeOps:
     def packed_shape(out_features: int, in_features: int) -> tuple[int, int, int]:
         """The packed tensor's shape for an ``[out_features, in_features]`` weight."""
         return (-(-out_features // PANEL), in_features, PANEL)
+
+    @staticmethod
+    def unpack(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+        """The ``[out_features, in]`` weight ``pack`` was given, bitwise (a new tensor)."""
+        return packed.permute(0, 2, 1).reshape(-1, packed.shape[1])[:out_features].contiguous()
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """``weight`` (float32 ``[out, in]``) in the packed layout (a new tensor)."""

@@ -15,7 +15,7 @@ from transformers import (
 )
 
 from engine.config import ModelConfig, RopeScaling
-from engine.model import CausalLM, allocate_kv_cache
+from engine.model import CausalLM, DecoderLayer, allocate_kv_cache
 from kernels import AttentionBackend, get_attention_backend
 from kernels.attention import AttentionMetadata
 from kernels.native_ops import native_ops
@@ -200,3 +200,34 @@ def test_fused_native_ops_match_the_torch_ops() -> None:
     for work in ([(0, tokens), (1, tokens[:7])], [(0, [3]), (1, [9])], [(0, [4])]):  # prefill, x2, x1
         for got, want in zip(fused.step(work), unfused.step(work), strict=True):
             torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.skipif(native_ops() is None, reason="native CPU kernels cannot be built here")
+def test_native_products_keep_one_copy_of_each_matrix() -> None:
+    """The native kernel reads packed copies only, so the [out, in] matrices are freed after loading;
+    they come back bitwise for another kernel, and a second load works."""
+    hf = hf_model("qwen2")
+    state = hf.state_dict()
+    runner = PagedRunner(hf)
+    model = runner.model
+    layer = model.layers[1]
+    assert isinstance(layer, DecoderLayer) and layer.plain_released
+    for matrix in (layer.qkv, layer.o_proj, layer.gate_up, layer.down_proj):
+        assert matrix.untyped_storage().nbytes() == 4 and matrix.dim() == 2
+    tokens = prompt(21, seed=6)
+    first = runner.step([(0, tokens)])[0]
+
+    model.prepare_linears("prepacked")
+    prefix = "model.layers.1."
+    assert not layer.plain_released
+    assert torch.equal(layer.qkv, torch.cat([state[prefix + f"self_attn.{p}_proj.weight"] for p in "qkv"]))
+    gate_up = [state[prefix + f"mlp.{p}_proj.weight"] for p in ("gate", "up")]
+    assert torch.equal(layer.gate_up, torch.cat(gate_up))
+    assert torch.equal(layer.down_proj, state[prefix + "mlp.down_proj.weight"])
+
+    model.prepare_linears("native")
+    model.load_weights(state.items())  # into the restored matrices, then packed and freed again
+    assert layer.plain_released
+    runner.tables, runner.lens = {}, {}  # the same sequence again, from scratch, over the reloaded model
+    runner.free = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(1)).tolist()
+    assert torch.equal(runner.step([(0, tokens)])[0], first)
