@@ -162,11 +162,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true", default=d.enforce_eager,
                    help="run the model eagerly: no compiled forward (--compile-cpu), no CUDA graphs")
     g.add_argument("--linear-kernel", choices=LINEAR_KERNELS, default=d.linear_kernel,
-                   help="matrix products on CPU: native (a native product for decode steps of up to 64 "
-                        "rows reading the weights in place, oneDNN above; prepacked where the native kernels "
-                        "cannot be built), prepacked "
-                        "(weights packed once at load for MKL at one row and oneDNN above; an extra copy of "
-                        "the weights) or plain (torch's F.linear) (default: native)")
+                   help="matrix products on CPU: native (one native product for every row count against "
+                        "weights packed once at load, replacing the decoder's unpacked ones; prepacked where "
+                        "the native kernels cannot be built), prepacked (MKL's product packed for one row, "
+                        "oneDNN's to 64 rows, MKL's or oneDNN's SGEMM above; an extra copy of the weights) "
+                        "or plain (torch's F.linear) (default: native)")
     g.add_argument("--compile-cpu", action=argparse.BooleanOptionalAction, default=d.compile_cpu,
                    help="compile the decoder layers with torch.compile (inductor) for decode batches padded "
                         "to buckets, cached on disk under $PDSERVE_CACHE/inductor; it did not pay on the "
