@@ -75,6 +75,11 @@ def _weight(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.P
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
 
+def _released(param: torch.Tensor) -> bool:
+    """Whether ``param`` is a released matrix's zero-stride stand-in (``DecoderLayer.release_plain``)."""
+    return param.dim() == 2 and param.numel() > 1 and param.stride() == (0, 0)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
                  shard: TpShard | None = None, group: TpGroup | None = None) -> None:
@@ -96,7 +101,6 @@ class DecoderLayer(nn.Module):
         self.post_norm = _weight(c.hidden_size, dtype=dtype, device=device)
         self.gate_up = _weight(2 * inter, c.hidden_size, dtype=dtype, device=device)
         self.down_proj = _weight(c.hidden_size, inter, dtype=dtype, device=device)
-        self.plain_released = False  # release_plain / restore_plain
         self.prepare_linears("plain")
 
     def _reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -123,21 +127,30 @@ class DecoderLayer(nn.Module):
         memory, not two): each becomes a zero-stride stand-in of its shape (4 bytes) until
         ``restore_plain``."""
         for param, linear in self._matrices():
-            if linear.packed is not None and param.data.stride() != (0, 0):
+            if linear.packed is not None and not _released(param):
                 param.data = torch.zeros((), dtype=param.dtype, device=param.device).expand(param.shape)
                 linear.release_weight(param.data)
-                self.plain_released = True
 
     def restore_plain(self) -> None:
         """The ``[out, in]`` matrices back from the packed copies, bitwise (loading weights, another
         kernel and the compiled path read them)."""
-        if not self.plain_released:
-            return
         for param, linear in self._matrices():
-            if linear.packed is not None and param.data.stride() == (0, 0):
+            if linear.packed is not None and _released(param):
                 param.data = NativeOps.unpack(linear.packed, param.shape[0])
                 linear.weight = param.data
-        self.plain_released = False
+
+    @property
+    def plain_released(self) -> bool:
+        """Whether any ``[out, in]`` matrix is released (a zero-stride stand-in)."""
+        return any(_released(param) for param, _ in self._matrices())
+
+    def native_weights(self) -> DecoderLayerWeights | None:
+        """The layer's tensors for the one-call decoder, or None where a product holds no packed copy."""
+        qkv, o, gate_up, down = (linear.packed for _, linear in self._matrices())
+        if qkv is None or o is None or gate_up is None or down is None:
+            return None
+        bias = None if self.qkv_bias is None else self.qkv_bias.data
+        return DecoderLayerWeights(self.input_norm.data, qkv, bias, o, self.post_norm.data, gate_up, down)
 
     def hf_targets(self, prefix: str) -> dict[str, torch.Tensor]:
         """Hugging Face name -> the (view of the) tensor it fills."""
@@ -264,22 +277,14 @@ class CausalLM(nn.Module):
     def _build_native_decoder(self) -> NativeDecoder | None:
         """The one-call decoder over the current weights, when every product is the native one."""
         layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
-        linears = [lin for layer in layers
-                   for lin in (layer.qkv_linear, layer.o_linear, layer.gate_up_linear, layer.down_linear)]
-        packed = [lin.packed for lin in linears]
+        found = [layer.native_weights() for layer in layers]
+        weights = [w for w in found if w is not None]
         if (self.group is not None or native_ops() is None or self.dtype != torch.float32
-                or any(lin.kernel != "native" for lin in linears) or any(p is None for p in packed)
-                or self.shard.intermediate_size % PANEL):
+                or len(weights) != len(found) or self.shard.intermediate_size % PANEL):
             return None
         c = self.config
         shape = DecoderShape(c.hidden_size, self.shard.num_heads, self.shard.num_kv_heads, c.head_dim,
                              self.shard.intermediate_size, c.rms_norm_eps)
-        mats = [p for p in packed if p is not None]  # all of them: checked above
-        weights = [DecoderLayerWeights(layer.input_norm.data, mats[4 * i],
-                                       None if layer.qkv_bias is None else layer.qkv_bias.data,
-                                       mats[4 * i + 1], layer.post_norm.data, mats[4 * i + 2],
-                                       mats[4 * i + 3])
-                   for i, layer in enumerate(layers)]
         return NativeDecoder(weights, self.norm.data, shape)
 
     def _hf_targets(self) -> dict[str, torch.Tensor]:
