@@ -110,7 +110,8 @@ class DecoderLayer(nn.Module):
         """(Re)build the prepared products from the current weights. The native kernel's products hold
         the packed copy only: unless ``keep_plain``, the ``[out, in]`` matrices are then released
         (``release_plain``)."""
-        self.restore_plain()
+        if hasattr(self, "qkv_linear"):  # not the first build: the matrices may be released
+            self.restore_plain()
         self.qkv_linear = PreparedLinear(self.qkv, self.qkv_bias, kernel)
         self.o_linear = PreparedLinear(self.o_proj, None, kernel)
         self.gate_up_linear = PreparedLinear(self.gate_up, None, kernel)
