@@ -32,15 +32,6 @@
 #define KEY_TILE 32
 #define PF_DIST 1 /* tiles ahead to prefetch (1 measured best; 2 and 3 no better) */
 
-typedef struct {
-    const Args *args;
-    const BlockItem *blocks; /* taken first: the larger pieces of work */
-    int32_t num_blocks;
-    const Item *items;
-    int32_t num_items;
-    int32_t next; /* atomic */
-} Work;
-
 /* lane u of the result is the sum of the lanes of a[u] */
 static inline v8 reduce8(const v8 a[8]) {
     const i32x8 even = {0, 8, 2, 10, 4, 12, 6, 14}, odd = {1, 9, 3, 11, 5, 13, 7, 15};
@@ -198,22 +189,6 @@ attend_fn pdserve_attend_pick(const Args *a) {
     return bf16 ? attend_bf16_any : attend_f32_any;
 }
 
-static void *worker(void *arg) {
-    Work *w = (Work *)arg;
-    const attend_fn fn = pdserve_attend_pick(w->args);
-    const block_fn bfn = pdserve_block_pick(w->args);
-    for (;;) {
-        const int32_t i = __atomic_fetch_add(&w->next, 1, __ATOMIC_RELAXED);
-        if (i >= w->num_blocks + w->num_items) break;
-        if (i < w->num_blocks) {
-            bfn(w->args, &w->blocks[i]);
-        } else {
-            fn(w->args, &w->items[i - w->num_blocks]);
-        }
-    }
-    return NULL;
-}
-
 /* Whether sequence s takes the blocked kernel (see the header comment). */
 static int blocked(const Args *a, int s) {
     return a->query_start_loc[s + 1] - a->query_start_loc[s] >= BLK_MIN_QLEN &&
@@ -235,6 +210,58 @@ int64_t pdserve_plan_items(const int32_t *query_start_loc, int32_t num_seqs, int
     return k;
 }
 
+int pdserve_plan_attention(const Args *a, int32_t num_seqs, int32_t per_item, Plan *plan) {
+    int64_t num_blocks = 0, num_items = 0;
+    for (int s = 0; s < num_seqs; s++) {
+        const int q_len = a->query_start_loc[s + 1] - a->query_start_loc[s];
+        if (blocked(a, s)) {
+            num_blocks += (q_len + BLK_TOKENS - 1) / BLK_TOKENS;
+        } else {
+            num_items += pdserve_plan_items(a->query_start_loc + s, 1, a->num_heads, per_item, NULL);
+        }
+    }
+    *plan = (Plan){(BlockItem *)malloc((size_t)(num_blocks + 1) * sizeof(BlockItem)),
+                   (Item *)malloc((size_t)(num_items + 1) * sizeof(Item)),
+                   num_blocks, num_items, pdserve_attend_pick(a), pdserve_block_pick(a)};
+    if (!plan->blocks || !plan->items) {
+        pdserve_plan_free(plan);
+        return -5;
+    }
+    int64_t nb = 0, ni = 0;
+    for (int s = 0; s < num_seqs; s++) {
+        const int q_len = a->query_start_loc[s + 1] - a->query_start_loc[s];
+        if (blocked(a, s)) {
+            for (int t = 0; t < q_len; t += BLK_TOKENS, nb++) {
+                plan->blocks[nb] = (BlockItem){s, t, t + BLK_TOKENS < q_len ? t + BLK_TOKENS : q_len};
+            }
+        } else {
+            const int64_t k = pdserve_plan_items(a->query_start_loc + s, 1, a->num_heads, per_item, plan->items + ni);
+            for (int64_t i = ni; i < ni + k; i++) plan->items[i].seq = s;
+            ni += k;
+        }
+    }
+    return 0;
+}
+
+void pdserve_plan_free(Plan *plan) {
+    free(plan->blocks);
+    free(plan->items);
+    plan->blocks = NULL;
+    plan->items = NULL;
+}
+
+void pdserve_plan_work(const Args *a, const Plan *plan, int32_t *next) {
+    for (;;) {
+        const int64_t i = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
+        if (i >= plan->num_blocks + plan->num_items) break;
+        if (i < plan->num_blocks) {
+            plan->block(a, &plan->blocks[i]);
+        } else {
+            plan->attend(a, &plan->items[i - plan->num_blocks]);
+        }
+    }
+}
+
 /* Returns 0 on success, a negative code for arguments the kernel does not support. */
 int pdserve_paged_attention(const void *q, int64_t q_token_stride, const void *kv, void *out,
                             const int32_t *query_start_loc, const int32_t *seq_lens,
@@ -247,48 +274,19 @@ int pdserve_paged_attention(const void *q, int64_t q_token_stride, const void *k
     if (dtype != DTYPE_F32 && dtype != DTYPE_BF16) return -4;
     const Args args = {q, kv, out, query_start_loc, seq_lens, block_tables, q_token_stride,
                        table_width, num_heads, kv_heads, head_dim, block_size, dtype, scale};
-    /* blocked items for prompt chunks, row items (pdserve_plan_items, one sequence at a time) for the rest */
-    int64_t num_blocks = 0, num_items = 0;
-    for (int s = 0; s < num_seqs; s++) {
-        const int q_len = query_start_loc[s + 1] - query_start_loc[s];
-        if (blocked(&args, s)) {
-            num_blocks += (q_len + BLK_TOKENS - 1) / BLK_TOKENS;
-        } else {
-            num_items += pdserve_plan_items(query_start_loc + s, 1, num_heads, 0, NULL);
-        }
-    }
-    if (num_blocks + num_items == 0) return 0;
-    BlockItem *blocks = (BlockItem *)malloc((size_t)(num_blocks + 1) * sizeof(BlockItem));
-    Item *items = (Item *)malloc((size_t)(num_items + 1) * sizeof(Item));
-    if (!blocks || !items) {
-        free(blocks);
-        free(items);
-        return -5;
-    }
-    int64_t nb = 0, ni = 0;
-    for (int s = 0; s < num_seqs; s++) {
-        const int q_len = query_start_loc[s + 1] - query_start_loc[s];
-        if (blocked(&args, s)) {
-            for (int t = 0; t < q_len; t += BLK_TOKENS, nb++) {
-                blocks[nb] = (BlockItem){s, t, t + BLK_TOKENS < q_len ? t + BLK_TOKENS : q_len};
-            }
-        } else {
-            const int64_t k = pdserve_plan_items(query_start_loc + s, 1, num_heads, 0, items + ni);
-            for (int64_t i = ni; i < ni + k; i++) items[i].seq = s;
-            ni += k;
-        }
-    }
-
-    Work work = {&args, blocks, (int32_t)num_blocks, items, (int32_t)num_items, 0};
+    /* blocked items for prompt chunks, row items of as many whole tokens as fit for the rest */
+    Plan plan;
+    if (pdserve_plan_attention(&args, num_seqs, 0, &plan) != 0) return -5;
+    const int64_t work = plan.num_blocks + plan.num_items;
+    int32_t next = 0;
     int threads = num_threads < 1 ? 1 : num_threads;
-    if (threads > num_blocks + num_items) threads = (int)(num_blocks + num_items);
-    if (threads == 1) {
-        worker(&work);
+    if (threads > work) threads = (int)work;
+    if (threads <= 1) {
+        pdserve_plan_work(&args, &plan, &next);
     } else {
 #pragma omp parallel num_threads(threads)
-        worker(&work);
+        pdserve_plan_work(&args, &plan, &next);
     }
-    free(blocks);
-    free(items);
+    pdserve_plan_free(&plan);
     return 0;
 }

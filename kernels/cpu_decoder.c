@@ -5,7 +5,8 @@
  *   1. x = rms_norm(hidden += delta)            rows split over the threads
  *   2. qkv = x . Wqkv^T (+ bias)                output features split
  *   3. rope on q and k, then k and v into the paged cache at the step's slots   tokens split
- *   4. attention over the paged cache            items (one token's KV head group each) taken in turn
+ *   4. attention over the paged cache            items taken in turn (cpu_attention.c's plan: blocked
+ *      items for prompt chunks, one token's KV head group each for the rest)
  *   5. delta = attn . Wo^T                       features split
  *   6. x = rms_norm(hidden += delta)             rows split
  *   7. gate/up = x . Wgu^T, act = silu(gate) * up   the same features of gate and up per thread, so
@@ -62,19 +63,17 @@ int pdserve_decoder_f32(const int64_t *layer_weights, int32_t num_layers, float 
     float *x = work, *qkv = x + T * H, *attn = qkv + T * qkv_width, *gate_up = attn + T * q_width;
     float *act = gate_up + T * 2 * I, *delta = act + T * I;
 
-    const int per_item = num_heads / kv_heads; /* one token's KV head group: the most items to share */
-    const int64_t num_items = pdserve_plan_items(query_start_loc, num_seqs, num_heads, per_item, NULL);
-    Item *items = (Item *)malloc((size_t)(num_items > 0 ? num_items : 1) * sizeof(Item));
-    int32_t *taken = (int32_t *)calloc((size_t)num_layers, sizeof(int32_t)); /* each layer's item counter */
-    if (!items || !taken) {
-        free(items);
-        free(taken);
-        return -5;
-    }
-    pdserve_plan_items(query_start_loc, num_seqs, num_heads, per_item, items);
     Args args = {qkv, kv_cache, attn, query_start_loc, seq_lens, block_tables, qkv_width,
                  table_width, num_heads, kv_heads, head_dim, block_size, DTYPE_F32, scale};
-    const attend_fn attend = pdserve_attend_pick(&args);
+    /* row items of one token's KV head group (the most items to share), blocked ones for prompt chunks as
+     * the per-op call plans them */
+    Plan plan;
+    if (pdserve_plan_attention(&args, num_seqs, num_heads / kv_heads, &plan) != 0) return -5;
+    int32_t *taken = (int32_t *)calloc((size_t)num_layers + 1, sizeof(int32_t)); /* each layer's item counter */
+    if (!taken) {
+        pdserve_plan_free(&plan);
+        return -5;
+    }
     const int threads = num_threads < 1 ? 1 : num_threads;
 
 #pragma omp parallel num_threads(threads)
@@ -105,11 +104,7 @@ int pdserve_decoder_f32(const int64_t *layer_weights, int32_t num_layers, float 
             {
                 Args la = args;
                 la.kv = kv;
-                for (;;) {
-                    const int32_t i = __atomic_fetch_add(&taken[layer], 1, __ATOMIC_RELAXED);
-                    if (i >= num_items) break;
-                    attend(&la, &items[i]);
-                }
+                pdserve_plan_work(&la, &plan, &taken[layer]);
             }
 #pragma omp barrier
             pdserve_packed_panels((const float *)lw[W_O], attn, 0, delta, T, H, q_width, h0, h1);
@@ -128,7 +123,7 @@ int pdserve_decoder_f32(const int64_t *layer_weights, int32_t num_layers, float 
         }
         norm_rows(hidden, num_layers ? delta : 0, final_norm, out, T, H, eps, t, nt);
     }
-    free(items);
+    pdserve_plan_free(&plan);
     free(taken);
     return 0;
 }

@@ -52,6 +52,24 @@ typedef struct {
 typedef void (*block_fn)(const Args *, const BlockItem *);
 INTERNAL block_fn pdserve_block_pick(const Args *a);
 
+/* One call's work: blocked items for the sequences that take the blocked kernel, row items for the rest,
+ * and the kernels (head size and dtype specialised) that run them. Whatever the row items' size, a row's
+ * values are the same: the per-op call and the one-call decoder plan with different sizes and agree
+ * bitwise. */
+typedef struct {
+    BlockItem *blocks; /* run first: the larger pieces of work */
+    Item *items;
+    int64_t num_blocks, num_items;
+    attend_fn attend;
+    block_fn block;
+} Plan;
+
+/* plans the call (row items of `per_item` rows, as pdserve_plan_items); 0, or -5 when out of memory */
+INTERNAL int pdserve_plan_attention(const Args *a, int32_t num_seqs, int32_t per_item, Plan *plan);
+INTERNAL void pdserve_plan_free(Plan *plan);
+/* runs the plan's items, taking them in turn through the counter *next (shared by a thread team) */
+INTERNAL void pdserve_plan_work(const Args *a, const Plan *plan, int32_t *next);
+
 /* Cut every sequence's rows into items of at most `per_item` rows (<= 0, or more than an item holds:
  * the default, as many whole tokens as fit); writes them to `items` unless it is NULL; returns how
  * many there are. A `per_item` that divides num_heads and is a multiple of the query heads per KV

@@ -55,6 +55,8 @@ def _build(variant: str) -> HFModel:
         ),
         "tied": LlamaConfig(num_key_value_heads=2, tie_word_embeddings=True, **COMMON),
         "mqa": LlamaConfig(num_key_value_heads=1, **COMMON),
+        # heads of 32 (a multiple of every build's blocked-attention step: prompt chunks take that kernel)
+        "wide-heads": LlamaConfig(num_key_value_heads=1, **{**COMMON, "num_attention_heads": 2}),
     }[variant]
     return LlamaForCausalLM(config).eval()
 

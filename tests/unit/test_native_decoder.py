@@ -41,7 +41,7 @@ def spy_calls(runner: PagedRunner) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("variant", ["llama3", "qwen2", "mqa", "tied"])
+@pytest.mark.parametrize("variant", ["llama3", "qwen2", "mqa", "tied", "wide-heads"])
 def test_one_call_decoder_is_bitwise_the_per_layer_path(variant: str, threads: int) -> None:
     hf = hf_model(variant)
     one_call, per_layer = PagedRunner(hf), PagedRunner(hf)
