@@ -6,20 +6,44 @@
  * Sequence s owns query rows query_start_loc[s]..query_start_loc[s+1]; its new
  * token i sits at position seq_lens[s] - q_len + i and sees keys at positions <= its own.
  *
- * Work item: one sequence, one KV head, and up to MAX_ROWS (token, query head)
- * rows of that KV head, so each K/V row loaded serves every query head of the
- * group (GQA) and every token of a prefill chunk. Keys are visited block by block
- * with an online softmax (running max m, running sum l, float32 accumulators), as
- * flash-decoding does. Items are shared by `num_threads` OpenMP threads through an
- * atomic counter: the library links libgomp.so.1, which resolves to the copy torch
- * loaded, so the kernel runs on torch's own thread team rather than starting threads
- * that would compete with torch's spinning ones. Cache, q and out are float32 (dtype 0) or bfloat16 (dtype 1).
+ * Work item: one sequence and up to MAX_ROWS (token, query head) rows (pdserve_plan_items: here as many
+ * whole tokens as fit; the native decoder's items are one token's KV head group). The item's rows are
+ * grouped by KV head, and keys are visited in tiles of KEY_TILE positions (gathered across KV blocks
+ * through the block table) with an online softmax per row (running max m, running sum l, float32
+ * accumulators), as flash-decoding does. Per tile and KV head group: each row's scores, VW keys at a
+ * time (one FMA chain per key over the head, then a transposing reduction), the rows' rescale factors in
+ * one vector exp, each row's probabilities, then P.V for up to PV_ROWS rows at once, each V vector loaded
+ * once for all of them. The next tile's K/V rows of the item's KV heads are prefetched, a share of the
+ * keys before each row's work. Vectors are VW = 16 floats where the build has AVX-512, else 8.
+ *
+ * A row's arithmetic (its tiles, the order of every sum) depends on the row alone, not on the other rows
+ * of its item nor on the thread count: the native decoder plans other items than this file does, and its
+ * results must be bitwise this file's (tests/unit/test_native_decoder.py).
+ *
+ * Items are shared by `num_threads` OpenMP threads through an atomic counter: the library links
+ * libgomp.so.1, which resolves to the copy torch loaded, so the kernel runs on torch's own thread team
+ * rather than starting threads that would compete with torch's spinning ones. Cache, q and out are
+ * float32 (dtype 0) or bfloat16 (dtype 1).
+ *
+ * Measured on a 2-core Zen 5 (AVX-512) VM with a standalone harness (gcc -O3 -march=native) that calls
+ * this file's pdserve_paged_attention (whole-token items) or the native decoder's items through
+ * pdserve_attend_pick: SmolLM2's shape (9 heads, 3 KV heads, head_dim 64, blocks of 16 in random order,
+ * float32), 16 sequences x 288 keys x 30 layers, best of 7, median of 3 runs interleaved with the row
+ * kernel this replaced (a row at a time inside each 16-key tile, 8-float vectors), in ms:
+ *                                  1 thread        2 threads       1024 keys: 1 thread, 2 threads
+ *   decoder's items (a KV group):  16.9 -> 13.1    10.4 -> 7.8     61.8 -> 46.8    39.2 -> 30.5
+ *   whole-token items:             12.3 -> 12.3     7.8 -> 7.4     41.2 -> 44.2    26.1 -> 27.0
+ *   K/V in L1 (arithmetic alone):  0.88 -> 0.42 (decoder's items), 0.72 -> 0.40 ms per 4 layers
+ * Decode is memory-bound there: the host then streamed ~34 GB/s on 2 threads (~37 on 1; its bandwidth
+ * varies with the neighbours: 40-75 GB/s at other times), and a loop that only reads the same lines in the
+ * same order (random 24 KB blocks, 4 KB pages) took 11.4 (12.9 for a KV group's strided lines) ms on 1
+ * thread and 6.9 (7.7) on 2. Tiles of 16 or 64 keys, prefetching 2 tiles ahead, to L2 only, in the P.V
+ * loop, or whole key rows (every KV head) for the decoder's items measured no better.
  *
  * Prompt chunks (a sequence with at least BLK_MIN_QLEN new tokens) take the blocked kernel of
  * cpu_attention_blocked.c instead; one call runs both kinds of item on one thread team.
  *
- * Plain C with GCC vector extensions (8 floats; the blocked kernel 16 where the build has AVX-512),
- * so it builds on x86_64 and aarch64.
+ * Plain C with GCC vector extensions, so it builds on x86_64 (AVX-512 or not) and aarch64.
  */
 #include <math.h>
 #include <stdint.h>
@@ -29,8 +53,55 @@
 
 #define MAX_ROWS 32
 #define MAX_HEAD_DIM 256
-#define KEY_TILE 32
-#define PF_DIST 1 /* tiles ahead to prefetch (1 measured best; 2 and 3 no better) */
+#define KEY_TILE 32 /* keys per tile, gathered across KV blocks: a multiple of VW (16 and 64 measured slower) */
+
+/* the row kernel's vectors: 16 floats where the build has AVX-512 (32 registers), else 8 */
+#if defined(__AVX512F__)
+#define VW 16
+#define PV_VECS 8  /* P.V: at most this many vectors of a head slice per pass over the tile's V rows (8 or 4) */
+#define PV_ACCS 24 /* P.V: rows x vectors of sums kept in registers (of 32) */
+typedef float vw __attribute__((vector_size(64)));
+typedef float vwu __attribute__((vector_size(64), aligned(4), may_alias));
+typedef int32_t iw __attribute__((vector_size(64)));
+typedef uint16_t u16xw __attribute__((vector_size(32), aligned(2), may_alias));
+typedef uint32_t u32xw __attribute__((vector_size(64)));
+#else
+#define VW 8
+#define PV_VECS 4  /* 2 (fewer sums, twice the passes over V) measured slower */
+#define PV_ACCS 12 /* of 16 registers */
+typedef v8 vw;
+typedef v8u vwu;
+typedef i32x8 iw;
+typedef u16x8 u16xw;
+typedef u32x8 u32xw;
+#endif
+#define PV_ROWS 4 /* at most this many rows of one KV head share each V row load (PV_ACCS permitting) */
+
+static inline vw loadw(const void *p, int bf16) {
+    if (bf16) return (vw)(__builtin_convertvector(*(const u16xw *)p, u32xw) << 16);
+    return *(const vwu *)p;
+}
+
+static inline vw splatw(float x) { return (vw){0} + x; }
+
+static inline iw lane_ids(void) {
+#if VW == 16
+    return (iw){0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+#else
+    return (iw){0, 1, 2, 3, 4, 5, 6, 7};
+#endif
+}
+
+#if VW == 16
+PDSERVE_DEFINE_EXP(expw, vw, iw) /* exp8's bits lane for lane, on 16 lanes */
+#else
+#define expw exp8
+#endif
+
+static inline vw vmaxw(vw a, vw b) {
+    const iw a_wins = a > b;
+    return (vw)(((iw)a & a_wins) | ((iw)b & ~a_wins));
+}
 
 /* lane u of the result is the sum of the lanes of a[u] */
 static inline v8 reduce8(const v8 a[8]) {
@@ -47,124 +118,277 @@ static inline v8 reduce8(const v8 a[8]) {
     return __builtin_shuffle(y[0], y[1], lo4) + __builtin_shuffle(y[0], y[1], hi4);
 }
 
+#if VW == 16
+/* lane u of the result is the sum of the lanes of a[u]: in-lane unpacks and shuffles first (the cheap ones),
+ * then two steps across 128-bit lanes */
+static inline vw reducew(const vw a[16]) {
+    const iw unp_lo = {0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29};
+    const iw unp_hi = {2, 18, 3, 19, 6, 22, 7, 23, 10, 26, 11, 27, 14, 30, 15, 31};
+    const iw shuf_lo = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+    const iw shuf_hi = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
+    const iw even128 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+    const iw odd128 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+    vw x[8], y[4], z[2];
+    for (int i = 0; i < 8; i++) {
+        x[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], unp_lo) + __builtin_shuffle(a[2 * i], a[2 * i + 1], unp_hi);
+    }
+    /* y[k]: in each 128-bit lane c, the sums over that lane's 4 columns of keys 4k..4k+3 */
+    for (int k = 0; k < 4; k++) {
+        y[k] = __builtin_shuffle(x[2 * k], x[2 * k + 1], shuf_lo) + __builtin_shuffle(x[2 * k], x[2 * k + 1], shuf_hi);
+    }
+    for (int i = 0; i < 2; i++) {
+        z[i] = __builtin_shuffle(y[2 * i], y[2 * i + 1], even128) + __builtin_shuffle(y[2 * i], y[2 * i + 1], odd128);
+    }
+    return __builtin_shuffle(z[0], z[1], even128) + __builtin_shuffle(z[0], z[1], odd128);
+}
+
+static inline float hsumw(vw a) {
+    return hsum(__builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
+                __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15));
+}
+#else
+static inline vw reducew(const vw a[8]) { return reduce8(a); }
+static inline float hsumw(vw a) { return hsum(a); }
+#endif
+
+/* the max of the lanes, by halves (the max of floats does not depend on the order, NaN aside) */
+static inline float hmaxw(vw a) {
+#if VW == 16
+    v8 b = vmax8(__builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7),
+                 __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15));
+#else
+    v8 b = a;
+#endif
+    b = vmax8(b, __builtin_shuffle(b, (i32x8){4, 5, 6, 7, 0, 1, 2, 3}));
+    b = vmax8(b, __builtin_shuffle(b, (i32x8){2, 3, 0, 1, 6, 7, 4, 5}));
+    b = vmax8(b, __builtin_shuffle(b, (i32x8){1, 0, 3, 2, 5, 4, 7, 6}));
+    return b[0];
+}
+
+/* One row's scores against the first nv keys of the tile (K rows at krow[j] + gofs; krow holds a whole
+ * vector of valid rows), VW keys at a time: one FMA chain per key, then a transposing reduction.
+ * Returns the max of the nv scores. */
+static inline __attribute__((always_inline)) float row_scores(const float *q, const char *const *krow, int64_t gofs,
+                                                              int nv, float *s, int hd, int bf16) {
+    const int esize = bf16 ? 2 : 4;
+    vw vmax = splatw(-INFINITY);
+    for (int j0 = 0; j0 < nv; j0 += VW) {
+        vw dots[VW];
+        /* key by key: one K row pointer live at a time (16 would not fit the general registers) */
+        for (int u = 0; u < VW; u++) {
+            const char *kj = krow[j0 + u] + gofs;
+            vw dot = *(const vw *)q * loadw(kj, bf16);
+            for (int d = VW; d < hd; d += VW) dot += *(const vw *)(q + d) * loadw(kj + d * esize, bf16);
+            dots[u] = dot;
+        }
+        const vw sc = reducew(dots);
+        *(vw *)(s + j0) = sc;
+        const iw keep = lane_ids() < nv - j0;
+        vmax = vmaxw(vmax, (vw)(((iw)sc & keep) | ((iw)splatw(-INFINITY) & ~keep)));
+    }
+    return hmaxw(vmax);
+}
+
+/* rows[j] = the K row (KV head 0) of position pos0 + j of the sequence, for j < n: a block table look-up per
+ * block, then a step per key */
+static inline void key_rows(const char **rows, int pos0, int n, const char *kv, const int32_t *table, int bs,
+                            int64_t block_bytes, int64_t key_bytes) {
+    const int bs_shift = __builtin_ctz((unsigned)bs);
+    for (int j = 0; j < n;) {
+        const int pos = pos0 + j;
+        const char *row = kv + table[pos >> bs_shift] * block_bytes + (pos & (bs - 1)) * key_bytes;
+        const int end = j + bs - (pos & (bs - 1)) < n ? j + bs - (pos & (bs - 1)) : n;
+        for (; j < end; j++, row += key_bytes) rows[j] = row;
+    }
+}
+
+/* Prefetches the lines of bytes [row + off, row + off + bytes) of a K row and of its V row, v_off bytes on */
+static inline __attribute__((always_inline)) void prefetch_kv(const char *row, int64_t off, int64_t bytes,
+                                                              int64_t v_off) {
+    const uintptr_t lo = (uintptr_t)(row + off), first = lo & ~(uintptr_t)63;
+    for (uintptr_t x = first; x < lo + (uintptr_t)bytes; x += 64) {
+        __builtin_prefetch((const char *)x, 0, 3);
+        __builtin_prefetch((const char *)x + v_off, 0, 3);
+    }
+}
+
+/* pv_rows on the w vectors of head columns dc.. (w a compile-time constant, for the sums to stay in
+ * registers) */
+static inline __attribute__((always_inline)) void pv_slice(float *acc, const float *p, const int8_t *rows, int nr,
+                                                           const float *alpha, const char *const *vrow, int64_t voff,
+                                                           int nv, int hd, int dc, int w, int bf16) {
+    const int esize = bf16 ? 2 : 4;
+    vw o[PV_ROWS][PV_VECS];
+    for (int r = 0; r < nr; r++) {
+        for (int u = 0; u < w; u++) o[r][u] = *(vw *)(acc + rows[r] * hd + dc + u * VW) * alpha[rows[r]];
+    }
+    for (int j = 0; j < nv; j++) {
+        const char *vj = vrow[j] + voff + dc * esize;
+        vw v[PV_VECS];
+        for (int u = 0; u < w; u++) v[u] = loadw(vj + u * VW * esize, bf16);
+        for (int r = 0; r < nr; r++) {
+            const float pj = p[rows[r] * KEY_TILE + j];
+            for (int u = 0; u < w; u++) o[r][u] += pj * v[u];
+        }
+    }
+    for (int r = 0; r < nr; r++) {
+        for (int u = 0; u < w; u++) *(vw *)(acc + rows[r] * hd + dc + u * VW) = o[r][u];
+    }
+}
+
+/* acc[r] = acc[r] * alpha[r] + sum_j p[r][j] V[j] for NR rows of one KV head that see the same nv keys (V rows
+ * at vrow[j] + voff): each V vector is loaded once for all of them. A row's operations are the same whatever
+ * NR is. */
+static inline __attribute__((always_inline)) void pv_rows(float *acc, const float *p, const int8_t *rows, int nr,
+                                                          const float *alpha, const char *const *vrow,
+                                                          int64_t voff, int nv, int hd, int bf16) {
+    const int nvec = hd / VW;
+    int c = 0;
+    /* slices of compile-time widths, whatever the head size (each column's sum is the same) */
+    if (PV_VECS >= 8) {
+        for (; c + 8 <= nvec; c += 8) pv_slice(acc, p, rows, nr, alpha, vrow, voff, nv, hd, c * VW, 8, bf16);
+    }
+    for (; c + 4 <= nvec; c += 4) pv_slice(acc, p, rows, nr, alpha, vrow, voff, nv, hd, c * VW, 4, bf16);
+    for (; c < nvec; c++) pv_slice(acc, p, rows, nr, alpha, vrow, voff, nv, hd, c * VW, 1, bf16);
+}
+
 /* One work item; `hd` and `bf16` are compile-time constants in each specialisation. */
 static inline __attribute__((always_inline)) void attend_item(const Args *a, const Item *it, int hd, int bf16) {
-    float qbuf[MAX_ROWS * MAX_HEAD_DIM] __attribute__((aligned(32)));
-    float acc[MAX_ROWS * MAX_HEAD_DIM] __attribute__((aligned(32)));
-    float scores[KEY_TILE] __attribute__((aligned(32)));
-    float m[MAX_ROWS], l[MAX_ROWS];
+    float qbuf[MAX_ROWS * MAX_HEAD_DIM] __attribute__((aligned(64)));
+    float acc[MAX_ROWS * MAX_HEAD_DIM] __attribute__((aligned(64)));
+    float p[MAX_ROWS * KEY_TILE] __attribute__((aligned(64))); /* a row's scores, then its probabilities */
+    float m[MAX_ROWS], l[MAX_ROWS], alpha[MAX_ROWS], mnew[MAX_ROWS];
     int32_t last[MAX_ROWS]; /* last visible key position of each row */
+    int32_t nvis[MAX_ROWS]; /* keys of the current tile each row sees */
     int64_t out_off[MAX_ROWS];
-    int32_t kv_off[MAX_ROWS]; /* bytes from a key row of KV head 0 to this row's KV head */
+    int32_t kvh[MAX_ROWS];  /* each row's KV head */
+    int8_t order[MAX_ROWS]; /* the rows by KV head, then token: a group shares its K/V loads */
+    int32_t grp_begin[MAX_ROWS + 1], ngroups = 0;
+    const char *rows_a[KEY_TILE], *rows_b[KEY_TILE]; /* K rows (KV head 0) of this tile and the next */
+    const char **cur = rows_a, **nxt = rows_b;
 
     const int esize = bf16 ? 2 : 4;
     const int qpk = a->num_heads / a->kv_heads;
     const int s = it->seq;
     const int q0 = a->query_start_loc[s];
     const int q_len = a->query_start_loc[s + 1] - q0;
-    const int seq_len = a->seq_lens[s];
-    const int ctx = seq_len - q_len;
+    const int ctx = a->seq_lens[s] - q_len;
     const int nrows = it->row_end - it->row_begin;
     const int bs = a->block_size;
     const int64_t key_stride = (int64_t)a->kv_heads * hd;     /* elements between consecutive keys */
     const int64_t block_stride = 2 * (int64_t)bs * key_stride; /* elements between blocks */
+    const int64_t v_off = (int64_t)bs * key_stride * esize;    /* bytes from a K row to its V row */
     const int32_t *table = a->block_tables + (int64_t)s * a->table_width;
     const char *kv = (const char *)a->kv;
 
-    int max_last = -1;
-    /* the KV heads this item reads, for prefetching: a range within one token, else all */
-    int g_first = 0, g_span = a->kv_heads;
-    if (it->row_begin / a->num_heads == (it->row_end - 1) / a->num_heads) {
-        g_first = (it->row_begin % a->num_heads) / qpk;
-        g_span = ((it->row_end - 1) % a->num_heads) / qpk - g_first + 1;
-    }
+    /* the item's KV heads (a range within one token, else all) and its last key */
+    const int tok_first = it->row_begin / a->num_heads, tok_last = (it->row_end - 1) / a->num_heads;
+    const int g_lo = tok_first == tok_last ? (it->row_begin % a->num_heads) / qpk : 0;
+    const int g_hi = tok_first == tok_last ? ((it->row_end - 1) % a->num_heads) / qpk : a->kv_heads - 1;
+    const int64_t g_off = (int64_t)g_lo * hd * esize, g_bytes = (int64_t)(g_hi - g_lo + 1) * hd * esize;
+    const int max_last = ctx + tok_last;
+
+    const int64_t key_bytes = key_stride * esize, block_bytes = block_stride * esize;
+    const int pv_vecs = hd / VW >= 8 && PV_VECS >= 8 ? 8 : hd / VW >= 4 ? 4 : 1; /* pv_rows' widest slice */
+    const int pv_max = PV_ACCS / pv_vecs < 1 ? 1 : PV_ACCS / pv_vecs < PV_ROWS ? PV_ACCS / pv_vecs : PV_ROWS;
+    key_rows(nxt, 0, max_last + 1 < KEY_TILE ? max_last + 1 : KEY_TILE, kv, table, bs, block_bytes, key_bytes);
+
     for (int r = 0; r < nrows; r++) {
         const int row = it->row_begin + r;
         const int tok = row / a->num_heads;
         const int head = row % a->num_heads;
-        kv_off[r] = (head / qpk) * hd * esize;
+        kvh[r] = head / qpk;
         const int64_t q_off = (int64_t)(q0 + tok) * a->q_token_stride + (int64_t)head * hd;
         for (int d = 0; d < hd; d++) qbuf[r * hd + d] = load1(a->q, q_off + d, bf16) * a->scale;
         for (int d = 0; d < hd; d++) acc[r * hd + d] = 0.0f;
         out_off[r] = ((int64_t)(q0 + tok) * a->num_heads + head) * hd;
         last[r] = ctx + tok;
-        if (last[r] > max_last) max_last = last[r];
         m[r] = -INFINITY;
         l[r] = 0.0f;
+        /* insertion sort by KV head; rows come token-major, so a group's tokens (and nvis) ascend */
+        int i = r;
+        while (i > 0 && kvh[order[i - 1]] > kvh[r]) {
+            order[i] = order[i - 1];
+            i--;
+        }
+        order[i] = (int8_t)r;
     }
+    for (int i = 0; i < nrows; i++) {
+        if (i == 0 || kvh[order[i]] != kvh[order[i - 1]]) grp_begin[ngroups++] = i;
+    }
+    grp_begin[ngroups] = nrows;
 
-    /* tiles never cross a block: the tile size divides block_size (both powers of two) */
-    const int tile = bs < KEY_TILE ? bs : KEY_TILE;
-    for (int start = 0; start <= max_last; start += tile) {
-        const int blk = start / bs, off = start % bs;
-        const int n = max_last + 1 - start < tile ? max_last + 1 - start : tile;
-        const int64_t base = (int64_t)table[blk] * block_stride + (int64_t)off * key_stride;
-        const char *kbase = kv + base * esize;
-        const char *vbase = kv + (base + (int64_t)bs * key_stride) * esize;
-        const int64_t kstep = key_stride * esize;
-        /* prefetch the next tile's K/V rows of this item's KV heads, spread over the rows' work */
-        const char *pf_k = kbase, *pf_v = vbase;
-        int64_t pf_lines = 0, pf_done = 0;
-        if (start + PF_DIST * tile <= max_last) {
-            const int nstart = start + PF_DIST * tile;
-            const int nn = max_last + 1 - nstart < tile ? max_last + 1 - nstart : tile;
-            const int64_t nbase = (int64_t)table[nstart / bs] * block_stride +
-                                  (int64_t)(nstart % bs) * key_stride + (int64_t)g_first * hd;
-            pf_k = kv + nbase * esize;
-            pf_v = pf_k + (int64_t)bs * key_stride * esize;
-            pf_lines = ((nn - 1) * kstep + (int64_t)g_span * hd * esize + 63) / 64;
+    for (int start = 0; start <= max_last; start += KEY_TILE) {
+        const int n = max_last + 1 - start < KEY_TILE ? max_last + 1 - start : KEY_TILE;
+        const char **t = cur; /* the rows worked out for this tile as the next one */
+        cur = nxt;
+        nxt = t;
+        for (int j = n; j < ((n + VW - 1) & -VW); j++) cur[j] = cur[n - 1]; /* scored, then masked */
+        /* the next tile's rows (of the item's KV heads), prefetched a share of keys before each row's work:
+         * spread out, in ascending order (which the hardware prefetchers follow too) */
+        int nn = 0;
+        if (start + KEY_TILE <= max_last) {
+            nn = max_last + 1 - (start + KEY_TILE) < KEY_TILE ? max_last + 1 - (start + KEY_TILE) : KEY_TILE;
+            key_rows(nxt, start + KEY_TILE, nn, kv, table, bs, block_bytes, key_bytes);
         }
 
-        for (int r = 0; r < nrows; r++) {
-            for (const int64_t to = pf_lines * (r + 1) / nrows; pf_done < to; pf_done++) {
-                __builtin_prefetch(pf_k + 64 * pf_done, 0, 3);
-                __builtin_prefetch(pf_v + 64 * pf_done, 0, 3);
-            }
-            int nv = last[r] + 1 - start;
-            if (nv <= 0) continue;
-            if (nv > n) nv = n;
-            const float *qr = qbuf + r * hd;
-            const char *kp = kbase + kv_off[r];
-            const char *vp = vbase + kv_off[r];
-            /* scores of 8 keys at a time: one FMA chain per key, then a transposing reduction */
-            v8 vmax = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY};
-            for (int j0 = 0; j0 < nv; j0 += 8) {
-                const char *kj[8];
-                for (int u = 0; u < 8; u++) kj[u] = kp + (j0 + u < nv ? j0 + u : nv - 1) * kstep;
-                v8 dots[8] = {{0}};
-                for (int d = 0; d < hd; d += 8) {
-                    const v8 qd = *(const v8 *)(qr + d);
-                    for (int u = 0; u < 8; u++) dots[u] += qd * load8(kj[u] + d * esize, bf16);
+        for (int gi = 0; gi < ngroups; gi++) {
+            const int gb = grp_begin[gi], ge = grp_begin[gi + 1];
+            const int64_t gofs = (int64_t)kvh[order[gb]] * hd * esize;
+            for (int i = gb; i < ge; i++) {
+                const int r = order[i];
+                for (int j = nn * i / nrows; j < nn * (i + 1) / nrows; j++) prefetch_kv(nxt[j], g_off, g_bytes, v_off);
+                int nv = last[r] + 1 - start;
+                if (nv > n) nv = n;
+                nvis[r] = nv;
+                mnew[r] = m[r];
+                if (nv > 0) {
+                    const float mt = row_scores(qbuf + r * hd, (const char *const *)cur, gofs, nv, p + r * KEY_TILE,
+                                                hd, bf16);
+                    if (mt > m[r]) mnew[r] = mt;
                 }
-                v8 sc = reduce8(dots);
-                *(v8 *)(scores + j0) = sc;
-                vmax = vmax8(vmax, sc); /* repeated keys never raise the max */
             }
-            float mt = m[r];
-            for (int u = 0; u < 8; u++) mt = vmax[u] > mt ? vmax[u] : mt;
-            const float alpha = exp8((v8){0} + (m[r] - mt))[0]; /* m = -inf at first: ~1e-38 * 0 */
-            v8 vsum = {0};
-            for (int j0 = 0; j0 < nv; j0 += 8) {
-                v8 p = exp8(*(v8 *)(scores + j0) - mt);
-                if (j0 + 8 > nv) {
-                    for (int u = nv - j0; u < 8; u++) p[u] = 0.0f;
-                }
-                *(v8 *)(scores + j0) = p;
-                vsum += p;
+            /* the rows' rescale factors exp(m_old - m_new), a vector of rows at a time: independent
+             * chains side by side rather than a row's exp, then the next's */
+            for (int i0 = gb; i0 < ge; i0 += VW) {
+                const int cnt = ge - i0 < VW ? ge - i0 : VW;
+                vw diff = {0};
+                for (int u = 0; u < cnt; u++) diff[u] = m[order[i0 + u]] - mnew[order[i0 + u]];
+                const vw e = expw(diff); /* m = -inf at first: ~1e-38 * 0 */
+                for (int u = 0; u < cnt; u++) alpha[order[i0 + u]] = e[u];
             }
-            l[r] = l[r] * alpha + hsum(vsum);
-            m[r] = mt;
-            float *ar = acc + r * hd;
-            for (int dc = 0; dc < hd; dc += 64) {
-                const int w = hd - dc < 64 ? (hd - dc) / 8 : 8;
-                v8 o[8];
-                for (int u = 0; u < w; u++) o[u] = *(v8 *)(ar + dc + 8 * u) * alpha;
-                for (int j = 0; j < nv; j++) {
-                    const float pj = scores[j];
-                    const char *vj = vp + j * kstep + dc * esize;
-                    for (int u = 0; u < w; u++) o[u] += pj * load8(vj + 8 * u * esize, bf16);
+            for (int i = gb; i < ge; i++) {
+                const int r = order[i], nv = nvis[r];
+                if (nv <= 0) continue;
+                float *pr = p + r * KEY_TILE;
+                const float mt = mnew[r];
+                vw vsum = {0};
+                for (int j0 = 0; j0 < nv; j0 += VW) {
+                    const iw keep = lane_ids() < nv - j0;
+                    const vw e = (vw)((iw)expw(*(vw *)(pr + j0) - mt) & keep);
+                    *(vw *)(pr + j0) = e;
+                    vsum += e;
                 }
-                for (int u = 0; u < w; u++) *(v8 *)(ar + dc + 8 * u) = o[u];
+                l[r] = l[r] * alpha[r] + hsumw(vsum);
+                m[r] = mt;
+            }
+            /* P.V: runs of rows that see the same keys (all of a decode token's group, up to pv_max) */
+            for (int i = gb; i < ge;) {
+                const int nv = nvis[order[i]];
+                int k = i + 1;
+                while (k < ge && k - i < pv_max && nvis[order[k]] == nv) k++;
+                if (nv > 0) {
+                    const int8_t *rows = order + i;
+                    const char *const *vr = (const char *const *)cur;
+                    const int64_t voff = gofs + v_off;
+                    switch (k - i) {
+                    case 1: pv_rows(acc, p, rows, 1, alpha, vr, voff, nv, hd, bf16); break;
+                    case 2: pv_rows(acc, p, rows, 2, alpha, vr, voff, nv, hd, bf16); break;
+                    case 3: pv_rows(acc, p, rows, 3, alpha, vr, voff, nv, hd, bf16); break;
+                    default: pv_rows(acc, p, rows, 4, alpha, vr, voff, nv, hd, bf16); break;
+                    }
+                }
+                i = k;
             }
         }
     }
