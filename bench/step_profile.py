@@ -6,9 +6,9 @@ context each, and one ``--prefill``-token prompt chunk) and each configuration
 ``kernels.linear.PreparedLinear`` with MKL's packed product at one row; both run
 the decoder's small ops as torch ops; ``fused`` is ``prepacked`` with the native
 fused small ops (``kernels/native_ops.py``); ``layered`` is ``fused`` with the
-native product of 1 to 64 rows (linear kernel ``native``), a few native calls per layer; ``native`` (the
-engine's default) runs such steps' layers in one native call (``kernels/native_decoder.py``) and is
-``layered`` above 64 rows; ``compiled`` adds the
+packed native product (linear kernel ``native``), a few native calls per layer; ``native`` (the
+engine's default) runs every layer of a step in one native call (``kernels/native_decoder.py``);
+``compiled`` adds the
 torch.compile'd decoder layers), the configurations run interleaved on one engine (the
 weights are re-prepared between them), and each phase keeps its best time of
 ``--repeats`` steps:

@@ -19,8 +19,8 @@ Fused small ops: on float32 CPU, with the native kernels built (``kernels/native
 runs ``DecoderLayer.forward_fused``: each residual add is done in place together with the norm after it
 (the last layer's with the final norm), rope rotates q and k in place in the QKV product's output, and
 SiLU*up is one call. Same values as the torch path up to the norm's and SiLU's rounding;
-``use_native_ops`` (or ``PDSERVE_NATIVE_KERNELS=0``) turns it off. Steps of up to ``NATIVE_MAX_ROWS``
-tokens whose products all take the native kernel go further: every layer and the final norm in one
+``use_native_ops`` (or ``PDSERVE_NATIVE_KERNELS=0``) turns it off. Steps whose products all take the native
+kernel (every row count) go further: every layer and the final norm in one
 native call (``kernels/native_decoder.py``), bitwise the values of the per-layer fused path;
 ``use_native_decoder`` (default: on unless ``PDSERVE_NATIVE_DECODER=0``) turns that off alone.
 

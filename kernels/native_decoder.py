@@ -13,16 +13,19 @@ Contract:
   products, rope, norms, SiLU and ``NativeCpuAttentionBackend``), in the output and in the cache,
   whatever the thread count (tests/unit/test_native_decoder.py), when the qkv and intermediate widths are
   multiples of 4 (every Llama-family model's are); otherwise equal to rounding.
-- ``handles`` says whether a step can take it: 1 to ``NATIVE_MAX_ROWS`` tokens (the rows the native
-  product takes; above, the products are oneDNN's and the per-op path runs), float32 CPU hidden states,
-  a contiguous float32 cache of this model's shape, no KV scales (quantized caches take the per-op path),
-  and the ``NativeCpuAttentionBackend`` prepared for the step (``paged_arrays``).
+- ``handles`` says whether a step can take it: any number of tokens (decode steps, prompt chunks and
+  mixed steps alike: the packed product and the attention plan take every row count), float32 CPU
+  hidden states, a contiguous float32 cache of this model's shape, no KV scales (quantized caches take
+  the per-op path), and the ``NativeCpuAttentionBackend`` prepared for the step (``paged_arrays``).
 - Weights: the four matrices packed (``NativeOps.pack``, as the layers' ``PreparedLinear`` holds them),
   the norms and the bias as they are; the intermediate width a multiple of ``PANEL`` (the products are
   split by whole panels; every Llama-family model's is). The tensors are read in place through pointers
   taken when the decoder is built; it keeps a reference to every tensor, and must be rebuilt when the
   weights are replaced (the model does so in ``prepare_linears``).
 - Threads: ``torch.get_num_threads()`` at each call, on torch's OpenMP team.
+- Scratch: ``DecoderShape.workspace_floats(tokens)`` floats per call; a workspace of up to
+  ``KEEP_WORKSPACE_BYTES`` is kept between calls, a larger one (long prompt chunks) lives for its call
+  only, as the per-op path's intermediates would.
 """
 
 from __future__ import annotations
@@ -34,8 +37,9 @@ import torch
 
 from kernels.attention import AttentionBackend
 from kernels.cpu_native import NativeCpuAttentionBackend, load_library
-from kernels.linear import NATIVE_MAX_ROWS
 from kernels.native_ops import PANEL, NativeOps
+
+KEEP_WORKSPACE_BYTES = 64 << 20  # scratch kept between calls (a decode step of SmolLM2 needs 29 KB a token)
 
 
 @dataclass(frozen=True)
@@ -124,7 +128,7 @@ class NativeDecoder:
         """Whether this step can run here (the module docstring's conditions)."""
         s = self.shape
         tokens = hidden.shape[0]
-        if not (1 <= tokens <= NATIVE_MAX_ROWS) or kv_scales is not None:
+        if tokens < 1 or kv_scales is not None:
             return False
         if hidden.dtype != torch.float32 or hidden.device.type != "cpu" or not hidden.is_contiguous():
             return False
@@ -155,13 +159,16 @@ class NativeDecoder:
             raise ValueError(f"{tokens} hidden rows for a step of {meta.num_tokens} tokens")
         cos, sin = cos.contiguous(), sin.contiguous()
         need = s.workspace_floats(tokens)
-        if self._work.numel() < need:
-            self._work = torch.empty(need, dtype=torch.float32)
+        work = self._work
+        if work.numel() < need:
+            work = torch.empty(need, dtype=torch.float32)
+            if need * 4 <= KEEP_WORKSPACE_BYTES:
+                self._work = work
         out = torch.empty_like(hidden)
         width = block_tables.shape[1] if block_tables.dim() == 2 else 0
         status = self._call(
             self._pointers.data_ptr(), self.num_layers, kv_cache.data_ptr(), kv_cache[0].numel(),
-            hidden.data_ptr(), out.data_ptr(), self._work.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            hidden.data_ptr(), out.data_ptr(), work.data_ptr(), cos.data_ptr(), sin.data_ptr(),
             write_rows.data_ptr(), query_start_loc.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(),
             meta.num_seqs, width, tokens,
             s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate_size, meta.block_size,

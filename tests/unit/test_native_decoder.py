@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from kernels import native_decoder
 from kernels.native_ops import native_ops
 from kernels.torch_ref import TorchAttentionBackend
 from tests.unit.test_model_tiny import PagedRunner, hf_model, prompt
@@ -73,15 +74,28 @@ def test_one_call_decoder_gives_the_same_bits_on_any_thread_count() -> None:
         torch.set_num_threads(before)
 
 
-def test_steps_it_does_not_take_run_the_per_layer_path() -> None:
-    hf = hf_model("llama3")
+def test_long_prompt_chunks_take_it_with_scratch_for_that_call_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 70-token prompt chunk beside a decode (blocked and row attention items in one plan) runs in the one
+    call too, bitwise; scratch above the kept size is not kept."""
+    hf = hf_model("wide-heads")
     runner, reference = PagedRunner(hf), PagedRunner(hf)
     reference.model.use_native_decoder = False
     calls = spy_calls(runner)
-    for work in ([(0, prompt(70, seed=8))], [(0, [5])]):  # 70 rows: above NATIVE_MAX_ROWS (F.linear)
+    decoder = runner.model.native_decoder
+    assert decoder is not None
+    monkeypatch.setattr(native_decoder, "KEEP_WORKSPACE_BYTES", decoder.shape.workspace_floats(8) * 4)
+    for work in ([(0, prompt(6, seed=9))], [(1, prompt(70, seed=8)), (0, [5])], [(0, [6]), (1, [7])]):
         for got, want in zip(runner.step(work), reference.step(work), strict=True):
             assert torch.equal(got, want)
-    assert calls == [1]
+        assert torch.equal(runner.kv, reference.kv)
+    assert calls == [6, 71, 2]
+    assert decoder._work.numel() == decoder.shape.workspace_floats(6)  # the 71-row call's was its own
+
+
+def test_steps_it_does_not_take_run_the_per_layer_path() -> None:
+    hf = hf_model("llama3")
+    runner = PagedRunner(hf)
+    runner.step([(0, [5])])
     decoder = runner.model.native_decoder
     assert decoder is not None
     one = torch.zeros(1, hf.config.hidden_size)  # the backend is prepared for the 1-token step
