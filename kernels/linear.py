@@ -13,7 +13,7 @@
   deterministic for a given batch shape.
 
 Kernels (``kernel=``): ``"plain"`` is ``F.linear`` (torch's default, the
-"before" configuration); ``"prepacked"`` (the default on CPU fp32) is:
+"before" configuration); ``"prepacked"`` (the default on CPU fp32 before ``"native"``, below) is:
 
 - ``rows == 1``: MKL's packed SGEMM (``torch.ops.mkl._mkl_linear`` on a
   weight packed by ``_mkl_reorder_linear_weight`` for one row). torch's default
