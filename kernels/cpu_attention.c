@@ -6,7 +6,7 @@
  * Sequence s owns query rows query_start_loc[s]..query_start_loc[s+1]; its new
  * token i sits at position seq_lens[s] - q_len + i and sees keys at positions <= its own.
  *
- * Work item: one sequence and up to MAX_ROWS (token, query head) rows (pdserve_plan_items: here as many
+ * Work item: one sequence and up to ITEM_MAX_ROWS (token, query head) rows (pdserve_plan_items: as many
  * whole tokens as fit; the native decoder's items are one token's KV head group). The item's rows are
  * grouped by KV head, and keys are visited in tiles of KEY_TILE positions (gathered across KV blocks
  * through the block table) with an online softmax per row (running max m, running sum l, float32
@@ -41,7 +41,8 @@
  * loop, or whole key rows (every KV head) for the decoder's items measured no better.
  *
  * Prompt chunks (a sequence with at least BLK_MIN_QLEN new tokens) take the blocked kernel of
- * cpu_attention_blocked.c instead; one call runs both kinds of item on one thread team.
+ * cpu_attention_blocked.c instead; cpu_attention_plan.c plans a call and runs both kinds of item on one
+ * thread team.
  *
  * Plain C with GCC vector extensions, so it builds on x86_64 (AVX-512 or not) and aarch64.
  */
@@ -51,38 +52,17 @@
 
 #include "cpu_internal.h"
 
-#define MAX_ROWS 32
-#define MAX_HEAD_DIM 256
 #define KEY_TILE 32 /* keys per tile, gathered across KV blocks: a multiple of VW (16 and 64 measured slower) */
 
-/* the row kernel's vectors: 16 floats where the build has AVX-512 (32 registers), else 8 */
-#if defined(__AVX512F__)
-#define VW 16
+/* P.V's register budget for the build's vectors (cpu_simd.h's VW) */
+#if VW == 16
 #define PV_VECS 8  /* P.V: at most this many vectors of a head slice per pass over the tile's V rows (8 or 4) */
 #define PV_ACCS 24 /* P.V: rows x vectors of sums kept in registers (of 32) */
-typedef float vw __attribute__((vector_size(64)));
-typedef float vwu __attribute__((vector_size(64), aligned(4), may_alias));
-typedef int32_t iw __attribute__((vector_size(64)));
-typedef uint16_t u16xw __attribute__((vector_size(32), aligned(2), may_alias));
-typedef uint32_t u32xw __attribute__((vector_size(64)));
 #else
-#define VW 8
 #define PV_VECS 4  /* 2 (fewer sums, twice the passes over V) measured slower */
 #define PV_ACCS 12 /* of 16 registers */
-typedef v8 vw;
-typedef v8u vwu;
-typedef i32x8 iw;
-typedef u16x8 u16xw;
-typedef u32x8 u32xw;
 #endif
 #define PV_ROWS 4 /* at most this many rows of one KV head share each V row load (PV_ACCS permitting) */
-
-static inline vw loadw(const void *p, int bf16) {
-    if (bf16) return (vw)(__builtin_convertvector(*(const u16xw *)p, u32xw) << 16);
-    return *(const vwu *)p;
-}
-
-static inline vw splatw(float x) { return (vw){0} + x; }
 
 static inline iw lane_ids(void) {
 #if VW == 16
@@ -91,12 +71,6 @@ static inline iw lane_ids(void) {
     return (iw){0, 1, 2, 3, 4, 5, 6, 7};
 #endif
 }
-
-#if VW == 16
-PDSERVE_DEFINE_EXP(expw, vw, iw) /* exp8's bits lane for lane, on 16 lanes */
-#else
-#define expw exp8
-#endif
 
 static inline vw vmaxw(vw a, vw b) {
     const iw a_wins = a > b;
@@ -254,16 +228,16 @@ static inline __attribute__((always_inline)) void pv_rows(float *acc, const floa
 
 /* One work item; `hd` and `bf16` are compile-time constants in each specialisation. */
 static inline __attribute__((always_inline)) void attend_item(const Args *a, const Item *it, int hd, int bf16) {
-    float qbuf[MAX_ROWS * MAX_HEAD_DIM] __attribute__((aligned(64)));
-    float acc[MAX_ROWS * MAX_HEAD_DIM] __attribute__((aligned(64)));
-    float p[MAX_ROWS * KEY_TILE] __attribute__((aligned(64))); /* a row's scores, then its probabilities */
-    float m[MAX_ROWS], l[MAX_ROWS], alpha[MAX_ROWS], mnew[MAX_ROWS];
-    int32_t last[MAX_ROWS]; /* last visible key position of each row */
-    int32_t nvis[MAX_ROWS]; /* keys of the current tile each row sees */
-    int64_t out_off[MAX_ROWS];
-    int32_t kvh[MAX_ROWS];  /* each row's KV head */
-    int8_t order[MAX_ROWS]; /* the rows by KV head, then token: a group shares its K/V loads */
-    int32_t grp_begin[MAX_ROWS + 1], ngroups = 0;
+    float qbuf[ITEM_MAX_ROWS * MAX_HEAD_DIM] __attribute__((aligned(64)));
+    float acc[ITEM_MAX_ROWS * MAX_HEAD_DIM] __attribute__((aligned(64)));
+    float p[ITEM_MAX_ROWS * KEY_TILE] __attribute__((aligned(64))); /* a row's scores, then its probabilities */
+    float m[ITEM_MAX_ROWS], l[ITEM_MAX_ROWS], alpha[ITEM_MAX_ROWS], mnew[ITEM_MAX_ROWS];
+    int32_t last[ITEM_MAX_ROWS]; /* last visible key position of each row */
+    int32_t nvis[ITEM_MAX_ROWS]; /* keys of the current tile each row sees */
+    int64_t out_off[ITEM_MAX_ROWS];
+    int32_t kvh[ITEM_MAX_ROWS];  /* each row's KV head */
+    int8_t order[ITEM_MAX_ROWS]; /* the rows by KV head, then token: a group shares its K/V loads */
+    int32_t grp_begin[ITEM_MAX_ROWS + 1], ngroups = 0;
     const char *rows_a[KEY_TILE], *rows_b[KEY_TILE]; /* K rows (KV head 0) of this tile and the next */
     const char **cur = rows_a, **nxt = rows_b;
 
@@ -411,106 +385,4 @@ attend_fn pdserve_attend_pick(const Args *a) {
     if (a->head_dim == 64) return bf16 ? attend_bf16_64 : attend_f32_64;
     if (a->head_dim == 128) return bf16 ? attend_bf16_128 : attend_f32_128;
     return bf16 ? attend_bf16_any : attend_f32_any;
-}
-
-/* Whether sequence s takes the blocked kernel (see the header comment). */
-static int blocked(const Args *a, int s) {
-    return a->query_start_loc[s + 1] - a->query_start_loc[s] >= BLK_MIN_QLEN &&
-           a->num_heads / a->kv_heads <= BLK_MAX_QPK && a->head_dim % BLK_HEAD_DIM_STEP == 0;
-}
-
-int64_t pdserve_plan_items(const int32_t *query_start_loc, int32_t num_seqs, int32_t num_heads, int32_t per_item,
-                           Item *items) {
-    if (per_item <= 0 || per_item > MAX_ROWS) {
-        per_item = num_heads <= MAX_ROWS ? (MAX_ROWS / num_heads) * num_heads : MAX_ROWS;
-    }
-    int64_t k = 0;
-    for (int s = 0; s < num_seqs; s++) {
-        const int rows = (query_start_loc[s + 1] - query_start_loc[s]) * num_heads;
-        for (int r0 = 0; r0 < rows; r0 += per_item, k++) {
-            if (items) items[k] = (Item){s, r0, r0 + per_item < rows ? r0 + per_item : rows};
-        }
-    }
-    return k;
-}
-
-int pdserve_plan_attention(const Args *a, int32_t num_seqs, int32_t per_item, Plan *plan) {
-    int64_t num_blocks = 0, num_items = 0;
-    for (int s = 0; s < num_seqs; s++) {
-        const int q_len = a->query_start_loc[s + 1] - a->query_start_loc[s];
-        if (blocked(a, s)) {
-            num_blocks += (q_len + BLK_TOKENS - 1) / BLK_TOKENS;
-        } else {
-            num_items += pdserve_plan_items(a->query_start_loc + s, 1, a->num_heads, per_item, NULL);
-        }
-    }
-    *plan = (Plan){(BlockItem *)malloc((size_t)(num_blocks + 1) * sizeof(BlockItem)),
-                   (Item *)malloc((size_t)(num_items + 1) * sizeof(Item)),
-                   num_blocks, num_items, pdserve_attend_pick(a), pdserve_block_pick(a)};
-    if (!plan->blocks || !plan->items) {
-        pdserve_plan_free(plan);
-        return -5;
-    }
-    int64_t nb = 0, ni = 0;
-    for (int s = 0; s < num_seqs; s++) {
-        const int q_len = a->query_start_loc[s + 1] - a->query_start_loc[s];
-        if (blocked(a, s)) {
-            for (int t = 0; t < q_len; t += BLK_TOKENS, nb++) {
-                plan->blocks[nb] = (BlockItem){s, t, t + BLK_TOKENS < q_len ? t + BLK_TOKENS : q_len};
-            }
-        } else {
-            const int64_t k = pdserve_plan_items(a->query_start_loc + s, 1, a->num_heads, per_item, plan->items + ni);
-            for (int64_t i = ni; i < ni + k; i++) plan->items[i].seq = s;
-            ni += k;
-        }
-    }
-    return 0;
-}
-
-void pdserve_plan_free(Plan *plan) {
-    free(plan->blocks);
-    free(plan->items);
-    plan->blocks = NULL;
-    plan->items = NULL;
-}
-
-void pdserve_plan_work(const Args *a, const Plan *plan, int32_t *next) {
-    for (;;) {
-        const int64_t i = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
-        if (i >= plan->num_blocks + plan->num_items) break;
-        if (i < plan->num_blocks) {
-            plan->block(a, &plan->blocks[i]);
-        } else {
-            plan->attend(a, &plan->items[i - plan->num_blocks]);
-        }
-    }
-}
-
-/* Returns 0 on success, a negative code for arguments the kernel does not support. */
-int pdserve_paged_attention(const void *q, int64_t q_token_stride, const void *kv, void *out,
-                            const int32_t *query_start_loc, const int32_t *seq_lens,
-                            const int32_t *block_tables, int32_t num_seqs, int32_t table_width,
-                            int32_t num_heads, int32_t kv_heads, int32_t head_dim, int32_t block_size,
-                            float scale, int32_t dtype, int32_t num_threads) {
-    if (head_dim <= 0 || head_dim % 16 != 0 || head_dim > MAX_HEAD_DIM) return -1;
-    if (kv_heads <= 0 || num_heads % kv_heads != 0) return -2;
-    if (block_size <= 0 || (block_size & (block_size - 1)) != 0) return -3;
-    if (dtype != DTYPE_F32 && dtype != DTYPE_BF16) return -4;
-    const Args args = {q, kv, out, query_start_loc, seq_lens, block_tables, q_token_stride,
-                       table_width, num_heads, kv_heads, head_dim, block_size, dtype, scale};
-    /* blocked items for prompt chunks, row items of as many whole tokens as fit for the rest */
-    Plan plan;
-    if (pdserve_plan_attention(&args, num_seqs, 0, &plan) != 0) return -5;
-    const int64_t work = plan.num_blocks + plan.num_items;
-    int32_t next = 0;
-    int threads = num_threads < 1 ? 1 : num_threads;
-    if (threads > work) threads = (int)work;
-    if (threads <= 1) {
-        pdserve_plan_work(&args, &plan, &next);
-    } else {
-#pragma omp parallel num_threads(threads)
-        pdserve_plan_work(&args, &plan, &next);
-    }
-    pdserve_plan_free(&plan);
-    return 0;
 }

@@ -1,12 +1,12 @@
-/* Paged attention on CPU for prompt chunks: the blocked kernel (cpu_attention.c has the layout, the
- * row kernel and the call that runs both).
+/* Paged attention on CPU for prompt chunks: the blocked kernel (cpu_attention.c has the layout and the
+ * row kernel, cpu_attention_plan.c the call that runs both).
  *
  * An item is BLK_TOKENS tokens of one sequence, every head. For each KV head, a tile of BLK_TILE keys
  * is gathered across KV blocks and transposed once (kt[d][j], 8x8 shuffles), so that four rows at a
  * time compute their scores as outer-product updates (each key vector loaded once for four rows, no
  * horizontal sums) and accumulate P.V the same way (each value vector loaded once for four rows), on
- * vectors of BW floats: 16 where the build has AVX-512, else 8. Same online softmax, same float32
- * accumulators as the row kernel; the summation order differs, so the two agree to float rounding,
+ * vectors of VW floats (cpu_simd.h): 16 where the build has AVX-512, else 8. Same online softmax, same
+ * float32 accumulators as the row kernel; the summation order differs, so the two agree to float rounding,
  * not bitwise.
  */
 #include <math.h>
@@ -14,33 +14,10 @@
 
 #include "cpu_internal.h"
 
-#define MAX_HEAD_DIM 256
 #define BLK_ROWS (BLK_TOKENS * BLK_MAX_QPK)
 #define BLK_TILE 64 /* keys per tile (gathered across KV blocks) */
 
 static const float zero_row[MAX_HEAD_DIM]; /* a padding key's row (all bits 0: zero in either dtype) */
-
-/* the blocked kernel's vectors: 16 floats where the build has AVX-512, else 8 */
-#if defined(__AVX512F__)
-#define BW 16
-typedef float vb __attribute__((vector_size(64)));
-typedef float vbu __attribute__((vector_size(64), aligned(4), may_alias));
-typedef uint16_t u16xb __attribute__((vector_size(32), aligned(2), may_alias));
-typedef uint32_t u32xb __attribute__((vector_size(64)));
-#else
-#define BW 8
-typedef v8 vb;
-typedef v8u vbu;
-typedef u16x8 u16xb;
-typedef u32x8 u32xb;
-#endif
-
-_Static_assert(BLK_HEAD_DIM_STEP == 2 * BW, "a head is whole steps of two vectors (cpu_internal.h)");
-
-static inline vb loadb(const void *p, int bf16) {
-    if (bf16) return (vb)(__builtin_convertvector(*(const u16xb *)p, u32xb) << 16);
-    return *(const vbu *)p;
-}
 
 /* kt[d0 + i][0..7] = column d0 + i of the 8 rows (keys) k[0..7], for i in 0..7 */
 static inline __attribute__((always_inline)) void transpose8(const char *const k[8], int d0, int esize, int bf16,
@@ -66,13 +43,13 @@ static inline __attribute__((always_inline)) void transpose8(const char *const k
     }
 }
 
-/* Four rows' scores against 2 * BW keys of the transposed tile: s[r][c] = sum_d q[r][d] kt[d][c]. */
+/* Four rows' scores against 2 * VW keys of the transposed tile: s[r][c] = sum_d q[r][d] kt[d][c]. */
 static inline __attribute__((always_inline)) void scores4(const float *q, const float *kt, float *p, int hd,
                                                           int c0) {
-    vb s0[4] = {{0}}, s1[4] = {{0}};
+    vw s0[4] = {{0}}, s1[4] = {{0}};
     for (int d = 0; d < hd; d++) {
-        const vb k0 = *(const vb *)(kt + d * BLK_TILE + c0);
-        const vb k1 = *(const vb *)(kt + d * BLK_TILE + c0 + BW);
+        const vw k0 = *(const vw *)(kt + d * BLK_TILE + c0);
+        const vw k1 = *(const vw *)(kt + d * BLK_TILE + c0 + VW);
         for (int r = 0; r < 4; r++) {
             const float b = q[r * hd + d];
             s0[r] += b * k0;
@@ -80,8 +57,8 @@ static inline __attribute__((always_inline)) void scores4(const float *q, const 
         }
     }
     for (int r = 0; r < 4; r++) {
-        *(vb *)(p + r * BLK_TILE + c0) = s0[r];
-        *(vb *)(p + r * BLK_TILE + c0 + BW) = s1[r];
+        *(vw *)(p + r * BLK_TILE + c0) = s0[r];
+        *(vw *)(p + r * BLK_TILE + c0 + VW) = s1[r];
     }
 }
 
@@ -129,7 +106,7 @@ static inline __attribute__((always_inline)) void attend_block(const Args *a, co
         }
         for (int start = 0; start <= max_last; start += BLK_TILE) {
             const int n = max_last + 1 - start < BLK_TILE ? max_last + 1 - start : BLK_TILE;
-            const int npad = (n + 2 * BW - 1) & ~(2 * BW - 1);
+            const int npad = (n + 2 * VW - 1) & ~(2 * VW - 1);
             const char *krow[BLK_TILE], *vrow[BLK_TILE]; /* each key's K and V rows (the tile spans blocks) */
             for (int j = 0; j < n; j++) {
                 const int pos = start + j;
@@ -146,7 +123,7 @@ static inline __attribute__((always_inline)) void attend_block(const Args *a, co
                 int group_last = last[r0];
                 for (int r = r0 + 1; r < r0 + 4; r++) group_last = last[r] > group_last ? last[r] : group_last;
                 if (group_last < start) continue; /* no row of the four sees a key of this tile */
-                for (int c0 = 0; c0 < n; c0 += 2 * BW) scores4(qbuf + r0 * hd, kt, p + r0 * BLK_TILE, hd, c0);
+                for (int c0 = 0; c0 < n; c0 += 2 * VW) scores4(qbuf + r0 * hd, kt, p + r0 * BLK_TILE, hd, c0);
                 for (int r = r0; r < r0 + 4; r++) {
                     float *pr = p + r * BLK_TILE;
                     int nv = last[r] + 1 - start;
@@ -175,15 +152,15 @@ static inline __attribute__((always_inline)) void attend_block(const Args *a, co
                     l[r] = l[r] * alpha[r] + hsum(vsum);
                     m[r] = mt;
                 }
-                for (int dc = 0; dc < hd; dc += 2 * BW) {
-                    vb o0[4], o1[4];
+                for (int dc = 0; dc < hd; dc += 2 * VW) {
+                    vw o0[4], o1[4];
                     for (int r = 0; r < 4; r++) {
-                        o0[r] = *(vb *)(acc + (r0 + r) * hd + dc) * alpha[r0 + r];
-                        o1[r] = *(vb *)(acc + (r0 + r) * hd + dc + BW) * alpha[r0 + r];
+                        o0[r] = *(vw *)(acc + (r0 + r) * hd + dc) * alpha[r0 + r];
+                        o1[r] = *(vw *)(acc + (r0 + r) * hd + dc + VW) * alpha[r0 + r];
                     }
                     for (int j = 0; j < n; j++) {
                         const char *vj = vrow[j] + dc * esize;
-                        const vb v0 = loadb(vj, bf16), v1 = loadb(vj + BW * esize, bf16);
+                        const vw v0 = loadw(vj, bf16), v1 = loadw(vj + VW * esize, bf16);
                         for (int r = 0; r < 4; r++) {
                             const float pj = p[(r0 + r) * BLK_TILE + j];
                             o0[r] += pj * v0;
@@ -191,8 +168,8 @@ static inline __attribute__((always_inline)) void attend_block(const Args *a, co
                         }
                     }
                     for (int r = 0; r < 4; r++) {
-                        *(vb *)(acc + (r0 + r) * hd + dc) = o0[r];
-                        *(vb *)(acc + (r0 + r) * hd + dc + BW) = o1[r];
+                        *(vw *)(acc + (r0 + r) * hd + dc) = o0[r];
+                        *(vw *)(acc + (r0 + r) * hd + dc + VW) = o1[r];
                     }
                 }
             }

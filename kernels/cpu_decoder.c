@@ -52,7 +52,7 @@ int pdserve_decoder_f32(const int64_t *layer_weights, int32_t num_layers, float 
                         int32_t hidden_size, int32_t num_heads, int32_t kv_heads, int32_t head_dim,
                         int32_t intermediate, int32_t block_size, float scale, float eps, const float *final_norm,
                         int32_t num_threads) {
-    if (head_dim <= 0 || head_dim % 16 != 0 || head_dim > 256) return -1;
+    if (head_dim <= 0 || head_dim % 16 != 0 || head_dim > MAX_HEAD_DIM) return -1;
     if (kv_heads <= 0 || num_heads % kv_heads != 0) return -2;
     if (block_size <= 0 || (block_size & (block_size - 1)) != 0) return -3;
     if (tokens < 1) return -4;

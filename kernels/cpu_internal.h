@@ -24,6 +24,9 @@ typedef struct {
     float scale;
 } Args;
 
+#define MAX_HEAD_DIM 256
+#define ITEM_MAX_ROWS 32 /* the rows a row item holds at most */
+
 typedef struct {
     int32_t seq, row_begin, row_end; /* rows are (token, query head) pairs, token-major */
 } Item;
@@ -39,11 +42,7 @@ INTERNAL attend_fn pdserve_attend_pick(const Args *a);
 #define BLK_TOKENS 8
 #define BLK_MIN_QLEN 16
 #define BLK_MAX_QPK 8
-#if defined(__AVX512F__)
-#define BLK_HEAD_DIM_STEP 32
-#else
-#define BLK_HEAD_DIM_STEP 16
-#endif
+#define BLK_HEAD_DIM_STEP (2 * VW) /* whole steps of two of the build's vectors (cpu_simd.h) */
 
 typedef struct {
     int32_t seq, tok0, tok1; /* tokens tok0..tok1-1 of the sequence's new ones, every head */

@@ -45,8 +45,8 @@ from kernels.torch_ref import TorchAttentionBackend
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("cpu_attention.c", "cpu_attention_blocked.c", "cpu_ops.c", "cpu_packed.c",
-                             "cpu_decoder.c", "cpu_greedy.c"))
+                for name in ("cpu_attention.c", "cpu_attention_blocked.c", "cpu_attention_plan.c",
+                             "cpu_ops.c", "cpu_packed.c", "cpu_decoder.c", "cpu_greedy.c"))
 # included by the sources: part of the build's hash
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_simd.h", "cpu_internal.h"))
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-shared", "-fPIC", "-fopenmp")

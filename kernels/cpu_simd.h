@@ -1,5 +1,5 @@
-/* What the library's C files share: GCC vector types of 8 floats (AVX2 width), a vector exp, and
- * the attention kernels' loads (float32 or bfloat16) and reductions. Included by both; kernels/cpu_native.py hashes it with them into the library's name. */
+/* What the library's C files share: GCC vector types of 8 floats (AVX2 width) and of the build's widest
+ * vectors, a vector exp, and the attention kernels' loads (float32 or bfloat16) and reductions. Included by both; kernels/cpu_native.py hashes it with them into the library's name. */
 #ifndef PDSERVE_CPU_SIMD_H
 #define PDSERVE_CPU_SIMD_H
 
@@ -43,6 +43,34 @@ static inline v8 load8(const void *p, int bf16) {
     }
     return *(const v8u *)p;
 }
+
+/* The build's widest vectors (the attention kernels'): VW = 16 floats where it has AVX-512 (32 registers),
+ * else 8; their int32 and bfloat16 twins, a load of float32 or bfloat16 data, a splat, and exp on them
+ * (exp8's bits lane for lane). */
+#if defined(__AVX512F__)
+#define VW 16
+typedef float vw __attribute__((vector_size(64)));
+typedef float vwu __attribute__((vector_size(64), aligned(4), may_alias));
+typedef int32_t iw __attribute__((vector_size(64)));
+typedef uint16_t u16xw __attribute__((vector_size(32), aligned(2), may_alias));
+typedef uint32_t u32xw __attribute__((vector_size(64)));
+PDSERVE_DEFINE_EXP(expw, vw, iw)
+#else
+#define VW 8
+typedef v8 vw;
+typedef v8u vwu;
+typedef i32x8 iw;
+typedef u16x8 u16xw;
+typedef u32x8 u32xw;
+#define expw exp8
+#endif
+
+static inline vw loadw(const void *p, int bf16) {
+    if (bf16) return (vw)(__builtin_convertvector(*(const u16xw *)p, u32xw) << 16);
+    return *(const vwu *)p;
+}
+
+static inline vw splatw(float x) { return (vw){0} + x; }
 
 static inline float load1(const void *p, int64_t i, int bf16) {
     if (bf16) {

@@ -67,7 +67,6 @@ from kernels.native_ops import native_ops
 
 LinearKernel = Literal["plain", "prepacked", "native"]
 LINEAR_KERNELS: tuple[LinearKernel, ...] = ("plain", "prepacked", "native")
-NATIVE_MAX_ROWS = 64  # steps of up to this many tokens take the one-call decoder (kernels/native_decoder.py)
 LARGE_ROWS = 64  # "prepacked": above this many rows, LARGE_PRODUCT (see the docstring)
 LargeProduct = Literal["mkl", "onednn"]
 

@@ -92,7 +92,7 @@ def test_long_prompt_chunks_take_it_with_scratch_for_that_call_only(monkeypatch:
     assert decoder._work.numel() == decoder.shape.workspace_floats(6)  # the 71-row call's was its own
 
 
-def test_steps_it_does_not_take_run_the_per_layer_path() -> None:
+def test_steps_it_does_not_take() -> None:
     hf = hf_model("llama3")
     runner = PagedRunner(hf)
     runner.step([(0, [5])])

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.activation import silu_mul
-from kernels.linear import NATIVE_MAX_ROWS, PreparedLinear
+from kernels.linear import LARGE_ROWS, PreparedLinear
 from kernels.native_ops import PANEL, NativeOps, native_ops
 from kernels.norm import rms_norm
 from kernels.rope import apply_rotary
@@ -80,7 +80,7 @@ def test_pack_lays_out_panels_of_16_features() -> None:
     assert not packed[2, :, 37 - 2 * PANEL:].any()  # the last panel's padding
 
 
-@pytest.mark.parametrize("rows", [0, 1, 5, NATIVE_MAX_ROWS + 1, 300])
+@pytest.mark.parametrize("rows", [0, 1, 5, LARGE_ROWS + 1, 300])
 def test_native_linear_kernel_packs_once(rows: int) -> None:
     gen = torch.Generator().manual_seed(rows)
     weight, bias = torch.randn(100, 40, generator=gen), torch.randn(100, generator=gen)
