@@ -30,7 +30,8 @@ import torch
 
 from engine.config import EngineConfig, ModelConfig, RopeScaling
 from engine.graph_runner import DecodeGraphRunner, graph_mode
-from engine.model import CausalLM, allocate_kv_cache
+from engine.kv_tensors import allocate_kv_cache
+from engine.models.causal_lm import CausalLM
 from engine.tp_group import StepPlan
 from kernels import get_attention_backend
 from kernels.attention import AttentionMetadata

@@ -2,8 +2,8 @@
 
 Each profiled op's self time goes to the class of its nearest labelled ancestor
 (itself included): ranges named ``attention`` (the backend's ``forward``),
-``norm`` / ``rope`` / ``act`` (``rms_norm``, ``apply_rotary``, ``silu_mul`` as
-``engine.model`` calls them, and the native fused ops of ``kernels.native_ops``),
+``norm`` / ``rope`` / ``act`` (``apply_rotary`` as ``engine.layers.attention`` calls it, and the
+native fused ops of ``kernels.native_ops``),
 ``gemm`` (the native one-row product) and GEMM ops by name; the rest is ``other``.
 Self times partition the profiled time, so the classes add up to it.
 """
@@ -18,7 +18,7 @@ from unittest import mock
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-import engine.model as model_module
+import engine.layers.attention as attention_module
 from kernels.attention import AttentionBackend
 from kernels.native_ops import native_ops
 
@@ -40,9 +40,8 @@ def _labelled(label: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 def labels(backend: AttentionBackend) -> Iterator[None]:
     """Label the model's norm, rope, activation and attention calls for the profiler."""
     with contextlib.ExitStack() as stack:
-        for name, label in (("rms_norm", "norm"), ("apply_rotary", "rope"), ("silu_mul", "act")):
-            stack.enter_context(mock.patch.object(model_module, name,
-                                                  _labelled(label, getattr(model_module, name))))
+        stack.enter_context(mock.patch.object(attention_module, "apply_rotary",
+                                              _labelled("rope", attention_module.apply_rotary)))
         stack.enter_context(mock.patch.object(backend, "forward", _labelled("attention", backend.forward)))
         ops = native_ops()
         if ops is not None:

@@ -20,7 +20,7 @@ the host (and disk) offload tier holds, ``bytes // block bytes`` as
 ``engine/offload.py`` keeps them.
 
 With ``--tensor-parallel-size N`` every figure is per device: the weights of one
-rank's shard (``engine.tensor_parallel.TpShard.parameter_count``: its heads, its
+rank's shard (``engine.models.size.parameter_count``: its heads, its
 MLP columns, ceil(vocab / N) rows of the embedding and head; norms replicated),
 and its KV heads (KV heads / N, at least one: replicated past that), so the
 blocks are those one rank's budget buys, as the engine allocates them; a sequence
@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from engine.config import ModelConfig, parse_dtype
+from engine.models.size import parameter_count as count_parameters
 from engine.tensor_parallel import TpShard
 
 DEFAULT_DEVICE_MEMORY = 80 * 1024**3
@@ -48,13 +49,8 @@ CONTEXT_LENGTHS = (2048, 8192, 32768, 131072)
 
 
 def parameter_count(model: ModelConfig) -> int:
-    """Parameters of a Llama-family decoder from its shape (embeddings, attention, MLP, norms, head)."""
-    h, hd = model.hidden_size, model.head_dim
-    q, kv = model.num_heads * hd, model.num_kv_heads * hd
-    attention = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if model.attention_bias else 0)
-    layer = attention + 3 * h * model.intermediate_size + 2 * h
-    head = 0 if model.tie_word_embeddings else model.vocab_size * h
-    return model.vocab_size * h + model.num_layers * layer + h + head
+    """Parameters of the model from its shape (``engine/models/size.py``: every family's layers)."""
+    return count_parameters(model).total
 
 
 def read_model_config(path: str | Path) -> ModelConfig:
@@ -149,7 +145,7 @@ def make_plan(model: ModelConfig, *, dtype: str = "bfloat16", kv_cache_dtype: st
     params = parameter_count(model)
     shard = TpShard(model, 0, tensor_parallel_size)
     full_model, model = model, shard.kv_config  # KV sized by one device's heads
-    per_device = shard.parameter_count() * element_bytes(weights_dtype)
+    per_device = count_parameters(full_model, shard).total * element_bytes(weights_dtype)
     weights = weight_memory // tensor_parallel_size if weight_memory is not None else per_device
     if kv_cache_memory is not None:
         budget = kv_cache_memory

@@ -27,8 +27,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.buckets import decode_buckets, padded_batch_size
+from engine.layers.mlp import GatedMLP
 from engine.loader import cache_root
-from engine.model import CausalLM, DecoderLayer
+from engine.models.causal_lm import CausalLM
 from kernels.activation import silu_mul
 from kernels.attention import AttentionBackend, AttentionMetadata
 from kernels.linear import prepared_linear_op as prepared_linear
@@ -76,6 +77,9 @@ class CompiledDecoder:
     """Runs ``CausalLM.forward`` for decode batches through the compiled layer halves."""
 
     def __init__(self, model: CausalLM, max_num_seqs: int) -> None:
+        if not model.fusable:
+            raise ValueError(f"the compiled decode path runs plain Llama layers only, not "
+                             f"{model.config.architecture}'s ({model.execution_path})")
         use_disk_cache()
         self.model = model
         model.restore_plain_weights()  # the compiled halves take the [out, in] matrices
@@ -100,15 +104,16 @@ class CompiledDecoder:
         assert rows is not None, "forward() is only called when applies()"
         hidden = F.embedding(_pad(input_ids, rows), m.embed_tokens)
         cos, sin = m.rotary.cos_sin(_pad(positions, rows), m.dtype)
-        for i, layer in enumerate(m.layers):
-            assert isinstance(layer, DecoderLayer)
-            h = layer.num_heads
-            qk, v = self._pre(hidden, layer.input_norm, layer.qkv, layer.qkv_linear.packed_row,
-                              layer.qkv_bias, cos, sin, h, layer.num_kv_heads, layer.head_dim, layer.eps)
+        for i, layer in enumerate(m.decoder_layers()):
+            a, mlp = layer.attn, layer.mlp
+            assert isinstance(mlp, GatedMLP)
+            h = a.num_heads
+            qk, v = self._pre(hidden, layer.input_norm, a.qkv, a.qkv_linear.packed_row,
+                              a.qkv_bias, cos, sin, h, a.num_kv_heads, a.head_dim, layer.eps)
             scales = kv_scales[i] if kv_scales is not None else None
-            attn = backend.forward(qk[:n, :h], qk[:n, h:], v[:n], kv_cache[i], layer.scale, scales)
-            attn_rows = _pad(attn.reshape(n, h * layer.head_dim), rows)
-            hidden = self._post(hidden, attn_rows, layer.o_proj, layer.o_linear.packed_row, layer.post_norm,
-                                layer.gate_up, layer.gate_up_linear.packed_row, layer.down_proj,
-                                layer.down_linear.packed_row, layer.eps)
+            attn = backend.forward(qk[:n, :h], qk[:n, h:], v[:n], kv_cache[i], a.scale, scales)
+            attn_rows = _pad(attn.reshape(n, h * a.head_dim), rows)
+            hidden = self._post(hidden, attn_rows, a.o_proj, a.o_linear.packed_row, layer.post_norm,
+                                mlp.gate_up, mlp.gate_up_linear.packed_row, mlp.down_proj,
+                                mlp.down_linear.packed_row, layer.eps)
         return rms_norm(hidden[:n], m.norm, cfg.rms_norm_eps)

@@ -1,10 +1,12 @@
 """Frozen configuration for the model and the engine.
 
-``ModelConfig`` describes a Llama-family decoder (Llama 2/3, Qwen2, Mistral,
-SmolLM2) independently of where its weights come from; loaders build it from a
-Hugging Face ``config.json`` or from GGUF metadata. ``EngineConfig`` holds the
-knobs a user sets (block size, KV budget, scheduler limits); values derived from
-both live in properties so nothing is stored twice.
+``ModelConfig`` describes a decoder-only transformer of one of the registered families
+(``engine/models/``) independently of where its weights come from; each family's module builds it
+from a Hugging Face ``config.json`` or from GGUF metadata. The fields say what a layer computes
+(attention kinds per layer, q/k norms, sinks, softcaps, rope variants, a mixture of experts), never
+which family asked for it, so the layers and the KV sizing read them without knowing the family.
+``EngineConfig`` holds the knobs a user sets (block size, KV budget, scheduler limits); values derived
+from both live in properties so nothing is stored twice.
 """
 
 from __future__ import annotations
@@ -18,7 +20,14 @@ from engine.spec_config import SpeculativeConfig
 from kernels.kv_quant import is_quantized, parse_kv_cache_dtype
 from kernels.linear import LINEAR_KERNELS
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+# the model families (``ModelConfig.architecture``); ``engine/models/`` registers one module for each
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma3", "gpt_oss")
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+HIDDEN_ACTS = ("silu", "gelu_tanh")
+MOE_ROUTERS = ("softmax_topk", "topk_softmax")
+MOE_ACTIVATIONS = ("silu", "swiglu_oai")
 ATTENTION_BACKENDS = ("auto", "triton", "flashinfer", "torch")
 
 _DTYPES = {
@@ -45,13 +54,58 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Rope frequency scaling. ``rope_type`` is ``default``, ``linear`` or ``llama3``."""
+    """Rope frequency scaling. ``rope_type`` is ``default``, ``linear``, ``llama3`` or ``yarn``
+    (``beta_fast`` .. ``truncate``: YaRN's, as transformers reads them)."""
 
     rope_type: str = "default"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """A mixture-of-experts MLP: ``num_experts`` experts of ``intermediate_size``, ``top_k`` per token.
+
+    ``router``: ``softmax_topk`` (softmax over every expert's logit, then the top k, renormalised to
+    sum 1 when ``renormalize``: Mixtral, Qwen3-MoE) or ``topk_softmax`` (the top k logits, then a
+    softmax over those: gpt-oss). ``router_bias``: the router has a bias; ``expert_bias``: each expert's
+    products have biases. ``activation``: ``silu`` (SiLU(gate) * up) or ``swiglu_oai`` (gpt-oss's
+    clamped SwiGLU with ``swiglu_alpha`` and ``swiglu_limit``). ``dense_layers``: layers that keep a
+    dense MLP of the model's ``intermediate_size`` instead.
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    router: str = "softmax_topk"
+    renormalize: bool = True
+    router_bias: bool = False
+    expert_bias: bool = False
+    activation: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    dense_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(f"bad model config: num_experts_per_tok ({self.top_k}) must be in "
+                             f"[1, num_experts ({self.num_experts})]")
+        if self.intermediate_size <= 0:
+            raise ValueError(f"bad model config: the experts' intermediate size must be positive, "
+                             f"got {self.intermediate_size}")
+        if self.router not in MOE_ROUTERS:
+            raise ValueError(f"unknown MoE router {self.router!r}; known: {', '.join(MOE_ROUTERS)}")
+        if self.activation not in MOE_ACTIVATIONS:
+            raise ValueError(f"unknown MoE activation {self.activation!r}; "
+                             f"known: {', '.join(MOE_ACTIVATIONS)}")
 
 
 @dataclass(frozen=True)
@@ -74,6 +128,19 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     sliding_window: int | None = None
     name: str = "model"
+    # per layer FULL_ATTENTION or SLIDING_ATTENTION (``sliding_window`` tokens); () means every layer
+    # is full attention
+    layer_types: tuple[str, ...] = ()
+    qk_norm: bool = False  # an RMSNorm over each query and key head before rope (Qwen3, Gemma 3)
+    attention_sinks: bool = False  # one learned softmax logit per query head (gpt-oss)
+    o_proj_bias: bool = False
+    attention_scale: float | None = None  # the softmax scale; None: head_dim ** -0.5
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    # the rope base of sliding layers, which then take no rope scaling (Gemma 3); None: as full layers
+    local_rope_theta: float | None = None
+    hidden_act: str = "silu"  # the dense MLP's gate activation: silu or gelu_tanh
+    moe: MoeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -90,10 +157,37 @@ class ModelConfig:
                 f"bad model config: num_heads ({self.num_heads}) must be a multiple of "
                 f"num_kv_heads ({self.num_kv_heads})"
             )
+        if self.layer_types:
+            if len(self.layer_types) != self.num_layers:
+                raise ValueError(f"bad model config: {len(self.layer_types)} layer_types for "
+                                 f"{self.num_layers} layers")
+            unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if unknown:
+                raise ValueError(f"bad model config: unknown layer type {unknown[0]!r}; known: "
+                                 f"{', '.join(LAYER_TYPES)}")
+            if SLIDING_ATTENTION in self.layer_types and not (self.sliding_window or 0) > 0:
+                raise ValueError("bad model config: sliding_attention layers need a positive sliding_window")
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"unsupported hidden activation {self.hidden_act!r}; supported: "
+                             f"{', '.join(HIDDEN_ACTS)}")
 
     @property
     def q_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    def layer_window(self, layer: int) -> int | None:
+        """The attention window of ``layer`` in tokens (None: full attention)."""
+        if self.layer_types and self.layer_types[layer] == SLIDING_ATTENTION:
+            return self.sliding_window
+        return None
+
+    @property
+    def has_sliding_layers(self) -> bool:
+        return SLIDING_ATTENTION in self.layer_types
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether ``layer``'s MLP is the mixture of experts (else the dense MLP)."""
+        return self.moe is not None and layer not in self.moe.dense_layers
 
     def kv_bytes_per_token(self, element_bytes: int) -> int:
         """2 (K and V) x layers x KV heads x head dim x bytes per element."""

@@ -31,8 +31,9 @@ import torch
 
 from engine.config import EngineConfig, ModelConfig
 from engine.kv_cache import KVCacheManager
+from engine.kv_tensors import allocate_kv_cache
 from engine.loader import load_model_source, resolve_model
-from engine.model import CausalLM, allocate_kv_cache
+from engine.models.causal_lm import CausalLM
 from kernels import AttentionMetadata, get_attention_backend
 from kernels.linear import LinearKernel
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import sys
 import time
 from dataclasses import dataclass
@@ -34,8 +35,8 @@ from engine.hashing import seed_for
 from engine.kv_cache import KVCacheManager
 from engine.kv_sizing import KvTier, kv_block_bytes, num_kv_blocks
 from engine.loader import ModelSource, load_model_source, resolve_model
-from engine.model import CausalLM
 from engine.model_runner import ModelRunner, StepRows
+from engine.models.causal_lm import CausalLM
 from engine.offload import KvOffload
 from engine.outputs import RequestOutput
 from engine.rejection import Verified, verify
@@ -50,6 +51,8 @@ from engine.tensor_parallel import TpShard
 from engine.tokenizer import Tokenizer
 from engine.tp_group import TpGroup
 from kernels.linear import LinearKernel
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,9 @@ def build_runner(source: ModelSource, config: EngineConfig, group: TpGroup | Non
     kernel = cast(LinearKernel, config.linear_kernel)
     net = CausalLM(source.config, config.torch_dtype, config.device, kernel, shard, group)
     net.load_weights(source.iter_weights(shard))
+    if shard.rank == 0:
+        logger.info("%s (%s, %d layers): %s", source.config.name, source.config.architecture,
+                    source.config.num_layers, net.execution_path)
     blocks = num_kv_blocks(shard.kv_config, config)
     if group is not None and size > 1:
         group.connect()
@@ -131,11 +137,13 @@ class LLMEngine:
         blocks = self.runner.num_blocks  # the KV cache may hold one more: the scratch block
         self.kv = KVCacheManager(blocks, self.config.block_size, self.config.enable_prefix_caching,
                                  hash_seed=seed_for(self.model_config.name))
-        window = self.config.kv_window or self.model_config.sliding_window
         self.kv_window: KvWindow | None = None
-        if window is not None:
-            sinks = self.config.kv_sinks if self.config.kv_window else 0
-            self.kv_window = KvWindow(-(-sinks // self.config.block_size), window)
+        if self.config.kv_window is not None:  # a model's own sliding layers mask exactly, in the kernels
+            if self.model_config.has_sliding_layers:
+                raise ValueError(f"--kv-window does not combine with {self.model_config.name}'s own "
+                                 f"sliding-window layers ({self.model_config.architecture}); leave it out")
+            sink_blocks = -(-self.config.kv_sinks // self.config.block_size)
+            self.kv_window = KvWindow(sink_blocks, self.config.kv_window)
         if self.config.kv_window is not None:  # bounded KV: generation length is not bounded by the pool
             self.max_model_len = self.config.max_model_len or sys.maxsize
         else:

@@ -221,7 +221,7 @@ def _to_torch(tensor: GGUFTensor, cut: WeightSlice | None = None) -> torch.Tenso
     values = dequantize(data, tensor.tensor_type)
     values = np.require(values, dtype=np.float32, requirements=["C", "W"])
     weight = torch.from_numpy(values).reshape(hf_shape)
-    return cut.take(weight) if cut is not None and cut.dim == 1 else weight
+    return cut.take(weight) if cut is not None and cut.dim >= 1 else weight
 
 
 def iter_gguf_weights(path: str | Path, config: ModelConfig | None = None,

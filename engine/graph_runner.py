@@ -46,7 +46,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs, PaddedDecode
-from engine.model import CausalLM
+from engine.models.causal_lm import CausalLM
 from engine.tp_group import StepPlan
 from kernels.attention import AttentionBackend, CapturableBackend
 

@@ -1,4 +1,5 @@
-"""Read a local Hugging Face model folder: ``config.json`` and ``*.safetensors``.
+"""Read a local Hugging Face model folder: ``config.json`` (through its family's reader,
+``engine/models/``) and ``*.safetensors``.
 
 Only local files are read; nothing here talks to a model hub. Weights come out
 lazily, one ``(hf_name, tensor)`` pair at a time, in the dtype they are stored in
@@ -9,35 +10,16 @@ as the rank's slice only (``safe_open(...).get_slice``), not whole.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import safe_open
 
-from engine.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
+from engine.config import ModelConfig
+from engine.models.hf_config import read_json
+from engine.models.registry import hf_family
 from engine.tensor_parallel import TpShard
-
-HF_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-}
-_DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768}
-_ROPE_TYPES = ("default", "linear", "llama3")
-
-
-def read_json(path: Path) -> dict[str, Any]:
-    """Parse a JSON object from ``path`` with an error that names the file."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"invalid JSON in {path}: {exc}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"invalid JSON in {path}: expected an object, got {type(data).__name__}")
-    return data
 
 
 def _check_folder(folder: Path) -> None:
@@ -49,77 +31,6 @@ def _check_folder(folder: Path) -> None:
         raise FileNotFoundError(f"no config.json in model folder {folder}")
 
 
-def _architecture(raw: dict[str, Any], source: Path) -> str:
-    archs = raw.get("architectures") or []
-    for name in archs:
-        if name in HF_ARCHITECTURES:
-            return HF_ARCHITECTURES[name]
-    model_type = raw.get("model_type")
-    if not archs and model_type in SUPPORTED_ARCHITECTURES:
-        return str(model_type)
-    found = ", ".join(archs) if archs else f"model_type={model_type!r}"
-    raise ValueError(
-        f"unsupported architecture {found} in {source}; "
-        f"supported: {', '.join(HF_ARCHITECTURES)}"
-    )
-
-
-def _rope(raw: dict[str, Any], source: Path) -> tuple[float, RopeScaling]:
-    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    theta = float(raw.get("rope_theta", params.get("rope_theta", 10000.0)))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in _ROPE_TYPES:
-        raise ValueError(
-            f"unsupported rope scaling type {rope_type!r} in {source}; "
-            f"supported: {', '.join(_ROPE_TYPES)}"
-        )
-    if rope_type == "default":
-        return theta, RopeScaling()
-    base = RopeScaling()
-    return theta, RopeScaling(
-        rope_type=rope_type,
-        factor=float(params.get("factor", base.factor)),
-        low_freq_factor=float(params.get("low_freq_factor", base.low_freq_factor)),
-        high_freq_factor=float(params.get("high_freq_factor", base.high_freq_factor)),
-        original_max_position_embeddings=int(
-            params.get("original_max_position_embeddings", base.original_max_position_embeddings)
-        ),
-    )
-
-
-def _as_ids(value: object) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, int):
-        return (value,)
-    if isinstance(value, list):
-        return tuple(int(v) for v in value)
-    raise ValueError(f"bad eos_token_id {value!r}: expected an int or a list of ints")
-
-
-def _eos_ids(raw: dict[str, Any], folder: Path) -> tuple[int, ...]:
-    ids = list(_as_ids(raw.get("eos_token_id")))
-    gen_path = folder / "generation_config.json"
-    if gen_path.is_file():
-        ids += [i for i in _as_ids(read_json(gen_path).get("eos_token_id")) if i not in ids]
-    return tuple(ids)
-
-
-def _sliding_window(raw: dict[str, Any], arch: str) -> int | None:
-    window = raw.get("sliding_window")
-    if window is None:
-        return None
-    if arch == "mistral" or (arch == "qwen2" and raw.get("use_sliding_window", False)):
-        return int(window)
-    return None
-
-
-def _required(raw: dict[str, Any], key: str, source: Path) -> int:
-    if raw.get(key) is None:
-        raise ValueError(f"missing required field {key!r} in {source}")
-    return int(raw[key])
-
-
 def read_hf_config(folder: str | Path) -> ModelConfig:
     """Build a ``ModelConfig`` from ``folder/config.json`` (and generation_config.json)."""
     folder = Path(folder)
@@ -128,39 +39,13 @@ def read_hf_config(folder: str | Path) -> ModelConfig:
 
 
 def read_hf_config_file(source: str | Path) -> ModelConfig:
-    """Build a ``ModelConfig`` from one ``config.json`` file (a generation_config.json beside it counts)."""
+    """Build a ``ModelConfig`` from one ``config.json`` file (a generation_config.json beside it counts):
+    the family its ``architectures`` name reads it (``engine/models/registry.py``)."""
     source = Path(source)
     if not source.is_file():
         raise FileNotFoundError(f"config file not found: {source}")
-    folder = source.parent
     raw = read_json(source)
-    arch = _architecture(raw, source)
-    hidden = _required(raw, "hidden_size", source)
-    heads = _required(raw, "num_attention_heads", source)
-    theta, scaling = _rope(raw, source)
-    attention_bias = True if arch == "qwen2" else bool(raw.get("attention_bias", False))
-    return ModelConfig(
-        architecture=arch,
-        vocab_size=_required(raw, "vocab_size", source),
-        hidden_size=hidden,
-        intermediate_size=_required(raw, "intermediate_size", source),
-        num_layers=_required(raw, "num_hidden_layers", source),
-        num_heads=heads,
-        num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-        head_dim=int(raw.get("head_dim") or hidden // heads),
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        rope_theta=theta,
-        max_position_embeddings=int(
-            raw.get("max_position_embeddings") or _DEFAULT_MAX_POSITIONS[arch]
-        ),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        attention_bias=attention_bias,
-        rope_scaling=scaling,
-        bos_token_id=raw.get("bos_token_id"),
-        eos_token_ids=_eos_ids(raw, folder),
-        sliding_window=_sliding_window(raw, arch),
-        name=folder.resolve().name if source.name == "config.json" else source.stem,
-    )
+    return hf_family(raw, source).config_from_hf(raw, source)
 
 
 def safetensors_files(folder: str | Path) -> list[Path]:
@@ -201,7 +86,6 @@ def iter_safetensors_files(files: list[Path], shard: TpShard | None) -> Iterator
                 cut = shard.weight_slice(name) if shard is not None else None
                 if cut is None:
                     yield name, handle.get_tensor(name)
-                elif cut.dim == 0:
-                    yield name, handle.get_slice(name)[cut.start:cut.stop]
                 else:
-                    yield name, handle.get_slice(name)[:, cut.start:cut.stop]
+                    index = (slice(None),) * cut.dim + (slice(cut.start, cut.stop),)
+                    yield name, handle.get_slice(name)[index]

@@ -25,7 +25,8 @@ import torch
 from engine.config import EngineConfig, ModelConfig
 from engine.graph_runner import DecodeGraphRunner, graph_mode
 from engine.kv_cache import KVCacheManager
-from engine.model import CausalLM, allocate_kv_cache, allocate_kv_scales
+from engine.kv_tensors import allocate_kv_cache, allocate_kv_scales
+from engine.models.causal_lm import CausalLM
 from engine.scheduler import SchedulerOutput
 from engine.tp_group import Call, CallReply, StepPlan, Stop, TpGroup, run_handler
 from kernels import AttentionMetadata, get_attention_backend

@@ -1,4 +1,4 @@
-"""Megatron-style sharding of a Llama-family decoder over ``size`` ranks: which slice each rank holds.
+"""Megatron-style sharding of a decoder over ``size`` ranks: which slice each rank holds.
 
 Pure arithmetic over ``ModelConfig``; no torch.distributed here (``engine/tp_group.py`` moves tensors).
 
@@ -10,13 +10,20 @@ Per rank ``r`` of ``size``:
   Either way a rank's query heads all read KV heads it holds. The fused QKV (and Qwen2's qkv bias) is
   column-parallel (rows of those heads), ``o_proj`` row-parallel (its columns), summed by an all-reduce;
 - MLP: ``gate_up`` column-parallel (``I/size`` rows of gate and of up), ``down_proj`` row-parallel;
+  a mixture of experts splits every expert the same way (``I`` its ``moe.intermediate_size``; no
+  expert parallelism: every rank holds a slice of every expert), the router replicated;
+- the row-parallel biases (``o_proj``, the experts' ``down_proj``) and the q/k norms are whole on every
+  rank (the layers add a row-parallel bias on rank 0 only); attention sinks follow the query heads;
 - vocabulary: rows ``[r*V', min((r+1)*V', V))`` of the embedding and the LM head with
   ``V' = ceil(V/size)``; every rank allocates ``V'`` rows (the last one's tail stays zero). The
   embedding is a masked lookup summed by an all-reduce; the logits are gathered to rank 0 and cut to
   ``V``. Tied embeddings share the one shard.
 
 ``weight_slice(name)`` says which part of a Hugging Face tensor a rank reads, so loaders read only
-that (``safetensors`` slices, GGUF rows before dequantization).
+that (``safetensors`` slices, GGUF rows before dequantization): the layer library's names and the
+checkpoint names the families map onto them (Mixtral's ``w1``/``w3``/``w2``, gpt-oss's fused
+``experts.gate_up_proj`` ``[E, hidden, 2I]`` with gate and up interleaved, so a contiguous column slice
+holds both halves of the rank's features, and ``experts.down_proj`` ``[E, I, hidden]``).
 """
 
 from __future__ import annotations
@@ -29,7 +36,12 @@ import torch
 
 from engine.config import ModelConfig
 
-_LAYER_NAME = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.(\w+)\.(weight|bias)")
+_LAYER_NAME = re.compile(
+    r"model\.layers\.\d+\.(self_attn|mlp|block_sparse_moe)\.(experts\.\d+\.)?(\w+)\.(weight|bias)")
+_FUSED_EXPERTS = re.compile(r"model\.layers\.\d+\.mlp\.experts\.(gate_up_proj|gate_up_proj_bias|down_proj)")
+_SINKS = re.compile(r"model\.layers\.\d+\.self_attn\.sinks")
+_COLUMN_PARALLEL = ("gate_proj", "up_proj", "w1", "w3")
+_ROW_PARALLEL = ("down_proj", "w2")
 
 
 @dataclass(frozen=True)
@@ -80,6 +92,12 @@ class TpShard:
         return self.config.intermediate_size // self.size
 
     @property
+    def expert_intermediate_size(self) -> int:
+        """This rank's columns of each expert's intermediate size (0 without experts)."""
+        moe = self.config.moe
+        return 0 if moe is None else moe.intermediate_size // self.size
+
+    @property
     def vocab_per_rank(self) -> int:
         return -(-self.config.vocab_size // self.size)
 
@@ -94,38 +112,37 @@ class TpShard:
         return dataclasses.replace(self.config, num_kv_heads=self.num_kv_heads)
 
     def weight_slice(self, name: str) -> WeightSlice | None:
-        """The part of Hugging Face parameter ``name`` this rank holds; None: all of it (norms)."""
+        """The part of Hugging Face parameter ``name`` this rank holds; None: all of it (norms, routers)."""
         hd = self.config.head_dim
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             return WeightSlice(0, *self.vocab_range)
+        q0, q1 = self.head_range
+        if _SINKS.fullmatch(name):
+            return WeightSlice(0, q0, q1)
+        fused = _FUSED_EXPERTS.fullmatch(name)
+        if fused is not None:  # gpt-oss's stacked experts, input-major
+            inter, r = self.expert_intermediate_size, self.rank
+            if fused.group(1) == "down_proj":
+                return WeightSlice(1, r * inter, (r + 1) * inter)
+            dim = 1 if fused.group(1).endswith("bias") else 2  # [E, 2I] or [E, hidden, 2I]
+            return WeightSlice(dim, 2 * r * inter, 2 * (r + 1) * inter)
         match = _LAYER_NAME.fullmatch(name)
         if match is None:
             return None
-        part, kind = match.group(2), match.group(3)
-        q0, q1 = self.head_range
+        part, kind = match.group(3), match.group(4)
         k0, k1 = self.kv_head_range
-        inter = self.intermediate_size
+        inter = self.expert_intermediate_size if match.group(2) else self.intermediate_size
         if part == "q_proj":
             return WeightSlice(0, q0 * hd, q1 * hd)
         if part in ("k_proj", "v_proj"):
             return WeightSlice(0, k0 * hd, k1 * hd)
         if part == "o_proj" and kind == "weight":
             return WeightSlice(1, q0 * hd, q1 * hd)
-        if part in ("gate_proj", "up_proj"):
+        if part in _COLUMN_PARALLEL:
             return WeightSlice(0, self.rank * inter, (self.rank + 1) * inter)
-        if part == "down_proj" and kind == "weight":
+        if part in _ROW_PARALLEL and kind == "weight":
             return WeightSlice(1, self.rank * inter, (self.rank + 1) * inter)
         return None
-
-    def parameter_count(self) -> int:
-        """Parameters one rank allocates (the vocabulary padded to ``vocab_per_rank`` rows)."""
-        c, hd = self.config, self.config.head_dim
-        h = c.hidden_size
-        q, kv = self.num_heads * hd, self.num_kv_heads * hd
-        attention = h * (q + 2 * kv) + q * h + ((q + 2 * kv) if c.attention_bias else 0)
-        layer = attention + 3 * h * self.intermediate_size + 2 * h
-        vocab = self.vocab_per_rank * h
-        return vocab + c.num_layers * layer + h + (0 if c.tie_word_embeddings else vocab)
 
 
 def check_tp_size(config: ModelConfig, size: int) -> None:
@@ -145,3 +162,6 @@ def check_tp_size(config: ModelConfig, size: int) -> None:
     if config.intermediate_size % size:
         raise ValueError(f"tensor_parallel_size {size} does not divide the MLP size "
                          f"{config.intermediate_size} of {config.name}")
+    if config.moe is not None and config.moe.intermediate_size % size:
+        raise ValueError(f"tensor_parallel_size {size} does not divide the experts' MLP size "
+                         f"{config.moe.intermediate_size} of {config.name}")

@@ -86,6 +86,9 @@ class AttentionMetadata:
         )
 
 
+ATTENTION_FEATURES = frozenset({"window", "sinks", "softcap"})
+
+
 class AttentionBackend(Protocol):
     """Two methods: plan once per step, then run every layer.
 
@@ -98,7 +101,20 @@ class AttentionBackend(Protocol):
 
     A quantized ``kv_layer`` (fp8/int8, see ``kernels/kv_quant.py``) comes with
     ``kv_scales`` (``[num_blocks, 2, kv_heads]`` float32), which the write updates.
+
+    Per-layer features (keyword-only; fixed for a layer, so a captured CUDA graph stays right):
+
+    - ``window`` W: the query at position ``p`` attends only to keys at positions ``p - W + 1 .. p``
+      (W keys, itself included: Hugging Face's ``sliding_window``);
+    - ``softcap`` c: each scaled score ``s`` becomes ``c * tanh(s / c)`` before masking;
+    - ``sinks``: float32 ``[num_heads]`` (this rank's query heads), one learned logit per query head
+      that joins the softmax's denominator and has no value (gpt-oss).
+
+    ``features`` names those a backend's own kernels compute; every backend accepts all three, and
+    one whose kernels lack a feature hands such a layer to the torch reference (never a wrong answer).
     """
+
+    features: frozenset[str]
 
     def prepare(self, meta: AttentionMetadata) -> None: ...
 
@@ -110,6 +126,10 @@ class AttentionBackend(Protocol):
         kv_layer: torch.Tensor,
         scale: float,
         kv_scales: torch.Tensor | None = None,
+        *,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor: ...
 
 

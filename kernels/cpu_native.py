@@ -186,8 +186,11 @@ class NativeCpuAttentionBackend:
     Quantized KV (fp8/int8 with scales) is one of the "anything else": the C kernel reads
     fp32/bf16 in place and the torch reference dequantizes after its gather.
 
-    ``num_threads`` defaults to ``torch.get_num_threads()`` at each call.
+    ``num_threads`` defaults to ``torch.get_num_threads()`` at each call. Layers with a sliding window,
+    sinks or a softcap go to the torch reference too (``features`` is empty).
     """
+
+    features: frozenset[str] = frozenset()
 
     def __init__(self, num_threads: int | None = None) -> None:
         lib = load_library()
@@ -241,15 +244,21 @@ class NativeCpuAttentionBackend:
         kv_layer: torch.Tensor,
         scale: float,
         kv_scales: torch.Tensor | None = None,
+        *,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         meta = self._meta
         if meta is None:
             raise RuntimeError("NativeCpuAttentionBackend.forward called before prepare")
-        if not self.supports(q, kv_layer):
+        plain = window is None and sinks is None and softcap is None
+        if not plain or not self.supports(q, kv_layer):
             if self._fallback_meta is not meta:
                 self._fallback.prepare(meta)
                 self._fallback_meta = meta
-            return self._fallback.forward(q, k, v, kv_layer, scale, kv_scales)
+            return self._fallback.forward(q, k, v, kv_layer, scale, kv_scales, window=window, sinks=sinks,
+                                          softcap=softcap)
         bs = meta.block_size
         _, _, _, kv_heads, head_dim = kv_layer.shape
         rows = kv_layer.view(-1, kv_heads, head_dim)

@@ -1,10 +1,10 @@
 """Rotary position embedding in the Hugging Face Llama convention.
 
 Frequencies follow transformers' rope init functions exactly (``default``,
-``linear`` and ``llama3``); cos/sin are computed in float32 for the step's
-positions and cast to the activation dtype, and the rotation is the
-non-interleaved "rotate_half" form (the first half of ``head_dim`` pairs with the
-second half).
+``linear``, ``llama3`` and ``yarn``, whose attention factor scales cos and sin as
+transformers does); cos/sin are computed in float32 for the step's positions and
+cast to the activation dtype, and the rotation is the non-interleaved "rotate_half"
+form (the first half of ``head_dim`` pairs with the second half).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 class RopeScalingParams(Protocol):
@@ -30,6 +30,18 @@ class RopeScalingParams(Protocol):
     def high_freq_factor(self) -> float: ...
     @property
     def original_max_position_embeddings(self) -> int: ...
+    @property
+    def beta_fast(self) -> float: ...
+    @property
+    def beta_slow(self) -> float: ...
+    @property
+    def mscale(self) -> float | None: ...
+    @property
+    def mscale_all_dim(self) -> float | None: ...
+    @property
+    def attention_factor(self) -> float | None: ...
+    @property
+    def truncate(self) -> bool: ...
 
 
 def rope_inv_freq(head_dim: int, rope_theta: float, scaling: RopeScalingParams) -> torch.Tensor:
@@ -42,6 +54,8 @@ def rope_inv_freq(head_dim: int, rope_theta: float, scaling: RopeScalingParams) 
         return inv_freq / scaling.factor
     if scaling.rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
+    if scaling.rope_type == "yarn":
+        return _yarn_inv_freq(head_dim, rope_theta, scaling)
     raise ValueError(f"unsupported rope_type {scaling.rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
 
 
@@ -61,6 +75,44 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: RopeScalingParams) -> torc
     return torch.where(is_medium_freq, smoothed_inv_freq, inv_freq_llama)
 
 
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_attention_factor(scaling: RopeScalingParams) -> float:
+    """The factor cos and sin are multiplied by: 1 except for YaRN (its ``attention_factor``, or the
+    one derived from ``factor``, ``mscale`` and ``mscale_all_dim`` as transformers derives it)."""
+    if scaling.rope_type != "yarn":
+        return 1.0
+    if scaling.attention_factor is not None:
+        return float(scaling.attention_factor)
+    if scaling.mscale and scaling.mscale_all_dim:
+        factor = scaling.factor
+        return _yarn_mscale(factor, scaling.mscale) / _yarn_mscale(factor, scaling.mscale_all_dim)
+    return _yarn_mscale(scaling.factor)
+
+
+def _yarn_inv_freq(dim: int, base: float, scaling: RopeScalingParams) -> torch.Tensor:
+    """YaRN's blend of interpolated and extrapolated frequencies (transformers'
+    ``_compute_yarn_parameters``)."""
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(scaling.original_max_position_embeddings / (rotations * 2 * math.pi))) / (
+            2 * math.log(base))
+
+    low, high = correction_dim(scaling.beta_fast or 32), correction_dim(scaling.beta_slow or 1)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolation = 1.0 / pos_freqs
+    interpolation = 1.0 / (scaling.factor * pos_freqs)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    keep = 1 - ramp
+    return interpolation * (1 - keep) + extrapolation * keep
+
+
 class RotaryEmbedding:
     """Holds the inverse frequencies; ``cos_sin`` once per step, ``apply`` per layer."""
 
@@ -75,12 +127,16 @@ class RotaryEmbedding:
             raise ValueError(f"rotary embedding needs an even head_dim, got {head_dim}")
         self.head_dim = head_dim
         self.inv_freq = rope_inv_freq(head_dim, rope_theta, scaling).to(device)
+        self.attention_factor = rope_attention_factor(scaling)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos``/``sin`` of shape ``[T, 1, head_dim]`` (broadcast over heads) in ``dtype``."""
         freqs = positions[:, None].to(torch.float32) * self.inv_freq.to(positions.device)
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,12 @@ back from the codes (docs/benchmarks.md).
 
 GQA never repeats K/V: the query heads of one KV head are folded into the query
 length, ``[n, kv_heads, q_len * q_per_kv, head_dim]``, and the mask rows are
-repeated to match. Gathers land in a workspace that is reused across layers and
+repeated to match.
+
+Per-layer features (``AttentionBackend``): a sliding ``window`` narrows the group's mask (one mask per
+window, built by the first layer that asks); a ``softcap`` or attention ``sinks`` take the explicit
+product-softmax-product in float32 instead of SDPA (a sink is one more logit column per query head
+whose value is zero). Gathers land in a workspace that is reused across layers and
 steps, since fresh multi-megabyte allocations page-fault on CPU.
 """
 
@@ -58,12 +63,13 @@ class _Group:
     q_len: int
     rows: torch.Tensor  # int64 [n, max_len]: K row of each key in kv_layer.view(-1, kv_heads, head_dim)
     mask: torch.Tensor  # bool [n, q_len, max_len]: True where a query may attend
-    # built by the first layer, reused by the rest: kv_heads -> gather index; q_per_kv -> SDPA mask
+    # built by the first layer, reused by the rest: kv_heads -> gather index; (q_per_kv, window) -> mask
     head_index: dict[int, torch.Tensor] = field(default_factory=dict)
-    sdpa_mask: dict[int, torch.Tensor] = field(default_factory=dict)
+    sdpa_mask: dict[tuple[int, int | None], torch.Tensor] = field(default_factory=dict)
     scale_index: dict[int, torch.Tensor] = field(default_factory=dict)
     own_positions: torch.Tensor | None = None
-    own_mask: dict[int, torch.Tensor] = field(default_factory=dict)
+    own_mask: dict[tuple[int, int | None], torch.Tensor] = field(default_factory=dict)
+    window_mask: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def max_len(self) -> int:
@@ -75,18 +81,29 @@ class _Group:
             self.own_positions = self.mask.sum(dim=2) - 1  # query i sees positions <= its own
         return self.own_positions
 
-    def own_attn_mask(self, q_per_kv: int, dtype: torch.dtype) -> torch.Tensor:
+    def visible(self, window: int | None) -> torch.Tensor:
+        """Boolean ``[n, q_len, max_len]``: the causal mask, narrowed to the last ``window`` positions."""
+        if window is None:
+            return self.mask
+        mask = self.window_mask.get(window)
+        if mask is None:
+            pos = torch.arange(self.max_len, device=self.mask.device)
+            mask = self.mask & (pos[None, None, :] > self.positions()[:, :, None] - window)
+            self.window_mask[window] = mask
+        return mask
+
+    def own_attn_mask(self, q_per_kv: int, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
         """Additive mask ``[n, 1, q_len * q_per_kv, max_len + q_len]`` for :meth:`attn_mask`'s
         keys followed by the step's own exact keys: query ``i`` sees the cache strictly before
         its own position, and of the extra columns only column ``i``."""
-        mask = self.own_mask.get(q_per_kv)
+        mask = self.own_mask.get((q_per_kv, window))
         if mask is None or mask.dtype != dtype:
             n, q_len, max_len = self.mask.shape
             pos = torch.arange(max_len, device=self.mask.device)
-            before = self.mask & (pos[None, None, :] != self.positions()[:, :, None])
+            before = self.visible(window) & (pos[None, None, :] != self.positions()[:, :, None])
             own = torch.eye(q_len, dtype=torch.bool, device=self.mask.device).expand(n, q_len, q_len)
             mask = _additive_mask(torch.cat((before, own), dim=2), q_per_kv, dtype)
-            self.own_mask[q_per_kv] = mask
+            self.own_mask[(q_per_kv, window)] = mask
         return mask
 
     def gather_index(self, kv_heads: int, block_size: int) -> torch.Tensor:
@@ -110,17 +127,54 @@ class _Group:
             self.scale_index[kv_heads] = index
         return index
 
-    def attn_mask(self, q_per_kv: int, dtype: torch.dtype) -> torch.Tensor:
+    def attn_mask(self, q_per_kv: int, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
         """Additive mask ``[n, 1, q_len * q_per_kv, max_len]`` (SDPA converts boolean masks every call)."""
-        mask = self.sdpa_mask.get(q_per_kv)
+        mask = self.sdpa_mask.get((q_per_kv, window))
         if mask is None or mask.dtype != dtype:
-            mask = _additive_mask(self.mask, q_per_kv, dtype)
-            self.sdpa_mask[q_per_kv] = mask
+            mask = _additive_mask(self.visible(window), q_per_kv, dtype)
+            self.sdpa_mask[(q_per_kv, window)] = mask
         return mask
 
 
+@dataclass(frozen=True)
+class LayerFeatures:
+    """A layer's ``window``, ``sinks`` and ``softcap`` (``AttentionBackend``); all None: plain attention."""
+
+    window: int | None = None
+    sinks: torch.Tensor | None = None
+    softcap: float | None = None
+
+    @property
+    def explicit(self) -> bool:
+        """Whether the scores must be formed explicitly (SDPA has no softcap and no sinks)."""
+        return self.sinks is not None or self.softcap is not None
+
+
+PLAIN = LayerFeatures()
+
+
+def _explicit_attention(qg: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                        scale: float, features: LayerFeatures, q_len: int) -> torch.Tensor:
+    """Softmax attention formed step by step in float32: scores, softcap, mask, sinks, softmax, values."""
+    scores = torch.matmul(qg.float(), keys.float().transpose(-1, -2)) * scale
+    if features.softcap is not None:
+        scores = torch.tanh(scores / features.softcap) * features.softcap
+    scores = scores + mask.float()
+    sinks = features.sinks
+    if sinks is not None:
+        n, kv_heads, rows, _ = scores.shape
+        q_per_kv = rows // q_len
+        sink = (sinks.float().to(scores.device).view(kv_heads, 1, q_per_kv).expand(kv_heads, q_len, q_per_kv)
+                .reshape(1, kv_heads, rows, 1).expand(n, kv_heads, rows, 1))
+        scores = torch.cat((scores, sink), dim=-1)
+    probs = torch.softmax(scores, dim=-1)
+    if sinks is not None:
+        probs = probs[..., :-1]
+    return torch.matmul(probs, values.float()).to(keys.dtype)
+
+
 def _grouped_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-                  n: int, q_len: int, scale: float) -> torch.Tensor:
+                  n: int, q_len: int, scale: float, features: LayerFeatures = PLAIN) -> torch.Tensor:
     """SDPA of ``q`` (``[n * q_len, num_heads, head_dim]``) over ``keys``/``values``
     (``[n, kv_heads, L, head_dim]``) with the query heads of each KV head folded into the
     query length; computed in the keys' dtype, returned in ``q``'s."""
@@ -132,7 +186,10 @@ def _grouped_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mas
         .reshape(n, kv_heads, q_len * q_per_kv, head_dim)
         .to(keys.dtype)
     )
-    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
+    if features.explicit:
+        out = _explicit_attention(qg, keys, values, mask, scale, features, q_len)
+    else:
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
     return (
         out.view(n, kv_heads, q_len, q_per_kv, head_dim)
         .transpose(1, 2)
@@ -149,6 +206,8 @@ def _as_slice(indices: list[int]) -> slice | None:
 
 class TorchAttentionBackend:
     """``AttentionBackend`` for any torch device; exact in float32."""
+
+    features = frozenset({"window", "sinks", "softcap"})
 
     def __init__(self) -> None:
         self._meta: AttentionMetadata | None = None
@@ -212,9 +271,17 @@ class TorchAttentionBackend:
         kv_layer: torch.Tensor,
         scale: float,
         kv_scales: torch.Tensor | None = None,
+        *,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         if self._meta is None:
             raise RuntimeError("TorchAttentionBackend.forward called before prepare")
+        if window is not None and window < 1:
+            raise ValueError(f"attention window must be at least 1, got {window}")
+        features = PLAIN if window is None and sinks is None and softcap is None else \
+            LayerFeatures(window, sinks, softcap)
         bs = self._meta.block_size
         _, _, _, kv_heads, head_dim = kv_layer.shape
         num_heads = q.shape[1]
@@ -231,12 +298,13 @@ class TorchAttentionBackend:
         scales = kv_scales.view(-1) if kv_scales is not None and is_quantized(kv_layer.dtype) else None
         fresh = (k, v) if scales is not None else None
         if len(self._groups) == 1 and self._covers_all(self._groups[0], q.shape[0]):
-            return self._attend(self._groups[0], q, flat, kv_heads, q_per_kv, bs, scale, scales, fresh)
+            return self._attend(self._groups[0], q, flat, kv_heads, q_per_kv, bs, scale, scales, fresh,
+                                features)
         out = torch.empty_like(q)
         for group in self._groups:
             out[group.tokens] = self._attend(
                 group, q[group.tokens], flat, kv_heads, q_per_kv, bs, scale, scales,
-                None if fresh is None else (fresh[0][group.tokens], fresh[1][group.tokens]),
+                None if fresh is None else (fresh[0][group.tokens], fresh[1][group.tokens]), features,
             )
         return out
 
@@ -255,6 +323,7 @@ class TorchAttentionBackend:
         scale: float,
         scales: torch.Tensor | None = None,
         fresh: tuple[torch.Tensor, torch.Tensor] | None = None,
+        features: LayerFeatures = PLAIN,
     ) -> torch.Tensor:
         """Attention for one group: ``q`` is ``[n * q_len, num_heads, head_dim]``.
 
@@ -274,20 +343,22 @@ class TorchAttentionBackend:
             if fresh is not None and q_len == 1:
                 self._put_fresh(group, kv, fresh)
             elif fresh is not None:
-                return self._attend_own_exact(group, q, kv, fresh, q_per_kv, scale)
-        return _grouped_sdpa(q, kv[0], kv[1], group.attn_mask(q_per_kv, kv.dtype), n, q_len, scale)
+                return self._attend_own_exact(group, q, kv, fresh, q_per_kv, scale, features)
+        mask = group.attn_mask(q_per_kv, kv.dtype, features.window)
+        return _grouped_sdpa(q, kv[0], kv[1], mask, n, q_len, scale, features)
 
     @staticmethod
     def _attend_own_exact(group: _Group, q: torch.Tensor, kv: torch.Tensor,
                           fresh: tuple[torch.Tensor, torch.Tensor], q_per_kv: int,
-                          scale: float) -> torch.Tensor:
+                          scale: float, features: LayerFeatures = PLAIN) -> torch.Tensor:
         """A prefill group over dequantized ``kv`` plus its own exact K/V (:meth:`_Group.own_attn_mask`)."""
         n, q_len = group.num_seqs, group.q_len
         _, _, kv_heads, _, head_dim = kv.shape
         own = [t.reshape(n, q_len, kv_heads, head_dim).transpose(1, 2).to(kv.dtype) for t in fresh]
         keys = torch.cat((kv[0], own[0]), dim=2)
         values = torch.cat((kv[1], own[1]), dim=2)
-        return _grouped_sdpa(q, keys, values, group.own_attn_mask(q_per_kv, kv.dtype), n, q_len, scale)
+        mask = group.own_attn_mask(q_per_kv, kv.dtype, features.window)
+        return _grouped_sdpa(q, keys, values, mask, n, q_len, scale, features)
 
     @staticmethod
     def _put_fresh(group: _Group, kv: torch.Tensor, fresh: tuple[torch.Tensor, torch.Tensor]) -> None:

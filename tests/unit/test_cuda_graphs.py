@@ -9,7 +9,8 @@ import torch
 
 from engine.buckets import decode_buckets, padded_batch_size
 from engine.cuda_graphs import DecodeGraphs
-from engine.model import CausalLM, allocate_kv_cache
+from engine.kv_tensors import allocate_kv_cache
+from engine.models.causal_lm import CausalLM
 from kernels import TorchAttentionBackend
 from kernels.attention import AttentionMetadata
 from tests.unit.test_model_tiny import hf_model, model_config

@@ -81,6 +81,13 @@ def _hf_rope(params: dict[str, float | int | str], positions: torch.Tensor) -> t
         RopeScaling(rope_type="linear", factor=4.0),
         RopeScaling(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                     original_max_position_embeddings=64),
+        # gpt-oss's YaRN (no truncation), DeepSeek's (mscale over mscale_all_dim), and plain YaRN
+        RopeScaling(rope_type="yarn", factor=32.0, original_max_position_embeddings=64, truncate=False),
+        RopeScaling(rope_type="yarn", factor=40.0, original_max_position_embeddings=64, beta_fast=32.0,
+                    beta_slow=1.0, mscale=0.707, mscale_all_dim=0.707),
+        RopeScaling(rope_type="yarn", factor=4.0, original_max_position_embeddings=128, mscale=1.0,
+                    mscale_all_dim=0.5),
+        RopeScaling(rope_type="yarn", factor=4.0, original_max_position_embeddings=256),
     ],
 )
 def test_rope_matches_transformers(scaling: RopeScaling) -> None:
@@ -91,6 +98,11 @@ def test_rope_matches_transformers(scaling: RopeScaling) -> None:
     if scaling.rope_type == "llama3":
         params.update(low_freq_factor=scaling.low_freq_factor, high_freq_factor=scaling.high_freq_factor,
                       original_max_position_embeddings=scaling.original_max_position_embeddings)
+    if scaling.rope_type == "yarn":
+        params.update(beta_fast=scaling.beta_fast, beta_slow=scaling.beta_slow, truncate=scaling.truncate,
+                      original_max_position_embeddings=scaling.original_max_position_embeddings)
+        extra = {"mscale": scaling.mscale, "mscale_all_dim": scaling.mscale_all_dim}
+        params.update({k: v for k, v in extra.items() if v is not None})
     positions = torch.tensor([0, 1, 5, 63, 64, 1000, 4000])
     hf_cos, hf_sin = _hf_rope(params, positions)
     rope = RotaryEmbedding(32, theta, scaling)
@@ -108,7 +120,7 @@ def test_rope_matches_transformers(scaling: RopeScaling) -> None:
 
 def test_unknown_rope_type_is_rejected() -> None:
     with pytest.raises(ValueError, match="rope_type"):
-        RotaryEmbedding(32, 10000.0, RopeScaling(rope_type="yarn"))
+        RotaryEmbedding(32, 10000.0, RopeScaling(rope_type="dynamic"))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

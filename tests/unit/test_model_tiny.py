@@ -15,7 +15,9 @@ from transformers import (
 )
 
 from engine.config import ModelConfig, RopeScaling
-from engine.model import CausalLM, DecoderLayer, allocate_kv_cache
+from engine.kv_tensors import allocate_kv_cache
+from engine.layers.decoder import DecoderLayer
+from engine.models.causal_lm import CausalLM
 from kernels import AttentionBackend, get_attention_backend
 from kernels.attention import AttentionMetadata
 from kernels.native_ops import native_ops
@@ -90,16 +92,23 @@ def model_config(hf: PretrainedConfig) -> ModelConfig:
 class PagedRunner:
     """Runs steps of (sequence id, new tokens) over a paged cache with shuffled block ids."""
 
-    def __init__(self, hf: HFModel) -> None:
-        config = model_config(hf.config)
-        self.model = CausalLM(config, torch.float32)
-        self.model.load_weights(hf.state_dict().items())
-        self.kv = allocate_kv_cache(config, NUM_BLOCKS, BLOCK_SIZE, torch.float32, "cpu")
+    def __init__(self, hf: HFModel | None, model: CausalLM | None = None) -> None:
+        if model is None:
+            assert hf is not None
+            model = CausalLM(model_config(hf.config), torch.float32)
+            model.load_weights(hf.state_dict().items())
+        self.model = model
+        self.kv = allocate_kv_cache(model.config, NUM_BLOCKS, BLOCK_SIZE, torch.float32, "cpu")
         self.backend: AttentionBackend = get_attention_backend("cpu")
         self.free = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(1)).tolist()
         self.tables: dict[int, list[int]] = {}
         self.lens: dict[int, int] = {}
         self.compiled: CompiledDecoder | None = None  # decode steps through engine/compiled.py when set
+
+    @classmethod
+    def over(cls, model: CausalLM) -> PagedRunner:
+        """A runner over a model already loaded."""
+        return cls(None, model)
 
     @torch.inference_mode()
     def step(self, work: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
@@ -214,7 +223,7 @@ def test_native_products_keep_one_copy_of_each_matrix() -> None:
     model = runner.model
     layer = model.layers[1]
     assert isinstance(layer, DecoderLayer) and layer.plain_released
-    for matrix in (layer.qkv, layer.o_proj, layer.gate_up, layer.down_proj):
+    for matrix in (layer.attn.qkv, layer.attn.o_proj, layer.mlp.gate_up, layer.mlp.down_proj):
         assert matrix.untyped_storage().nbytes() == 4 and matrix.dim() == 2
     tokens = prompt(21, seed=6)
     first = runner.step([(0, tokens)])[0]
@@ -222,10 +231,11 @@ def test_native_products_keep_one_copy_of_each_matrix() -> None:
     model.prepare_linears("prepacked")
     prefix = "model.layers.1."
     assert not layer.plain_released
-    assert torch.equal(layer.qkv, torch.cat([state[prefix + f"self_attn.{p}_proj.weight"] for p in "qkv"]))
+    qkv = [state[prefix + f"self_attn.{p}_proj.weight"] for p in "qkv"]
+    assert torch.equal(layer.attn.qkv, torch.cat(qkv))
     gate_up = [state[prefix + f"mlp.{p}_proj.weight"] for p in ("gate", "up")]
-    assert torch.equal(layer.gate_up, torch.cat(gate_up))
-    assert torch.equal(layer.down_proj, state[prefix + "mlp.down_proj.weight"])
+    assert torch.equal(layer.mlp.gate_up, torch.cat(gate_up))
+    assert torch.equal(layer.mlp.down_proj, state[prefix + "mlp.down_proj.weight"])
 
     model.prepare_linears("native")
     model.load_weights(state.items())  # into the restored matrices, then packed and freed again

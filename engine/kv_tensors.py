@@ -1,0 +1,25 @@
+"""The paged KV cache's tensors (layout: ``kernels/attention.py``)."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config import ModelConfig
+
+
+def allocate_kv_cache(
+    config: ModelConfig,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> torch.Tensor:
+    """Zeros of shape ``[num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim]``."""
+    shape = (config.num_layers, num_blocks, 2, block_size, config.num_kv_heads, config.head_dim)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def allocate_kv_scales(config: ModelConfig, num_blocks: int, device: torch.device | str) -> torch.Tensor:
+    """Ones of shape ``[num_layers, num_blocks, 2, num_kv_heads]`` float32 (``kernels/kv_quant.py``)."""
+    shape = (config.num_layers, num_blocks, 2, config.num_kv_heads)
+    return torch.ones(shape, dtype=torch.float32, device=device)

@@ -1,0 +1,116 @@
+"""``MoE``: a router and its experts, the mixture-of-experts MLP.
+
+Weights (Hugging Face names under ``<layer>.mlp``, each family's module maps its checkpoint's names
+onto these): the router ``gate.weight`` ``[E, hidden]`` (and ``gate.bias``, gpt-oss), replicated on
+every rank; per expert ``e``, ``experts.<e>.gate_proj`` / ``up_proj`` fused into ``w13[e]`` (rows:
+gate, then up; this rank's columns of the experts' intermediate size) and ``experts.<e>.down_proj``
+as ``w2[e]`` (row-parallel), with optional biases (gpt-oss; the down bias added on rank 0 only).
+
+Routing (``MoeConfig.router``): ``softmax_topk`` takes the top k of the softmax over every expert,
+renormalised when ``renormalize``; ``topk_softmax`` takes the top k logits, then their softmax. The
+weights stay float32. Each expert present in the step computes its products once for all of its
+tokens, in ascending expert order, and adds ``weight * output`` into each token's row (the order
+transformers adds them in). On CPU the products are the model's prepared products (packed for the
+native kernel); on CUDA the fused kernel (``kernels/moe.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import MoeConfig
+from engine.layers.context import LayerContext
+from engine.layers.prepared import Prepared, weight
+from kernels.linear import LinearKernel, PreparedLinear
+
+
+def route(logits: torch.Tensor, moe: MoeConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's ``top_k`` expert weights (float32) and ids (int64) from its router logits."""
+    if moe.router == "topk_softmax":
+        top, ids = torch.topk(logits, moe.top_k, dim=-1)
+        return torch.softmax(top.float(), dim=-1), ids
+    probs = torch.softmax(logits.float(), dim=-1)
+    top, ids = torch.topk(probs, moe.top_k, dim=-1)
+    if moe.renormalize:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return top, ids
+
+
+def expert_activation(h: torch.Tensor, moe: MoeConfig) -> torch.Tensor:
+    """The experts' gated activation over ``h = [gate | up]``."""
+    gate, up = h.chunk(2, dim=-1)
+    if moe.activation == "swiglu_oai":
+        gate = gate.clamp(max=moe.swiglu_limit)
+        up = up.clamp(min=-moe.swiglu_limit, max=moe.swiglu_limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * moe.swiglu_alpha))
+    return F.silu(gate) * up
+
+
+class MoE(Prepared):
+    def __init__(self, ctx: LayerContext) -> None:
+        super().__init__()
+        c, moe = ctx.config, ctx.config.moe
+        assert moe is not None
+        self.ctx = ctx
+        self.moe = moe
+        experts, hidden = moe.num_experts, c.hidden_size
+        inter = moe.intermediate_size // ctx.shard.size
+        dt, dev = ctx.dtype, ctx.device
+        self.router = weight(experts, hidden, dtype=dt, device=dev)
+        self.router_bias = weight(experts, dtype=dt, device=dev) if moe.router_bias else None
+        self.w13 = weight(experts, 2 * inter, hidden, dtype=dt, device=dev)
+        self.w2 = weight(experts, hidden, inter, dtype=dt, device=dev)
+        self.b13 = weight(experts, 2 * inter, dtype=dt, device=dev) if moe.expert_bias else None
+        self.b2 = weight(experts, hidden, dtype=dt, device=dev) if moe.expert_bias else None
+        self.prepare_linears("plain")
+
+    def _build_linears(self, kernel: LinearKernel) -> None:
+        self.router_linear = PreparedLinear(self.router, self.router_bias, kernel)
+        experts = range(self.moe.num_experts)
+        b13 = self.b13
+        b2 = self.b2 if self.ctx.rank0 else None  # row-parallel: one rank adds it
+        self.w13_linears = [PreparedLinear(self.w13[e], None if b13 is None else b13[e], kernel)
+                            for e in experts]
+        self.w2_linears = [PreparedLinear(self.w2[e], None if b2 is None else b2[e], kernel)
+                           for e in experts]
+
+    def _matrices(self) -> list[tuple[nn.Parameter, list[PreparedLinear]]]:
+        return [(self.router, [self.router_linear]), (self.w13, self.w13_linears), (self.w2, self.w2_linears)]
+
+    def hf_targets(self, prefix: str) -> dict[str, torch.Tensor]:
+        self.restore_plain()
+        inter = self.w13.shape[1] // 2
+        targets = {f"{prefix}.gate.weight": self.router.data}
+        if self.router_bias is not None:
+            targets[f"{prefix}.gate.bias"] = self.router_bias.data
+        for e in range(self.moe.num_experts):
+            p = f"{prefix}.experts.{e}"
+            targets |= {f"{p}.gate_proj.weight": self.w13.data[e, :inter],
+                        f"{p}.up_proj.weight": self.w13.data[e, inter:],
+                        f"{p}.down_proj.weight": self.w2.data[e]}
+            if self.b13 is not None and self.b2 is not None:
+                targets |= {f"{p}.gate_proj.bias": self.b13.data[e, :inter],
+                            f"{p}.up_proj.bias": self.b13.data[e, inter:],
+                            f"{p}.down_proj.bias": self.b2.data[e]}
+        return targets
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.router_linear(x), self.moe)
+        out = torch.zeros_like(x)
+        flat = ids.flatten()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.moe.num_experts).tolist()
+        flat_weights = weights.flatten()
+        start = 0
+        for expert, count in enumerate(counts):
+            if not count:
+                continue
+            picks = order[start : start + count]
+            start += count
+            tokens = picks // self.moe.top_k
+            h = expert_activation(self.w13_linears[expert](x[tokens]), self.moe)
+            y = self.w2_linears[expert](h) * flat_weights[picks, None]
+            out.index_add_(0, tokens, y.to(out.dtype))
+        return self.ctx.reduce(out)

@@ -1,0 +1,73 @@
+"""A module's matrices and their prepared products (``kernels.linear.PreparedLinear``).
+
+A ``Prepared`` module names its matrices (``_matrices``: each parameter with the products built over
+it, one for an ``[out, in]`` matrix, one per expert for an ``[E, out, in]`` stack) and builds the
+products in ``_build_linears``. ``prepare_linears`` (re)builds them from the current weights. The
+native kernel's products hold a packed copy; unless ``keep_plain``, the plain matrices are then
+released (``release_plain``: each becomes a zero-stride stand-in of its shape, 4 bytes) so the weights
+are in memory once, and ``restore_plain`` brings them back bitwise from the packed copies (loading
+weights, another kernel and the compiled path read them).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels.linear import LinearKernel, PreparedLinear
+from kernels.native_ops import NativeOps
+
+
+def weight(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
+    """An uninitialised frozen parameter (every one is filled by ``load_weights``)."""
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+def released(param: torch.Tensor) -> bool:
+    """Whether ``param`` is a released matrix's zero-stride stand-in."""
+    return param.dim() >= 2 and param.numel() > 1 and all(s == 0 for s in param.stride())
+
+
+class Prepared(nn.Module):
+    """Base of the modules that own matrices; see the module docstring."""
+
+    _built = False
+
+    def _matrices(self) -> list[tuple[nn.Parameter, list[PreparedLinear]]]:
+        return []
+
+    def _build_linears(self, kernel: LinearKernel) -> None:
+        """Build this module's products over its current matrices."""
+
+    def prepare_linears(self, kernel: LinearKernel, keep_plain: bool = False) -> None:
+        if self._built:  # not the first build: the matrices may be released
+            self.restore_plain()
+        self._build_linears(kernel)
+        self._built = True
+        if not keep_plain:
+            self.release_plain()
+
+    def release_plain(self) -> None:
+        for param, linears in self._matrices():
+            if linears and all(lin.packed is not None for lin in linears) and not released(param):
+                param.data = torch.zeros((), dtype=param.dtype, device=param.device).expand(param.shape)
+                for i, lin in enumerate(linears):
+                    lin.release_weight(param.data if param.dim() == 2 else param.data[i])
+
+    def restore_plain(self) -> None:
+        for param, linears in self._matrices():
+            if not linears or not released(param) or any(lin.packed is None for lin in linears):
+                continue
+            rows = param.shape[-2]
+            if param.dim() == 2:
+                param.data = NativeOps.unpack(linears[0].packed, rows)  # type: ignore[arg-type]
+                linears[0].weight = param.data
+            else:
+                param.data = torch.stack([NativeOps.unpack(lin.packed, rows)  # type: ignore[arg-type]
+                                          for lin in linears])
+                for i, lin in enumerate(linears):
+                    lin.weight = param.data[i]
+
+    @property
+    def plain_released(self) -> bool:
+        return any(released(param) for param, _ in self._matrices())

@@ -1,0 +1,274 @@
+"""``CausalLM``: the decoder of any registered family over a paged KV cache.
+
+Built from the layer library (``engine/layers/``) for the family ``config.architecture`` names
+(``engine/models/registry.py``): the embedding (times ``sqrt(hidden_size)`` for Gemma), one
+``DecoderLayer`` per layer, the final norm and the LM head (tied to the embedding or not; Gemma's
+final logits may be soft-capped). ``load_weights`` takes Hugging Face parameter names (the family maps
+its checkpoint's names onto the library's first) and fills the fused tensors by row slices; every
+parameter must arrive exactly once with exactly its expected shape. Once loaded, each matrix is wrapped
+in a ``kernels.linear.PreparedLinear`` (packed for the model's ``linear_kernel``); weights changed
+after ``load_weights`` must be followed by ``prepare_linears()``.
+
+Tensor parallelism (``engine/tensor_parallel.py``): built with a ``TpShard`` of size N and its
+``TpGroup``, the model holds one rank's shard (its query and KV heads, its MLP and experts' columns,
+its vocabulary rows); the row-parallel products and the embedding are summed over the group, the
+logits gathered to rank 0. ``load_weights`` takes either whole tensors (each is cut to the shard) or
+tensors a loader already cut (``ModelSource.iter_weights(shard)``): a tensor of the shard's shape is
+taken as it is.
+
+Execution paths, decided when the weights are prepared (``execution_path`` says which, and the engine
+logs it once): a model whose layers are all ``fusable`` (plain Llama, ``engine/layers/decoder.py``)
+runs the fused native ops on float32 CPU, and, when every product is the native packed one, every
+layer and the final norm in one native call (``kernels/native_decoder.py``; ``use_native_decoder``, on
+unless ``PDSERVE_NATIVE_DECODER=0``). Any other model runs each layer's ``forward`` (its products still
+the prepared ones).
+
+Greedy rows: ``greedy_tokens`` picks each row's argmax of the LM head without the whole float32 product
+where ``kernels/greedy_head.py`` applies (the native float32 LM head on one rank), bitwise the tokens
+``compute_logits(...).argmax(-1)`` gives (a final softcap is monotonic: it changes no argmax).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ModelConfig, RopeScaling
+from engine.layers.context import LayerContext
+from engine.layers.decoder import DecoderLayer
+from engine.layers.prepared import weight
+from engine.models.registry import family
+from engine.tensor_parallel import TpShard
+from engine.tp_group import TpGroup
+from kernels.attention import AttentionBackend, AttentionMetadata
+from kernels.cpu_native import env_off
+from kernels.greedy_head import GreedyHead
+from kernels.linear import LinearKernel, PreparedLinear
+from kernels.native_decoder import DecoderShape, NativeDecoder
+from kernels.native_ops import PANEL, native_ops
+from kernels.norm import rms_norm, rms_norm_offset
+from kernels.rope import RotaryEmbedding
+
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+class CausalLM(nn.Module):
+    """Decoder-only LM; ``forward`` returns final-normed hidden states, ``compute_logits`` the scores."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 linear_kernel: LinearKernel = "native", shard: TpShard | None = None,
+                 group: TpGroup | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.family = family(config.architecture)
+        self.dtype = dtype
+        self.linear_kernel: LinearKernel = linear_kernel
+        self.shard = shard or TpShard(config)
+        if self.shard.size > 1 and group is None:
+            raise ValueError(f"a tensor-parallel shard of {self.shard.size} ranks needs its TpGroup")
+        self.group = group if self.shard.size > 1 else None
+        self.norm_fn = rms_norm_offset if self.family.norm_offset else rms_norm
+        ctx = LayerContext(config, dtype, device, self.shard, self.group, self.norm_fn)
+        vocab = self.shard.vocab_per_rank
+        self.embed_tokens = weight(vocab, config.hidden_size, dtype=dtype, device=device)
+        if self.group is not None:  # the padded tail rows of the last vocabulary shard stay zero
+            self.embed_tokens.data.zero_()
+        self.embed_scale = (torch.tensor(config.hidden_size**0.5, dtype=dtype)
+                            if self.family.embed_scale else None)
+        self.layers = nn.ModuleList(DecoderLayer(ctx, i, self.family.sandwich_norms)
+                                    for i in range(config.num_layers))
+        self.norm = weight(config.hidden_size, dtype=dtype, device=device)
+        self.lm_head = self.embed_tokens
+        if not config.tie_word_embeddings:
+            self.lm_head = weight(vocab, config.hidden_size, dtype=dtype, device=device)
+            self.lm_head.data.zero_()
+        self.rotaries = [RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, device)]
+        if config.local_rope_theta is not None:
+            local = RotaryEmbedding(config.head_dim, config.local_rope_theta, RopeScaling(), device)
+            self.rotaries.append(local)
+        self.lm_head_linear = PreparedLinear(self.lm_head, None, "plain")
+        self.greedy_head: GreedyHead | None = None
+        self.use_native_ops = True
+        self.use_native_decoder = not env_off("PDSERVE_NATIVE_DECODER")
+        self.native_decoder: NativeDecoder | None = None
+        # keep the decoder's [out, in] matrices beside the native packed copies (the compiled path reads them)
+        self.keep_plain_weights = False
+
+    @property
+    def rotary(self) -> RotaryEmbedding:
+        """The rotary embedding of the full-attention layers (every layer's but Gemma's local ones)."""
+        return self.rotaries[0]
+
+    def decoder_layers(self) -> list[DecoderLayer]:
+        return [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
+
+    @property
+    def fusable(self) -> bool:
+        """Whether every layer is plain Llama (the fused native paths compute them all)."""
+        return self.embed_scale is None and all(layer.fusable for layer in self.decoder_layers())
+
+    @property
+    def execution_path(self) -> str:
+        """Which path the forward takes on this model, in words (logged once by the engine)."""
+        if self.native_decoder is not None and self.use_native_decoder:
+            return "one native call per step (every layer fused)"
+        if self.fusable and native_ops() is not None and self.dtype == torch.float32:
+            return "fused native ops per layer"
+        kinds = sorted({reason for layer in self.decoder_layers() for reason in _unfused(layer)})
+        return "per-layer" + (f" ({', '.join(kinds)})" if kinds else "")
+
+    def prepare_linears(self, kernel: LinearKernel | None = None) -> None:
+        """Pack every matrix for ``kernel`` (default: ``linear_kernel``) from the current weights."""
+        if kernel is not None:
+            self.linear_kernel = kernel
+        for layer in self.decoder_layers():
+            layer.prepare_linears(self.linear_kernel, keep_plain=self.keep_plain_weights)
+        self.lm_head_linear = PreparedLinear(self.lm_head, None, self.linear_kernel)
+        self.greedy_head = GreedyHead.build(self.lm_head_linear) if self.group is None else None
+        self.native_decoder = self._build_native_decoder()
+
+    def restore_plain_weights(self) -> None:
+        """Keep every layer's ``[out, in]`` matrices from now on (``keep_plain_weights``): the compiled
+        decode path reads them."""
+        self.keep_plain_weights = True
+        for layer in self.decoder_layers():
+            layer.restore_plain()
+
+    def _build_native_decoder(self) -> NativeDecoder | None:
+        """The one-call decoder over the current weights, when every layer is fusable and every product
+        the native one."""
+        if not self.fusable:
+            return None
+        found = [layer.native_weights() for layer in self.decoder_layers()]
+        weights = [w for w in found if w is not None]
+        if (self.group is not None or native_ops() is None or self.dtype != torch.float32
+                or len(weights) != len(found) or self.shard.intermediate_size % PANEL):
+            return None
+        c = self.config
+        shape = DecoderShape(c.hidden_size, self.shard.num_heads, self.shard.num_kv_heads, c.head_dim,
+                             self.shard.intermediate_size, c.rms_norm_eps)
+        return NativeDecoder(weights, self.norm.data, shape)
+
+    def _hf_targets(self) -> dict[str, torch.Tensor]:
+        start, stop = self.shard.vocab_range
+        targets = {"model.embed_tokens.weight": self.embed_tokens.data[: stop - start],
+                   "model.norm.weight": self.norm.data}
+        if not self.config.tie_word_embeddings:
+            targets["lm_head.weight"] = self.lm_head.data[: stop - start]
+        for i, layer in enumerate(self.decoder_layers()):
+            targets.update(layer.hf_targets(f"model.layers.{i}"))
+        return targets
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors in, cast to the model dtype.
+
+        Raises ``ValueError`` naming the first unexpected, duplicated or
+        mis-shaped parameter, or every missing one. With tied embeddings a
+        ``lm_head.weight`` is accepted and ignored (state dicts carry it).
+        """
+        targets = self._hf_targets()
+        loaded: set[str] = set()
+        for name, tensor in self.family.canonical(weights, self.config):
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            target = targets.get(name)
+            if target is None:
+                raise ValueError(f"unexpected parameter {name!r} for a {self.config.architecture} model")
+            if name in loaded:
+                raise ValueError(f"parameter {name!r} given twice")
+            cut = self.shard.weight_slice(name) if self.shard.size > 1 else None
+            if (cut is not None and tuple(tensor.shape) != tuple(target.shape) and tensor.dim() > cut.dim
+                    and tensor.shape[cut.dim] >= cut.stop):  # a whole tensor: cut this rank's part
+                tensor = cut.take(tensor)
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise ValueError(
+                    f"parameter {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
+                )
+            target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+            loaded.add(name)
+        missing = sorted(set(targets) - loaded)
+        if missing:
+            shown = ", ".join(missing[:8]) + (f" (and {len(missing) - 8} more)" if len(missing) > 8 else "")
+            raise ValueError(f"missing parameters: {shown}")
+        self.prepare_linears()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        backend: AttentionBackend,
+        meta: AttentionMetadata,
+        kv_scales: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` (final norm applied); ``backend.prepare(meta)`` already ran.
+
+        ``kv_scales`` (``[num_layers, num_blocks, 2, kv_heads]``) goes with a quantized ``kv_cache``.
+        """
+        if input_ids.shape[0] != meta.num_tokens:
+            raise ValueError(f"got {input_ids.shape[0]} tokens but the metadata describes {meta.num_tokens}")
+        hidden = self._embed(input_ids)
+        ropes = [rotary.cos_sin(positions, self.dtype) for rotary in self.rotaries]
+        cos, sin = ropes[0]
+        layers = self.decoder_layers()
+        ops = native_ops() if self.use_native_ops and self.fusable else None
+        decoder = self.native_decoder if self.use_native_decoder and ops is not None else None
+        if decoder is not None and decoder.handles(hidden, kv_cache, backend, kv_scales):
+            return decoder.run(hidden, cos, sin, kv_cache, backend)
+        if ops is not None and ops.usable(hidden, cos):
+            delta: torch.Tensor | None = None
+            for i, layer in enumerate(layers):
+                scales = kv_scales[i] if kv_scales is not None else None
+                hidden, delta = layer.forward_fused(hidden, delta, cos, sin, kv_cache[i], backend, ops,
+                                                    scales)
+            return ops.add_rms_norm(hidden, delta, self.norm, self.config.rms_norm_eps)
+        for i, layer in enumerate(layers):
+            scales = kv_scales[i] if kv_scales is not None else None
+            layer_cos, layer_sin = ropes[layer.attn.rope]
+            hidden = layer(hidden, layer_cos, layer_sin, kv_cache[i], backend, scales)
+        return self.norm_fn(hidden, self.norm, self.config.rms_norm_eps)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.group is None:
+            rows = F.embedding(input_ids, self.embed_tokens)
+        else:
+            start, stop = self.shard.vocab_range
+            outside = (input_ids < start) | (input_ids >= stop)
+            rows = F.embedding((input_ids - start).masked_fill(outside, 0), self.embed_tokens)
+            rows = self.group.all_reduce(rows.masked_fill(outside.unsqueeze(-1), 0.0))
+        return rows if self.embed_scale is None else rows * self.embed_scale.to(rows.device)
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Each row's argmax of ``compute_logits(hidden)`` (int64 ``[N]``), bitwise the token the full
+        product picks, computed without it (``kernels/greedy_head.py``); None where that does not apply
+        (then take ``compute_logits``)."""
+        return None if self.greedy_head is None else self.greedy_head.argmax(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits ``[N, vocab]`` in float32 (with tensor parallelism: on rank 0; the others get their
+        own shard's columns, which nobody reads)."""
+        logits = self.lm_head_linear(hidden).float()
+        if self.group is not None:
+            if not hidden.shape[0]:  # a step that samples nothing (every rank knows): no gather
+                return logits.new_empty(0, self.config.vocab_size)
+            gathered = self.group.gather_columns(logits)
+            logits = gathered[:, : self.config.vocab_size] if self.shard.rank == 0 else gathered
+        cap = self.config.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+def _unfused(layer: DecoderLayer) -> list[str]:
+    """Why a layer takes the per-layer path, in words."""
+    attn = layer.attn
+    reasons = {"q/k norms": attn.q_norm is not None, "sliding windows": attn.window is not None,
+               "attention sinks": attn.sinks is not None, "softcaps": attn.softcap is not None,
+               "output bias": attn.o_bias is not None, "sandwich norms": layer.sandwich,
+               "mixture of experts": not hasattr(layer.mlp, "act_name"),
+               "GELU": getattr(layer.mlp, "act_name", "silu") != "silu"}
+    return [reason for reason, on in reasons.items() if on]

@@ -1,0 +1,71 @@
+"""gpt-oss: a mixture of experts with biases and a clamped SwiGLU, attention sinks, alternating windows.
+
+Every layer's MLP is the mixture: the router (with a bias) takes the top k logits, then their softmax;
+each expert's products have biases and its activation is ``(up + 1) * gate * sigmoid(alpha * gate)``
+with gate and up clamped to ``swiglu_limit``. Attention has q/k/v/o biases, one learned sink logit per
+query head, and alternates sliding-window and full layers (``layer_types``); rope is YaRN.
+
+Checkpoints store the experts fused: ``mlp.experts.gate_up_proj`` ``[E, hidden, 2I]`` with gate and up
+interleaved along the last dimension, ``down_proj`` ``[E, I, hidden]`` (both input-major), their biases,
+and the router as ``mlp.router``; ``canonical`` splits and transposes them into the layer library's
+per-expert ``[out, in]`` matrices. MXFP4-quantized experts (``*_blocks`` / ``*_scales``) are refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.config import ModelConfig, MoeConfig
+from engine.models.family import ModelFamily, Weights
+from engine.models.hf_config import base_fields, layer_types, required
+
+
+def gpt_oss_config(raw: dict[str, Any], source: Path) -> ModelConfig:
+    fields = base_fields(raw, source, "gpt_oss", 131072)
+    top_k = raw.get("num_experts_per_tok") or raw.get("experts_per_token")
+    if top_k is None:
+        raise ValueError(f"missing required field 'num_experts_per_tok' in {source}")
+    moe = MoeConfig(num_experts=required(raw, "num_local_experts", source), top_k=int(top_k),
+                    intermediate_size=fields["intermediate_size"], router="topk_softmax", router_bias=True,
+                    expert_bias=True, activation="swiglu_oai",
+                    swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)),
+                    swiglu_limit=float(raw.get("swiglu_limit", 7.0)))
+    kinds = layer_types(raw, fields["num_layers"])
+    return ModelConfig(**fields, moe=moe, attention_sinks=True, o_proj_bias=fields["attention_bias"],
+                       layer_types=kinds, sliding_window=raw.get("sliding_window") if kinds else None)
+
+
+def gpt_oss_names(weights: Weights, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in weights:
+        if name.endswith(("_blocks", "_scales")):
+            raise ValueError(f"{name}: MXFP4-quantized experts are not supported; load a checkpoint with "
+                             f"dequantized (bf16/fp32) expert weights")
+        prefix, _, last = name.rpartition(".mlp.")
+        if not prefix:
+            yield name, tensor
+        elif last.startswith("router."):
+            yield f"{prefix}.mlp.gate.{last.removeprefix('router.')}", tensor
+        elif last == "experts.gate_up_proj":  # [E, hidden, 2I], gate and up interleaved
+            for e in range(tensor.shape[0]):
+                yield f"{prefix}.mlp.experts.{e}.gate_proj.weight", tensor[e, :, 0::2].t().contiguous()
+                yield f"{prefix}.mlp.experts.{e}.up_proj.weight", tensor[e, :, 1::2].t().contiguous()
+        elif last == "experts.gate_up_proj_bias":
+            for e in range(tensor.shape[0]):
+                yield f"{prefix}.mlp.experts.{e}.gate_proj.bias", tensor[e, 0::2].contiguous()
+                yield f"{prefix}.mlp.experts.{e}.up_proj.bias", tensor[e, 1::2].contiguous()
+        elif last == "experts.down_proj":  # [E, I, hidden]
+            for e in range(tensor.shape[0]):
+                yield f"{prefix}.mlp.experts.{e}.down_proj.weight", tensor[e].t().contiguous()
+        elif last == "experts.down_proj_bias":
+            for e in range(tensor.shape[0]):
+                yield f"{prefix}.mlp.experts.{e}.down_proj.bias", tensor[e]
+        else:
+            yield name, tensor
+
+
+GPT_OSS = ModelFamily("gpt_oss", "gpt-oss", ("GptOssForCausalLM",), ("gpt_oss",), gpt_oss_config,
+                      canonical=gpt_oss_names)
