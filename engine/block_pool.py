@@ -13,9 +13,11 @@ doubly linked LRU: blocks are taken from the front and returned to the back, so
 the cached block released longest ago is evicted first. Callers free a
 sequence's blocks tail-first, so a sequence's last blocks go before its prefix.
 
-Events: every hash that enters or leaves the cache is recorded as a
+Events: every announced hash that enters or leaves the cache is recorded as a
 ``BlockStored``/``BlockRemoved`` event; ``drain_events()`` hands them out (the
-router's prefix index is fed from them).
+router's prefix index is fed from them). A hybrid model's other KV groups cache
+their blocks unannounced (``cache_block(..., announce=False)``): the router
+indexes the first group's blocks only.
 
 ``on_evict(block_id, block_hash)``, when set, is called when a cached block is
 handed out again, before its new owner writes it (the offload tier copies it).
@@ -28,12 +30,13 @@ from dataclasses import dataclass
 
 
 class Block:
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev", "next")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "announced", "prev", "next")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: int | None = None
+        self.announced = False
         self.prev: Block | None = None
         self.next: Block | None = None
 
@@ -125,6 +128,10 @@ class BlockPool:
     def usage(self) -> float:
         return self.num_used_blocks / self.num_blocks
 
+    def announced_hashes(self) -> list[int]:
+        """Every hash cached now that was announced (what the router's index mirrors)."""
+        return [h for h, block in self.cached.items() if block.announced]
+
     def num_cached_free_blocks(self) -> int:
         return sum(1 for b in self.cached.values() if b.ref_cnt == 0)
 
@@ -166,8 +173,9 @@ class BlockPool:
                     self._evict(block)
                 self.free_queue.append(block)
 
-    def cache_block(self, block_id: int, block_hash: int) -> bool:
-        """Publish a full, held block under its chained hash. False if the hash is already cached."""
+    def cache_block(self, block_id: int, block_hash: int, announce: bool = True) -> bool:
+        """Publish a full, held block under its chained hash (an event unless not ``announce``). False if
+        the hash is already cached."""
         if not self.enable_caching:
             return False
         block = self.blocks[block_id]
@@ -180,8 +188,10 @@ class BlockPool:
         if block_hash in self.cached:
             return False
         block.block_hash = block_hash
+        block.announced = announce
         self.cached[block_hash] = block
-        self._events.append(BlockStored(block_hash, block_id))
+        if announce:
+            self._events.append(BlockStored(block_hash, block_id))
         return True
 
     def reset_prefix_cache(self) -> int:
@@ -202,9 +212,11 @@ class BlockPool:
             return
         if self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
-            self._events.append(BlockRemoved(block.block_hash, block.block_id))
+            if block.announced:
+                self._events.append(BlockRemoved(block.block_hash, block.block_id))
             self.num_evictions += 1
         block.block_hash = None
+        block.announced = False
 
     def check_integrity(self) -> None:
         """Raise AssertionError if any invariant of the module docstring is broken."""

@@ -217,6 +217,9 @@ class EngineConfig:
     kv_offload_disk_bytes: int = 8 * 1024**3
     kv_sinks: int = 0
     kv_window: int | None = None
+    # a hybrid model's sliding-window layers keep only the blocks their window reads, in KV groups of
+    # their own (engine/kv_groups.py); off: every layer keeps every block (their attention is the same)
+    hybrid_kv: bool = True
     # in-flight prefix dedup (engine/scheduler.py): a waiting request waits for at least this many
     # of its next prompt tokens that a running request is computing; 0 turns it off
     prefix_wait_min_tokens: int = 128

@@ -24,7 +24,7 @@ import itertools
 import logging
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import cast
 
 import torch
@@ -33,6 +33,7 @@ from engine.config import EngineConfig
 from engine.draft import DraftModel
 from engine.hashing import seed_for
 from engine.kv_cache import KVCacheManager
+from engine.kv_groups import kv_layout, max_sequence_tokens, num_slots
 from engine.kv_sizing import KvTier, kv_block_bytes, num_kv_blocks
 from engine.loader import ModelSource, load_model_source, resolve_model
 from engine.model_runner import ModelRunner, StepRows
@@ -83,11 +84,16 @@ class EngineStats:
 
 @dataclass(frozen=True)
 class Reservation:
-    """Blocks a decode engine holds for a prompt; the first ``num_cached_blocks`` are already filled."""
+    """Blocks a decode engine holds for a prompt; the first ``num_cached_blocks`` are already filled.
+
+    ``block_ids`` is KV group 0's table; ``tables`` every group's (``engine/kv_groups.py``), a sliding
+    group's blocks outside the window of the first decode step ``NULL_BLOCK``: nothing to fill there.
+    """
 
     request_id: str
     block_ids: list[int]
     num_cached_blocks: int
+    tables: list[list[int]] = field(default_factory=list)
 
 
 def build_runner(source: ModelSource, config: EngineConfig, group: TpGroup | None = None) -> ModelRunner:
@@ -112,11 +118,12 @@ def build_runner(source: ModelSource, config: EngineConfig, group: TpGroup | Non
     if shard.rank == 0:
         logger.info("%s (%s, %d layers): %s", source.config.name, source.config.architecture,
                     source.config.num_layers, net.execution_path)
-    blocks = num_kv_blocks(shard.kv_config, config)
+    groups = kv_layout(source.config, config.hybrid_kv)
+    blocks = num_kv_blocks(shard.kv_config, config, num_slots(groups))
     if group is not None and size > 1:
         group.connect()
         blocks = group.min_int(blocks)
-    return ModelRunner(net, source.config, config, blocks)
+    return ModelRunner(net, source.config, config, blocks, groups)
 
 
 def _greedy_only(item: ScheduledRequest) -> bool:
@@ -136,7 +143,7 @@ class LLMEngine:
         self.runner = build_runner(self.source, self.config, group)
         blocks = self.runner.num_blocks  # the KV cache may hold one more: the scratch block
         self.kv = KVCacheManager(blocks, self.config.block_size, self.config.enable_prefix_caching,
-                                 hash_seed=seed_for(self.model_config.name))
+                                 hash_seed=seed_for(self.model_config.name), groups=self.runner.kv_groups)
         self.kv_window: KvWindow | None = None
         if self.config.kv_window is not None:  # a model's own sliding layers mask exactly, in the kernels
             if self.model_config.has_sliding_layers:
@@ -148,7 +155,10 @@ class LLMEngine:
             self.max_model_len = self.config.max_model_len or sys.maxsize
         else:
             limit = self.config.max_model_len or self.model_config.max_position_embeddings
-            self.max_model_len = min(limit, blocks * self.config.block_size)
+            held = max_sequence_tokens(self.kv.groups, blocks, self.config.block_size)
+            self.max_model_len = min(limit, held)
+        if self.kv.hybrid:
+            self._refuse_with_hybrid_kv()
         self.offload: KvOffload | None = None
         if self.config.enable_prefix_caching and (self.config.kv_offload_bytes or self.config.kv_offload_dir):
             self.offload = KvOffload(
@@ -177,6 +187,17 @@ class LLMEngine:
         self.reserved: dict[str, Request] = {}
         self.check_integrity = check_integrity
         self._ids = itertools.count()
+
+    def _refuse_with_hybrid_kv(self) -> None:
+        """Name the options that do not yet keep a hybrid model's KV groups (``engine/kv_groups.py``)."""
+        unsupported = {"--kv-offload-bytes / --kv-offload-dir": bool(self.config.kv_offload_bytes
+                                                                     or self.config.kv_offload_dir),
+                       "--preemption-mode swap": self.config.preemption_mode == "swap"}
+        named = [flag for flag, on in unsupported.items() if on]
+        if named:
+            raise ValueError(f"{', '.join(named)} does not combine with the hybrid KV groups of "
+                             f"{self.model_config.name} ({self.model_config.architecture}) yet; leave it out "
+                             f"or turn the hybrid KV manager off (--no-hybrid-kv)")
 
     def make_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                      request_id: str | None = None, priority: int = 0,
@@ -239,9 +260,12 @@ class LLMEngine:
         hit = self.kv.find_prefix(request.prompt_token_ids, n)
         if not self.kv.allocate(request.request_id, n + 1, hit):
             return None
+        # a sliding group holds (and a transfer fills) only the blocks the first decode step reads
+        self.kv.release_outside_window(request.request_id, n)
         self.reserved[request.request_id] = request
         request.metrics.cached_prompt_tokens = hit.num_tokens(self.kv.block_size)
-        return Reservation(request.request_id, self.kv.blocks_of(request.request_id), len(hit.block_ids))
+        tables = self.kv.tables_of(request.request_id)
+        return Reservation(request.request_id, tables[0], hit.num_blocks, tables)
 
     def cancel_reservation(self, request_id: str) -> None:
         self.reserved.pop(request_id, None)

@@ -50,3 +50,13 @@ def block_hashes(
         parent = hash_block(parent, token_ids[begin : begin + block_size])
         hashes.append(parent)
     return hashes
+
+
+def group_hash(block_hash: int, group: int) -> int:
+    """The prefix-cache key of KV group ``group``'s block whose chained hash is ``block_hash``
+    (``engine/kv_groups.py``): the hash itself for group 0, a separate 64-bit hash for the others, so
+    two groups' blocks of the same tokens never stand for each other."""
+    if group == 0:
+        return block_hash
+    data = struct.pack("<QQ", block_hash, group)
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8, person=b"pdserve-kvgroup").digest(), "little")

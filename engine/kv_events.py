@@ -40,4 +40,4 @@ class KvEventPublisher:
         on top of the snapshot leaves every hash in its latest state, so a reader
         can take the snapshot and continue with batch ``seq + 1``.
         """
-        return self.seq, list(self.kv.pool.cached)
+        return self.seq, self.kv.pool.announced_hashes()

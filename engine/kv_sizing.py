@@ -1,7 +1,9 @@
 """How many KV blocks a memory budget buys. ``pdserve plan`` uses the same functions.
 
 KV bytes per token = 2 (K and V) x layers x KV heads x head dim x bytes per
-element; a block holds ``block_size`` tokens of every layer.
+element; a block holds ``block_size`` tokens of ``slots`` layers: every layer for a
+model of one KV group, one group's layers for a hybrid model (``engine/kv_groups.py``).
+``slots`` None means every layer.
 """
 
 from __future__ import annotations
@@ -65,25 +67,28 @@ def element_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def kv_block_bytes(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one block over all layers: block_size x 2 x layers x kv_heads x head_dim x elem.
+def kv_block_bytes(model: ModelConfig, block_size: int, dtype: torch.dtype, slots: int | None = None) -> int:
+    """Bytes of one block over its slots: block_size x 2 x slots x kv_heads x head_dim x elem.
 
-    A quantized dtype (fp8/int8) adds its scales: 2 x layers x kv_heads float32 per block
+    A quantized dtype (fp8/int8) adds its scales: 2 x slots x kv_heads float32 per block
     (``kernels/kv_quant.py``), so the count stays honest.
     """
-    return block_size * model.kv_bytes_per_token(element_bytes(dtype)) + kv_scale_bytes(model, dtype)
+    layers = model.num_layers if slots is None else slots
+    per_token = 2 * layers * model.num_kv_heads * model.head_dim * element_bytes(dtype)
+    return block_size * per_token + kv_scale_bytes(model, dtype, slots)
 
 
-def kv_scale_bytes(model: ModelConfig, dtype: torch.dtype) -> int:
-    """Scale bytes of one block over all layers: 0 unless ``dtype`` is quantized."""
+def kv_scale_bytes(model: ModelConfig, dtype: torch.dtype, slots: int | None = None) -> int:
+    """Scale bytes of one block over its slots: 0 unless ``dtype`` is quantized."""
     if not is_quantized(dtype):
         return 0
-    return 2 * model.num_layers * model.num_kv_heads * SCALE_DTYPE.itemsize
+    return 2 * (model.num_layers if slots is None else slots) * model.num_kv_heads * SCALE_DTYPE.itemsize
 
 
-def blocks_for_budget(model: ModelConfig, block_size: int, dtype: torch.dtype, budget: int) -> int:
+def blocks_for_budget(model: ModelConfig, block_size: int, dtype: torch.dtype, budget: int,
+                      slots: int | None = None) -> int:
     """Whole blocks that fit in ``budget`` bytes (0 when not even one does)."""
-    return max(budget, 0) // kv_block_bytes(model, block_size, dtype)
+    return max(budget, 0) // kv_block_bytes(model, block_size, dtype, slots)
 
 
 def device_kv_budget(total_memory: int, utilization: float, used_bytes: int) -> int:
@@ -91,7 +96,7 @@ def device_kv_budget(total_memory: int, utilization: float, used_bytes: int) -> 
     return int(total_memory * utilization) - used_bytes
 
 
-def num_kv_blocks(model: ModelConfig, engine: EngineConfig, weight_bytes: int = 0) -> int:
+def num_kv_blocks(model: ModelConfig, engine: EngineConfig, slots: int | None = None) -> int:
     """Blocks for the engine's budget: ``--num-kv-blocks`` if set, else the memory budget.
 
     On CPU the budget is ``--kv-cache-memory`` bytes. On CUDA it is
@@ -100,14 +105,14 @@ def num_kv_blocks(model: ModelConfig, engine: EngineConfig, weight_bytes: int = 
     """
     if engine.num_kv_blocks is not None:
         return engine.num_kv_blocks
-    block = kv_block_bytes(model, engine.block_size, engine.kv_torch_dtype)
+    block = kv_block_bytes(model, engine.block_size, engine.kv_torch_dtype, slots)
     if engine.device.startswith("cuda"):
         device = torch.device(engine.device)
         total = torch.cuda.get_device_properties(device).total_memory
         budget = device_kv_budget(total, engine.gpu_memory_utilization, torch.cuda.memory_allocated(device))
     else:
         budget = engine.kv_cache_memory
-    blocks = blocks_for_budget(model, engine.block_size, engine.kv_torch_dtype, budget)
+    blocks = blocks_for_budget(model, engine.block_size, engine.kv_torch_dtype, budget, slots)
     if blocks < 1:
         raise ValueError(
             f"the KV budget of {budget} bytes holds no block of {block} bytes; "

@@ -13,13 +13,17 @@ def allocate_kv_cache(
     block_size: int,
     dtype: torch.dtype,
     device: torch.device | str,
+    slots: int | None = None,
 ) -> torch.Tensor:
-    """Zeros of shape ``[num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim]``."""
-    shape = (config.num_layers, num_blocks, 2, block_size, config.num_kv_heads, config.head_dim)
+    """Zeros of shape ``[slots, num_blocks, 2, block_size, num_kv_heads, head_dim]`` (``slots``: every
+    layer's unless given, ``engine/kv_groups.py``)."""
+    layers = config.num_layers if slots is None else slots
+    shape = (layers, num_blocks, 2, block_size, config.num_kv_heads, config.head_dim)
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
-def allocate_kv_scales(config: ModelConfig, num_blocks: int, device: torch.device | str) -> torch.Tensor:
-    """Ones of shape ``[num_layers, num_blocks, 2, num_kv_heads]`` float32 (``kernels/kv_quant.py``)."""
-    shape = (config.num_layers, num_blocks, 2, config.num_kv_heads)
+def allocate_kv_scales(config: ModelConfig, num_blocks: int, device: torch.device | str,
+                       slots: int | None = None) -> torch.Tensor:
+    """Ones of shape ``[slots, num_blocks, 2, num_kv_heads]`` float32 (``kernels/kv_quant.py``)."""
+    shape = (config.num_layers if slots is None else slots, num_blocks, 2, config.num_kv_heads)
     return torch.ones(shape, dtype=torch.float32, device=device)

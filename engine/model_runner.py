@@ -10,8 +10,13 @@ other ranks before its own forward (``engine/tp_group.py``); ``follow`` is the o
 same ``inputs`` and ``run`` on their shard, their KV cache using rank 0's block ids.
 
 On one rank, ``execute`` offers each step to ``engine/graph_runner.py`` first (CUDA graphs for
-pure-decode steps, or the same padding without capture under ``pad_decode_steps``); what it
-declines runs here.
+pure-decode steps, or the same padding without capture under ``pad_decode_steps``; a model of one KV
+group only); what it declines runs here.
+
+KV groups (``engine/kv_groups.py``): the cache holds ``slots`` layers per block; each group has its own
+block tables, attention metadata and backend instance (prepared once per step), and layer ``l`` reads
+``kv_cache[slot_of[l]]`` through its group's. A sliding group's ``NULL_BLOCK`` entries reach the
+kernels as block 0: its window masks them, so they are never read for a value.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch
 from engine.config import EngineConfig, ModelConfig
 from engine.graph_runner import DecodeGraphRunner, graph_mode
 from engine.kv_cache import KVCacheManager
+from engine.kv_groups import NULL_BLOCK, KvGroup, kv_layout, num_slots
 from engine.kv_tensors import allocate_kv_cache, allocate_kv_scales
 from engine.models.causal_lm import CausalLM
 from engine.scheduler import SchedulerOutput
@@ -75,28 +81,33 @@ class StepInputs:
     positions: torch.Tensor
     meta: AttentionMetadata
     sample_rows: torch.Tensor
+    group_metas: list[AttentionMetadata] | None = None  # every group's (meta first) of a hybrid model
 
 
 class ModelRunner:
     def __init__(self, model: CausalLM, model_config: ModelConfig, engine_config: EngineConfig,
-                 num_blocks: int) -> None:
+                 num_blocks: int, groups: tuple[KvGroup, ...] | None = None) -> None:
         self.model = model
         self.model_config = model_config
         self.config = engine_config
         self.group: TpGroup | None = model.group
         self.device = torch.device(engine_config.device)
         kv_config = model.shard.kv_config  # this rank's KV heads
-        self.backend = get_attention_backend(self.device, engine_config.attention_backend,
-                                             engine_config.kv_quantized)
+        self.kv_groups = groups or kv_layout(model_config, engine_config.hybrid_kv)
+        self.slots = num_slots(self.kv_groups)
+        model.set_kv_groups(self.kv_groups)
+        self.backends = [get_attention_backend(self.device, engine_config.attention_backend,
+                                               engine_config.kv_quantized) for _ in self.kv_groups]
+        self.backend = self.backends[0]
         # the block pool's size; padded decode steps (engine/graph_runner.py) add one block past it, the
         # scratch block their pad rows write, which no request ever holds
         self.num_blocks = num_blocks
-        graphs = graph_mode(engine_config, self.backend)
+        graphs = graph_mode(engine_config, self.backend) and len(self.kv_groups) == 1
         allocated = num_blocks + (1 if graphs else 0)
         self.kv_cache = allocate_kv_cache(kv_config, allocated, engine_config.block_size,
-                                          engine_config.kv_torch_dtype, self.device)
+                                          engine_config.kv_torch_dtype, self.device, self.slots)
         # per-block scales of a quantized (fp8/int8) cache; None when the cache is full precision
-        self.kv_scales = (allocate_kv_scales(kv_config, allocated, self.device)
+        self.kv_scales = (allocate_kv_scales(kv_config, allocated, self.device, self.slots)
                           if engine_config.kv_quantized else None)
         self.decode_graphs = (DecodeGraphRunner(model, self.kv_cache, self.kv_scales, engine_config, graphs,
                                                 self._table_width(), self.backend) if graphs else None)
@@ -168,6 +179,7 @@ class ModelRunner:
         query_lens: list[int] = []
         seq_lens: list[int] = []
         tables: list[list[int]] = []
+        others: list[list[list[int]]] = [[] for _ in self.kv_groups[1:]]
         sample_rows: list[int] = []
         for item in out.scheduled:
             request = item.request
@@ -178,19 +190,26 @@ class ModelRunner:
             positions.extend(range(start, end))
             query_lens.append(item.num_new_tokens)
             seq_lens.append(end - request.kv_dropped_tokens)  # positions stay absolute; the cache does not
-            tables.append(kv.blocks_of(request.request_id))
+            group_tables = kv.tables_of(request.request_id)
+            if len(group_tables) > 1 or NULL_BLOCK in group_tables[0]:  # the kernels read block 0 there
+                group_tables = [[max(b, 0) for b in t] for t in group_tables]
+            tables.append(group_tables[0])
+            for mine, table in zip(others, group_tables[1:], strict=True):
+                mine.append(table)
             if item.completes:  # the last known token's row, then one per proposed token
                 sample_rows.extend(range(len(input_ids) - 1 - len(item.spec_token_ids), len(input_ids)))
-        return StepPlan(input_ids, positions, query_lens, seq_lens, tables, sample_rows)
+        return StepPlan(input_ids, positions, query_lens, seq_lens, tables, sample_rows, others)
 
     def inputs(self, plan: StepPlan) -> StepInputs:
-        """The plan as tensors and attention metadata (the backend prepared for it)."""
-        meta = AttentionMetadata.build(self.config.block_size, plan.query_lens, plan.seq_lens, plan.tables,
-                                       self.device)
-        self.backend.prepare(meta)
+        """The plan as tensors and attention metadata (each group's backend prepared for it)."""
+        metas = [AttentionMetadata.build(self.config.block_size, plan.query_lens, plan.seq_lens, tables,
+                                         self.device) for tables in [plan.tables, *plan.group_tables]]
+        for backend, meta in zip(self.backends, metas, strict=True):
+            backend.prepare(meta)
         return StepInputs(torch.tensor(plan.input_ids, dtype=torch.int64, device=self.device),
-                          torch.tensor(plan.positions, dtype=torch.int64, device=self.device), meta,
-                          torch.tensor(plan.sample_rows, dtype=torch.int64, device=self.device))
+                          torch.tensor(plan.positions, dtype=torch.int64, device=self.device), metas[0],
+                          torch.tensor(plan.sample_rows, dtype=torch.int64, device=self.device),
+                          metas if len(metas) > 1 else None)
 
     @torch.inference_mode()
     def run(self, inputs: StepInputs) -> StepRows:
@@ -199,7 +218,8 @@ class ModelRunner:
             hidden = self.compiled.forward(inputs.input_ids, inputs.positions, self.kv_cache, self.backend,
                                            self.kv_scales)
         else:
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, self.backend, inputs.meta,
+            backends = self.backends if inputs.group_metas is not None else self.backend
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, backends, inputs.meta,
                                 self.kv_scales)
         rows = hidden.index_select(0, inputs.sample_rows)
         if self.group is not None:  # every rank computes its logits' share now, for the gather

@@ -284,6 +284,7 @@ class Scheduler:
             request = item.request
             request.num_computed_tokens += item.num_new_tokens
             self.kv.cache_blocks(request.request_id, request.all_token_ids, request.num_computed_tokens)
+            self.kv.release_outside_window(request.request_id, request.num_computed_tokens)
             if self.inflight is not None:
                 self.inflight.untrack(request.request_id, request.num_computed_tokens // self.kv.block_size)
 

@@ -45,8 +45,9 @@ class StepPlan(msgspec.Struct, tag="step", frozen=True):
     positions: list[int]
     query_lens: list[int]
     seq_lens: list[int]
-    tables: list[list[int]]
+    tables: list[list[int]]  # KV group 0's table of each sequence
     sample_rows: list[int]
+    group_tables: list[list[list[int]]] = []  # a hybrid model's other groups (engine/kv_groups.py)
 
 
 class KeepAlive(msgspec.Struct, tag="keepalive", frozen=True):

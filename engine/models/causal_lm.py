@@ -30,13 +30,14 @@ where ``kernels/greedy_head.py`` applies (the native float32 LM head on one rank
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig, RopeScaling
+from engine.kv_groups import KvGroup, layer_slots
 from engine.layers.context import LayerContext
 from engine.layers.decoder import DecoderLayer
 from engine.layers.prepared import weight
@@ -96,6 +97,14 @@ class CausalLM(nn.Module):
         self.native_decoder: NativeDecoder | None = None
         # keep the decoder's [out, in] matrices beside the native packed copies (the compiled path reads them)
         self.keep_plain_weights = False
+        # each layer's KV group and slot of the cache tensor (``set_kv_groups``); one group: slot = layer
+        self.group_of = [0] * config.num_layers
+        self.slot_of = list(range(config.num_layers))
+
+    def set_kv_groups(self, groups: tuple[KvGroup, ...]) -> None:
+        """Read layer ``l``'s K/V from ``kv_cache[slot]`` through its group's backend
+        (``engine/kv_groups.py``)."""
+        self.group_of, self.slot_of = layer_slots(groups, self.config.num_layers)
 
     @property
     def rotary(self) -> RotaryEmbedding:
@@ -203,13 +212,14 @@ class CausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_cache: torch.Tensor,
-        backend: AttentionBackend,
+        backend: AttentionBackend | Sequence[AttentionBackend],
         meta: AttentionMetadata,
         kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Hidden states ``[T, hidden]`` (final norm applied); ``backend.prepare(meta)`` already ran.
+        """Hidden states ``[T, hidden]`` (final norm applied); ``backend.prepare(meta)`` already ran (with
+        several KV groups: ``backend`` is one per group, each prepared for its group's tables).
 
-        ``kv_scales`` (``[num_layers, num_blocks, 2, kv_heads]``) goes with a quantized ``kv_cache``.
+        ``kv_scales`` (``[slots, num_blocks, 2, kv_heads]``) goes with a quantized ``kv_cache``.
         """
         if input_ids.shape[0] != meta.num_tokens:
             raise ValueError(f"got {input_ids.shape[0]} tokens but the metadata describes {meta.num_tokens}")
@@ -217,6 +227,16 @@ class CausalLM(nn.Module):
         ropes = [rotary.cos_sin(positions, self.dtype) for rotary in self.rotaries]
         cos, sin = ropes[0]
         layers = self.decoder_layers()
+        backends = [backend] if not isinstance(backend, Sequence) else list(backend)
+        if len(backends) > 1:
+            for i, layer in enumerate(layers):
+                slot = self.slot_of[i]
+                scales = kv_scales[slot] if kv_scales is not None else None
+                layer_cos, layer_sin = ropes[layer.attn.rope]
+                group_backend = backends[self.group_of[i]]
+                hidden = layer(hidden, layer_cos, layer_sin, kv_cache[slot], group_backend, scales)
+            return self.norm_fn(hidden, self.norm, self.config.rms_norm_eps)
+        backend = backends[0]
         ops = native_ops() if self.use_native_ops and self.fusable else None
         decoder = self.native_decoder if self.use_native_decoder and ops is not None else None
         if decoder is not None and decoder.handles(hidden, kv_cache, backend, kv_scales):
