@@ -4,8 +4,10 @@ worker sees it.
 Sources, at most one per request (a second is a 400 naming it):
 
 * OpenAI's ``response_format``: ``text`` (no constraint), ``json_object`` (any
-  JSON object), ``json_schema`` (``json_schema.schema``; ``strict`` is accepted
-  either way, the schema is always enforced);
+  JSON object), ``json_schema`` (``json_schema.schema``, always enforced; with
+  ``json_schema.strict`` true, every object admits exactly its declared
+  properties, all required: ``engine.grammar.close_objects``, and a schema
+  that cannot be held to that is a 400 naming ``response_format``);
 * vLLM's ``structured_outputs`` object (``json``, ``regex``, ``choice``,
   ``grammar``, ``json_object``) and its older ``guided_json``,
   ``guided_regex``, ``guided_choice``, ``guided_grammar`` fields.
@@ -14,6 +16,11 @@ A grammar (``guided_grammar``, ``structured_outputs.grammar``) is Lark in
 llguidance's dialect; a GBNF grammar (rules written ``name ::= ...``) is
 converted to it. A spec llguidance refuses (an invalid schema, regex or
 grammar) is a 400 naming the field it came from.
+
+Without ``strict`` a JSON schema keeps JSON Schema's meaning except where it
+is silent about undeclared keys: there, as vLLM's default backend does, they
+are not admitted (``engine.grammar``). The schema's text keeps the request's
+key order, so properties are written in the order the schema declares them.
 """
 
 from __future__ import annotations
@@ -22,13 +29,14 @@ import json
 
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
-from engine.grammar import GrammarError, check
+from engine.grammar import GrammarError, SchemaError, check, close_objects
 from engine.sampling_params import StructuredOutput
 from router.errors import invalid
 from router.protocol import CompletionParams
 
 
-def _json_spec(schema: object, param: str) -> StructuredOutput:
+def _json_spec(schema: object, param: str, strict_name: str | None = None) -> StructuredOutput:
+    """``strict_name``: the ``json_schema.name`` of a strict ``response_format`` (None: not strict)."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
@@ -36,7 +44,13 @@ def _json_spec(schema: object, param: str) -> StructuredOutput:
             raise invalid(f"'{param}' is not valid JSON: {exc}.", param) from None
     if not isinstance(schema, (dict, bool)):
         raise invalid(f"'{param}' must be a JSON schema object.", param)
-    return StructuredOutput("json_schema", json.dumps(schema, sort_keys=True))
+    if strict_name is not None:
+        try:
+            schema = close_objects(schema, strict=True)
+        except SchemaError as exc:
+            raise invalid(f"Invalid schema for {param} '{strict_name}': {exc}", param,
+                          code="invalid_json_schema") from None
+    return StructuredOutput("json_schema", json.dumps(schema))
 
 
 def _grammar_spec(grammar: str, param: str) -> StructuredOutput:
@@ -57,7 +71,8 @@ def _sources(req: CompletionParams) -> list[tuple[str, StructuredOutput]]:
         if rf.json_schema is None or rf.json_schema.schema is None:
             raise invalid("'response_format' of type json_schema needs 'json_schema.schema'.",
                           "response_format")
-        found.append(("response_format", _json_spec(rf.json_schema.schema, "response_format")))
+        strict_name = rf.json_schema.name if rf.json_schema.strict else None
+        found.append(("response_format", _json_spec(rf.json_schema.schema, "response_format", strict_name)))
     if req.guided_json is not None:
         found.append(("guided_json", _json_spec(req.guided_json, "guided_json")))
     if req.guided_regex is not None:

@@ -17,10 +17,19 @@ content in the format above, and a ``tool`` message's content is wrapped in
 ``tool_choice``: ``none`` leaves the tools out of the prompt and the output
 unparsed; ``auto`` (the default when tools are given) renders them and parses
 whatever calls the model writes; ``required`` and a named function also
-constrain the output with a Lark grammar (``%json`` per function: the name as
-a constant, the arguments by the function's ``parameters`` schema; compact JSON
-as ``engine.grammar.JSON_OPTIONS`` writes it) to one call,
+constrain the output with a Lark grammar (per function: the name as a
+constant, the arguments a ``%json`` rule of their own by the function's
+``parameters`` schema, so its ``$defs`` and ``$ref`` resolve as written; compact
+JSON as ``engine.grammar.JSON_OPTIONS`` writes it) to one call,
 or one or more when ``parallel_tool_calls`` is true (the default).
+
+The arguments' schema is the function's ``parameters`` with its objects closed
+(``engine.grammar.close_objects``): undeclared keys are not admitted where the
+schema is silent about them, and with ``function.strict`` true every object
+admits exactly its declared properties, all required. A strict function whose
+``parameters`` cannot be held to that (or is no valid schema) is a 400 naming
+``tools[i].function.parameters``, whatever ``tool_choice`` says; under ``auto``
+the calls the model writes are parsed, not constrained.
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.grammar import JSON_OPTIONS
+from engine.grammar import JSON_OPTIONS, GrammarError, check, close_objects, lark_string
 from engine.sampling_params import StructuredOutput
 from router.errors import invalid
 from router.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, Tool
@@ -80,6 +89,7 @@ def mode_of(req: ChatCompletionRequest) -> ToolMode:
     names = [t.function.name for t in tools]
     if len(set(names)) != len(names):
         raise invalid("'tools' names must be unique.", "tools")
+    calls = [(t, arguments_schema(t, i)) for i, t in enumerate(tools)]
     if not tools:
         if choice not in (None, "none"):
             raise invalid("'tool_choice' needs 'tools'.", "tool_choice")
@@ -91,27 +101,43 @@ def mode_of(req: ChatCompletionRequest) -> ToolMode:
     if choice in (None, "auto"):
         return ToolMode(tools, True, True, None)
     if isinstance(choice, NamedToolChoice):
-        chosen = [t for t in tools if t.function.name == choice.function.name]
+        chosen = [(t, a) for t, a in calls if t.function.name == choice.function.name]
         if not chosen:
             raise invalid(f"'tool_choice' names {choice.function.name!r}, which is not in 'tools'.",
                           "tool_choice")
         grammar = call_grammar(chosen, many=False)
     else:
-        grammar = call_grammar(tools, many=req.parallel_tool_calls is not False)
+        grammar = call_grammar(calls, many=req.parallel_tool_calls is not False)
     if req.response_format is not None and req.response_format.type != "text":
         raise invalid("'response_format' cannot be combined with a required tool call.", "response_format")
     return ToolMode(tools, True, True, grammar)
 
 
-def _call_schema(tool: Tool) -> dict[str, object]:
+def arguments_schema(tool: Tool, index: int) -> dict[str, Any]:
+    """The schema ``tool``'s call arguments follow: its ``parameters`` (an empty object when none) with their
+    objects closed, strictly when ``function.strict``; a strict one is checked whole. A 400 naming
+    ``tools[index].function.parameters`` when it cannot be held to that."""
     params = tool.function.parameters or {"type": "object", "properties": {}}
-    return {"type": "object", "properties": {"name": {"const": tool.function.name}, "arguments": params},
-            "required": ["name", "arguments"], "additionalProperties": False, "x-guidance": JSON_OPTIONS}
+    strict = tool.function.strict is True
+    param = f"tools[{index}].function.parameters"
+    try:
+        closed = close_objects(params, strict=strict)
+        if strict:
+            check(StructuredOutput("json_schema", json.dumps(closed)))
+    except GrammarError as exc:
+        raise invalid(f"Invalid schema for function '{tool.function.name}': {exc}", param,
+                      code="invalid_json_schema") from None
+    return closed
 
 
-def call_grammar(tools: Sequence[Tool], many: bool) -> StructuredOutput:
-    """A Lark grammar: one tool call (``many``: one or more) of any of ``tools``, and nothing else."""
-    rules = [f"fn{i}: %json {json.dumps(_call_schema(t))}" for i, t in enumerate(tools)]
+def call_grammar(tools: Sequence[tuple[Tool, dict[str, Any]]], many: bool) -> StructuredOutput:
+    """A Lark grammar: one tool call (``many``: one or more) of any of ``tools`` (each with its
+    ``arguments_schema``), and nothing else."""
+    rules = []
+    for i, (tool, schema) in enumerate(tools):
+        head = lark_string('{"name": ' + json.dumps(tool.function.name) + ', "arguments": ')
+        args = {**schema, "x-guidance": JSON_OPTIONS}
+        rules += [f"fn{i}: {head} args{i} {lark_string('}')}", f"args{i}: %json {json.dumps(args)}"]
     alternatives = " | ".join(f"fn{i}" for i in range(len(tools)))
     start = "start: call+" if many else "start: call"
     lark = "\n".join([start, f"call: {json.dumps(OPEN)} ({alternatives}) {json.dumps(CLOSE)}", *rules])

@@ -17,7 +17,7 @@ import jsonschema
 import pytest
 import torch
 
-from engine.grammar import GrammarError, check
+from engine.grammar import GrammarError, SchemaError, check, close_objects
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams, StructuredOutput
 from engine.structured import MAX_ROLLBACK, unpack_bitmask
@@ -209,3 +209,60 @@ def test_logit_bias_forces_and_bans_tokens(llm: LLM) -> None:
     banned = llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0.0,
                                                  logit_bias=((free.token_ids[0], -100.0),)))[0]
     assert banned.token_ids[0] != free.token_ids[0]
+
+
+# a Pydantic-style schema: no ``additionalProperties``, ``is_capital`` optional
+CITY = {"type": "object", "title": "City", "properties": {
+    "name": {"type": "string", "maxLength": 40}, "country": {"type": "string", "maxLength": 40},
+    "is_capital": {"type": "boolean", "default": False}}, "required": ["name", "country"]}
+UNDECLARED = '{"name": "Rome", "country": "Italy", "population": 3}'
+WITHOUT_OPTIONAL = '{"name": "Rome", "country": "Italy"}'
+
+
+def _accepted_until_masked(llm: LLM, so: StructuredOutput, text: str) -> str | None:
+    """Feeds ``text``'s tokens to a fresh guide; the text before the first token the step's logit mask
+    sets to -inf (None when every token passes). The mask and the guide agree on every token."""
+    grammars, vocab = llm.engine.grammars, llm.engine.model_config.vocab_size
+    guide = grammars.guide(so)
+    ids = llm.tokenizer.encode(text)
+    for i, token in enumerate(ids):
+        masked = bool(grammars.apply(torch.zeros(1, vocab), [guide])[0, token].isinf())
+        assert masked is not guide.allows(token)
+        if masked:
+            return _text(llm, ids[:i])
+        assert guide.accept(token)
+    return None
+
+
+def test_undeclared_key_masked_strict_and_by_default_allowed_when_the_schema_says_so(llm: LLM) -> None:
+    strict = StructuredOutput("json_schema", json.dumps(close_objects(CITY, strict=True)))
+    default = StructuredOutput("json_schema", json.dumps(CITY))  # the engine closes its objects itself
+    open_ = StructuredOutput("json_schema", json.dumps({**CITY, "additionalProperties": True}))
+    typed = StructuredOutput("json_schema", json.dumps({**CITY, "additionalProperties": {"type": "string"}}))
+    before_key = '{"name": "Rome", "country": "Italy", "'
+    # strict: the undeclared key is masked at its first token, and every declared key is required
+    assert _accepted_until_masked(llm, strict, UNDECLARED) == before_key
+    assert _accepted_until_masked(llm, strict, WITHOUT_OPTIONAL) == '{"name": "Rome", "country": "Italy'
+    # not strict, the schema silent about other keys: masked too (vLLM's default); 'required' as written
+    assert _accepted_until_masked(llm, default, UNDECLARED) == before_key
+    assert _accepted_until_masked(llm, default, WITHOUT_OPTIONAL) is None
+    # not strict, the schema admits other keys: allowed, as it says
+    assert _accepted_until_masked(llm, open_, UNDECLARED) is None
+    assert _accepted_until_masked(llm, typed, UNDECLARED) == UNDECLARED[:-2]  # 3 is no string
+    assert _accepted_until_masked(llm, typed, UNDECLARED.replace("3", '"3"')) is None
+    with pytest.raises(SchemaError, match="'additionalProperties' admits undeclared properties"):
+        close_objects({**CITY, "additionalProperties": True}, strict=True)
+
+
+def test_strict_closes_objects_at_every_depth(llm: LLM) -> None:
+    """A nested object reached through ``$defs`` / ``$ref`` inside an array is closed like the root."""
+    schema = {"$defs": {"City": CITY}, "type": "object", "title": "Trip",
+              "properties": {"stops": {"type": "array", "items": {"$ref": "#/$defs/City"}, "maxItems": 2}},
+              "required": ["stops"]}
+    strict = StructuredOutput("json_schema", json.dumps(close_objects(schema, strict=True)))
+    nested = '{"stops": [' + UNDECLARED + "]}"
+    assert _accepted_until_masked(llm, strict, nested) == '{"stops": [{"name": "Rome", "country": "Italy", "'
+    assert _accepted_until_masked(llm, StructuredOutput("json_schema", json.dumps(schema)), nested) \
+        == '{"stops": [{"name": "Rome", "country": "Italy", "'
+    whole = '{"stops": [{"name": "Rome", "country": "Italy", "is_capital": true}]}'
+    assert _accepted_until_masked(llm, strict, whole) is None
