@@ -13,7 +13,7 @@ port), drives it with the same client as ``pdserve bench`` and stops it:
   ``shared-prefix``;
 - KV memory utilisation (tokens stored / token slots of the held blocks) sampled
   from ``/v1/workers`` during the ``mixed`` runs (and one with ``--block-size 8``);
-- the offline engine against transformers (``bench.offline``, small batch);
+- the offline engine against transformers (``bench.lab.offline``, small batch);
 - with ``--vllm``: then ``bench.compare_vllm`` (pdserve, disaggregated and
   colocated, against vLLM's CPU build on the same weights, ``random`` 256 -> 64
   at concurrency 1, 4 and 16), which updates its own block of the file.
@@ -77,9 +77,9 @@ def scenarios(c: Comparer) -> None:
 
 
 def offline(c: Comparer) -> dict[str, Any]:
-    """``bench.offline`` (the engine against transformers, one small batch) in a child process."""
+    """``bench.lab.offline`` (the engine against transformers, one small batch) in a child process."""
     out = c.args.out / "offline.json"
-    cmd = [sys.executable, "-m", "bench.offline", "--num-prompts", str(c.args.offline_prompts),
+    cmd = [sys.executable, "-m", "bench.lab.offline", "--num-prompts", str(c.args.offline_prompts),
            "--input-len", "256", "--output-len", "64", "--json", str(out)]
     print(f"compare: offline: {shlex.join(cmd[1:])}", file=sys.stderr)
     subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
@@ -178,7 +178,7 @@ def render(c: Comparer, offline_results: dict[str, Any] | None, started: str, co
         cfg = offline_results["config"]
         lines += ["### Offline engine against transformers", "", f"Machine: {started}. Model: {model}. "
                   f"Workload: {cfg['num_prompts']} random prompts of {cfg['input_len']} tokens. "
-                  f"Command: `python -m bench.offline --num-prompts {cfg['num_prompts']} --input-len "
+                  f"Command: `python -m bench.lab.offline --num-prompts {cfg['num_prompts']} --input-len "
                   f"{cfg['input_len']} --output-len {cfg['output_len']}` (one batch, greedy, same weights "
                   "and dtype; see the first section for the method).", "",
                   "| system | elapsed (s) | output tok/s |", "|---|---:|---:|"]

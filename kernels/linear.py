@@ -22,7 +22,7 @@ Kernels (``kernel=``): ``"plain"`` is ``F.linear`` (torch's default, the
 - ``1 < rows <= LARGE_ROWS``: oneDNN's inner product (``torch.ops.mkldnn._linear_pointwise``):
   with 2 threads about 2x torch's default on the LM head at 16 and 64 rows, with
   1 thread the same as torch's default; on the decoder's small shapes within the
-  noise of the other candidates (``python -m bench.linear_kernels``).
+  noise of the other candidates (``python -m bench.lab.linear_kernels``).
 - ``rows > LARGE_ROWS`` (prefill chunks), whatever the kernel: the product ``LARGE_PRODUCT`` names,
   fixed per machine (``large_product``): torch's default (MKL's SGEMM on the ``[out, in]`` weight) on
   Intel CPUs, oneDNN's inner product on other x86 CPUs. MKL takes its AVX-512 SGEMM on Intel CPUs
@@ -47,7 +47,7 @@ sums, the next weight panels prefetched while it computes. Each output is one FM
 over ``in``, so a row's result does not depend on the other rows or the row count: a
 token rounds alike in a prompt chunk, a decode step, on either side of a disaggregated
 handoff. Measured on a 2-core AMD EPYC (Zen 5, AVX-512), every product of SmolLM2-135M
-(``bench.linear_kernels``; docs/benchmarks.md, "One packed product for every row count"):
+(``bench.lab.linear_kernels``; docs/benchmarks.md, "One packed product for every row count"):
 at 16 rows, 2 threads, weights from DRAM, 11.6 ms against 20.4 for the previous native
 kernel (the ``[out, in]`` weight read in place) and 27.7 for oneDNN; at 1 row 6.5 against
 7.2; prompt-sized products (256 rows and more) about 10% ahead of oneDNN's. Where the
