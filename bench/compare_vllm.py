@@ -72,7 +72,7 @@ def _ratio(a: float, b: float) -> str:
 
 
 def render(runs: dict[str, Run], concurrency: list[int], started: str, command: str, duration: float) -> str:
-    lines = [BEGIN, "", "### Against vLLM (CPU build)", "",
+    lines = [BEGIN, "", "## Against vLLM's CPU build: one pass", "",
              f"Regenerate with `{command}`. Machine: {started}. Workload: `random` "
              f"{RANDOM_VLLM['input_len']:g} -> {RANDOM_VLLM['output_len']:g} tokens, float32, "
              f"{duration:g} s of load per run, the same client (`pdserve bench`'s); "
