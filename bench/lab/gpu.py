@@ -4,7 +4,7 @@ Prints the GPU, driver and library versions, then on a Llama-3-8B-shaped model w
 bf16 weights (no download):
 
 * decode tokens/s at batch 1, 16, 64 and 256 with 1024 tokens of context each, against the
-  HBM roofline ``(weight bytes + KV bytes read) / bandwidth`` (docs: DESIGN.md, performance model),
+  HBM roofline ``(weight bytes + KV bytes read) / bandwidth`` (the step's lower bound),
   run eagerly and, when the backend can be captured (Triton), replayed from the engine's CUDA
   graphs (``engine/graph_runner.py``: the step padded into static buffers, one graph per bucket);
 * prefill tokens/s and MFU for one 8192-token prompt (``2 x params x tokens / peak FLOP/s``);
