@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The simulator against real runs on this machine (docs/benchmarks.md, "Simulator against real runs").
+# The simulator against real runs on this machine (docs/benchmarks.md, "The simulator against real runs").
 #
 # 1. `pdserve profile --quick` measures one worker's engine and a NIXL read here;
 # 2. for each P:D in $CONFIGS: `pdserve serve` on its own local Ray, `pdserve profile --calibrate` once
