@@ -1,4 +1,6 @@
-"""Benchmarks: offline throughput against Hugging Face transformers, load generation."""
+"""What users run against a server: the load generator of ``pdserve bench``, the chaos soak
+(``python -m bench.chaos``) and the serving comparisons that rewrite their sections of docs/benchmarks.md;
+``bench.lab``: benchmarks of one layer each (docs/load_testing.md)."""
 
 import os
 

@@ -32,8 +32,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench.compare import ROOT, Comparer, _free_port, machine, pdserve_cmd, server
 from bench.compare_vllm import RANDOM_VLLM, SYSTEMS, vllm_server
+from bench.comparer import Comparer
+from bench.sections import machine
+from bench.servers import ROOT, free_port, pdserve_cmd, server
 from bench.tokenizer import load_tokenizer
 from bench.workloads import WordSource
 
@@ -61,7 +63,7 @@ def _serve(c: Comparer, tag: str, words: tuple[str, ...] | None) -> contextlib.A
     if words is None:
         return vllm_server(c.args.out, log)
     env, flags = split_env(words)
-    port = _free_port()
+    port = free_port()
     cmd = pdserve_cmd(port, *flags)
     return server(["env", *env, *cmd] if env else cmd, f"http://127.0.0.1:{port}", log)
 

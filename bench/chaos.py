@@ -35,7 +35,6 @@ import os
 import random
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -48,6 +47,7 @@ import httpx
 from bench.chaos_checks import Check, index_agreement, ray_census, rss_checks, rss_table, settle, workers
 from bench.chaos_load import Outcome, Spec, Variant, make_specs, pick_variant, send
 from bench.chaos_report import Report, render, summarize
+from bench.servers import ROOT, free_port, pdserve_cmd
 
 SERVE_FLAGS = ("--num-prefill", "2", "--num-decode", "2", "--max-restarts", "1000", "--worker-cpus", "0.5",
                "--torch-threads", "1", "--kv-cache-memory", "256M", "--linear-kernel", "plain")
@@ -281,24 +281,18 @@ def _answer(resp: httpx.Response | None) -> dict[str, Any]:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def start_server(cfg: ChaosConfig, extra: list[str], log_path: Path, ready_timeout: float = 300.0) \
         -> tuple[subprocess.Popen[bytes], str]:
     """``pdserve serve`` (2 prefill + 2 decode) on this process's Ray; (process, url) once healthy."""
     import ray
 
-    port = _free_port()
+    port = free_port()
     inject = ("--inject-transfer-failures", str(cfg.transfer_failures)) if cfg.faults else ()
-    cmd = [sys.executable, "-m", "cli.main", "serve", "--port", str(port), "--api-key", API_KEY,
-           "--address", str(ray.get_runtime_context().gcs_address), *SERVE_FLAGS, *inject, *extra]
+    cmd = pdserve_cmd(port, "--api-key", API_KEY, "--address", str(ray.get_runtime_context().gcs_address),
+                      *SERVE_FLAGS, *inject, *extra)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     with log_path.open("wb") as log:
-        proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1], env=env, stdout=log,
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + ready_timeout

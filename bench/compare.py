@@ -13,7 +13,7 @@ port), drives it with the same client as ``pdserve bench`` and stops it:
   ``shared-prefix``;
 - KV memory utilisation (tokens stored / token slots of the held blocks) sampled
   from ``/v1/workers`` during the ``mixed`` runs (and one with ``--block-size 8``);
-- the offline engine against transformers (``bench.offline``, small batch);
+- the offline engine against transformers (``bench.lab.offline``, small batch);
 - with ``--vllm``: then ``bench.compare_vllm`` (pdserve, disaggregated and
   colocated, against vLLM's CPU build on the same weights, ``random`` 256 -> 64
   at concurrency 1, 4 and 16), which updates its own block of the file.
@@ -26,94 +26,26 @@ the raw summaries go to ``--out`` (default bench_out/compare).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import platform
 import shlex
 import signal
-import socket
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
-
-from bench.client import BenchConfig, run_bench
-from bench.report import metrics_summary, plot_latency_cdfs, plot_timeline, write_json
-from bench.stats import RequestRecord, parse_slo, summarize
+from bench import compare_vllm
+from bench.comparer import SLO_SPEC, Comparer, Run, ms
+from bench.report import plot_latency_cdfs, plot_timeline
+from bench.sections import machine, replace_section
+from bench.servers import ROOT
 from bench.tokenizer import load_tokenizer
-from bench.workloads import WordSource, describe, make_workload
+from bench.workloads import WordSource
 
-ROOT = Path(__file__).resolve().parents[1]
 BEGIN, END = "<!-- bench-compare:begin -->", "<!-- bench-compare:end -->"
-SLO_SPEC = "ttft=2s,itl=250ms"
 SHARED: dict[str, float] = {"num_prefixes": 8, "questions_per_prefix": 8, "prefix_len": 1024,
                             "question_len": 32, "output_len": 16, "share": 1.0}
-
-
-@dataclass
-class Run:
-    name: str
-    workload: str
-    load: str
-    summary: dict[str, Any]
-    records: list[RequestRecord] = field(repr=False)
-    samples: list[dict[str, float]] = field(repr=False)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _ready(url: str) -> bool:
-    """``/health`` answers 200 (pdserve: all workers up), or there is no /health and /v1/models answers."""
-    try:
-        health = httpx.get(f"{url}/health", timeout=2).status_code
-        if health == 404:
-            return httpx.get(f"{url}/v1/models", timeout=2).status_code == 200
-        return health == 200
-    except httpx.HTTPError:
-        return False
-
-
-@contextlib.contextmanager
-def server(cmd: list[str], url: str, log: Path, ready_timeout: float = 600.0) -> Iterator[str]:
-    """Run ``cmd`` (a server, in its own process group) until the block ends; yields ``url`` once ready."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    with log.open("wb") as f:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    try:
-        deadline = time.monotonic() + ready_timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}; see {log}")
-            if _ready(url):
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"server not ready within {ready_timeout:.0f} s; see {log}")
-            time.sleep(1.0)
-        yield url
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
-
-
-def pdserve_cmd(port: int, *flags: str) -> list[str]:
-    return [sys.executable, "-m", "cli.main", "serve", "--port", str(port), *flags]
 
 
 def bench_cmd(workload: str, params: dict[str, float], load: str, duration: float) -> str:
@@ -125,96 +57,48 @@ def bench_cmd(workload: str, params: dict[str, float], load: str, duration: floa
             f"--slo {SLO_SPEC}")
 
 
-class Comparer:
-    def __init__(self, args: argparse.Namespace, words: WordSource) -> None:
-        self.args, self.words = args, words
-        self.runs: dict[str, Run] = {}
-        self.warm: set[str] = set()
-
-    def bench(self, url: str, name: str, workload: str, params: dict[str, float], load: str,
-              duration: float | None = None) -> Run:
-        """Run one load (``c4`` = concurrency 4, ``r0.5`` = rate 0.5/s) for ``duration`` seconds (default:
-        ``--duration``) and keep its results."""
-        models = httpx.get(f"{url}/v1/models", timeout=30).json()["data"]
-        if url not in self.warm:  # one short untimed request first: lazy initialisation is not measured
-            self.warm.add(url)
-            httpx.post(f"{url}/v1/completions", timeout=600,
-                       json={"model": models[0]["id"], "prompt": "Hello", "max_tokens": 4})
-        wl = make_workload(workload, params)
-        conc = int(load[1:]) if load.startswith("c") else None
-        rate = float(load[1:]) if load.startswith("r") else None
-        cfg = BenchConfig(url=url, model=models[0]["id"], duration=duration or self.args.duration, rate=rate,
-                          concurrency=conc, seed=0, metrics_interval=1.0, progress=not self.args.quiet,
-                          drain_timeout=max(60.0, self.args.duration))
-        print(f"compare: {name}: {workload} {load} for {cfg.duration:g} s", file=sys.stderr)
-        result = run_bench(cfg, wl.sessions(self.words, 0), self.words.count)
-        summary = summarize(result.records, result.duration, parse_slo(SLO_SPEC))
-        summary["config"] = {"workload": describe(wl), "load": load, "duration_s": cfg.duration}
-        summary["server_metrics"] = metrics_summary(result.samples)
-        run = Run(name, workload, load, summary, result.records, result.samples)
-        self.runs[name] = run
-        write_json(self.args.out / f"{name}.json", summary)
-        return run
-
-    def pdserve(self, tag: str, *flags: str) -> contextlib.AbstractContextManager[str]:
-        port = _free_port()
-        return server(pdserve_cmd(port, *flags), f"http://127.0.0.1:{port}", self.args.out / f"{tag}.log")
-
-    def scenarios(self) -> None:
-        shared_kv = ("--kv-cache-memory", "256M")
-        with self.pdserve("disagg") as url:
-            self.bench(url, "disagg_mixed", "mixed", {}, "c4")
-            self.bench(url, "disagg_shared_caching", "shared-prefix", SHARED, "c4")
-        with self.pdserve("colocated", "--num-prefill", "0", "--num-decode", "2") as url:
-            self.bench(url, "colocated_mixed", "mixed", {}, "c4")
-        with self.pdserve("disagg_bs8", "--block-size", "8") as url:
-            self.bench(url, "disagg_mixed_bs8", "mixed", {}, "c4")
-        with self.pdserve("prefix", "--num-prefill", "0", "--num-decode", "2", *shared_kv) as url:
-            self.bench(url, "routing_prefix", "shared-prefix", SHARED, "c4")
-        with self.pdserve("round_robin", "--num-prefill", "0", "--num-decode", "2", "--routing",
-                          "round-robin", *shared_kv) as url:
-            self.bench(url, "routing_round_robin", "shared-prefix", SHARED, "c4")
-        with self.pdserve("no_caching", "--no-enable-prefix-caching") as url:
-            self.bench(url, "disagg_shared_no_caching", "shared-prefix", SHARED, "c4")
-
-    def offline(self) -> dict[str, Any] | None:
-        out = self.args.out / "offline.json"
-        cmd = [sys.executable, "-m", "bench.offline", "--num-prompts", str(self.args.offline_prompts),
-               "--input-len", "256", "--output-len", "64", "--json", str(out)]
-        print(f"compare: offline: {shlex.join(cmd[1:])}", file=sys.stderr)
-        subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
-        data: dict[str, Any] = json.loads(out.read_text())
-        return data
+def scenarios(c: Comparer) -> None:
+    """Every serving scenario, one server at a time."""
+    shared_kv = ("--kv-cache-memory", "256M")
+    with c.pdserve("disagg") as url:
+        c.bench(url, "disagg_mixed", "mixed", {}, "c4")
+        c.bench(url, "disagg_shared_caching", "shared-prefix", SHARED, "c4")
+    with c.pdserve("colocated", "--num-prefill", "0", "--num-decode", "2") as url:
+        c.bench(url, "colocated_mixed", "mixed", {}, "c4")
+    with c.pdserve("disagg_bs8", "--block-size", "8") as url:
+        c.bench(url, "disagg_mixed_bs8", "mixed", {}, "c4")
+    with c.pdserve("prefix", "--num-prefill", "0", "--num-decode", "2", *shared_kv) as url:
+        c.bench(url, "routing_prefix", "shared-prefix", SHARED, "c4")
+    with c.pdserve("round_robin", "--num-prefill", "0", "--num-decode", "2", "--routing",
+                   "round-robin", *shared_kv) as url:
+        c.bench(url, "routing_round_robin", "shared-prefix", SHARED, "c4")
+    with c.pdserve("no_caching", "--no-enable-prefix-caching") as url:
+        c.bench(url, "disagg_shared_no_caching", "shared-prefix", SHARED, "c4")
 
 
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    return f"{cpu}, {os.cpu_count()} cores, load average {load:.1f} at the start"
-
-
-def _ms(run: Run, key: str, q: str = "p50_ms") -> str:
-    v = run.summary[key][q]
-    return "-" if v is None or v != v else f"{v:,.0f}"
+def offline(c: Comparer) -> dict[str, Any]:
+    """``bench.lab.offline`` (the engine against transformers, one small batch) in a child process."""
+    out = c.args.out / "offline.json"
+    cmd = [sys.executable, "-m", "bench.lab.offline", "--num-prompts", str(c.args.offline_prompts),
+           "--input-len", "256", "--output-len", "64", "--json", str(out)]
+    print(f"compare: offline: {shlex.join(cmd[1:])}", file=sys.stderr)
+    subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+    data: dict[str, Any] = json.loads(out.read_text())
+    return data
 
 
 def _row(run: Run, label: str) -> str:
     s = run.summary
     return (f"| {label} | {s['completed']}/{s['requests']} | {s['request_throughput']:.2f} | "
-            f"{s['output_throughput']:.1f} | {_ms(run, 'ttft')} | {_ms(run, 'ttft', 'p90_ms')} | "
-            f"{_ms(run, 'itl')} | {_ms(run, 'e2e')} | {s['goodput']:.2f} | {s['slo_attainment']:.0%} |")
+            f"{s['output_throughput']:.1f} | {ms(run, 'ttft')} | {ms(run, 'ttft', 'p90_ms')} | "
+            f"{ms(run, 'itl')} | {ms(run, 'e2e')} | {s['goodput']:.2f} | {s['slo_attainment']:.0%} |")
 
 
 HEADER = ("| setup | ok/sent | req/s | output tok/s | TTFT p50 (ms) | TTFT p90 (ms) | ITL p50 (ms) | "
           "E2E p50 (ms) | goodput (req/s) | SLO met |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
 
-def render(c: Comparer, offline: dict[str, Any] | None, started: str, command: str) -> str:
+def render(c: Comparer, offline_results: dict[str, Any] | None, started: str, command: str) -> str:
     r, a = c.runs, c.args
     img = a.doc.parent / "img"
     img.mkdir(parents=True, exist_ok=True)
@@ -290,33 +174,20 @@ def render(c: Comparer, offline: dict[str, Any] | None, started: str, command: s
         lines += ["", f"![KV usage and queue depth over time]({rel}/compare_kv_mixed.png)"]
     lines.append("")
 
-    if offline is not None:
-        cfg = offline["config"]
+    if offline_results is not None:
+        cfg = offline_results["config"]
         lines += ["### Offline engine against transformers", "", f"Machine: {started}. Model: {model}. "
                   f"Workload: {cfg['num_prompts']} random prompts of {cfg['input_len']} tokens. "
-                  f"Command: `python -m bench.offline --num-prompts {cfg['num_prompts']} --input-len "
+                  f"Command: `python -m bench.lab.offline --num-prompts {cfg['num_prompts']} --input-len "
                   f"{cfg['input_len']} --output-len {cfg['output_len']}` (one batch, greedy, same weights "
-                  "and dtype; see the first section for the method).", "",
+                  "and dtype; the method of \"Offline throughput against transformers\").", "",
                   "| system | elapsed (s) | output tok/s |", "|---|---:|---:|"]
-        for res in offline["results"]:
+        for res in offline_results["results"]:
             lines.append(f"| {res['system']} | {res['elapsed_s']:.1f} | {res['output_tokens_per_s']:.1f} |")
         lines.append("")
 
     lines += [END]
     return "\n".join(lines)
-
-
-def replace_section(doc: Path, section: str, begin: str = BEGIN, end: str = END) -> None:
-    """Put ``section`` (which carries the markers) where the ``begin``..``end`` markers stand in ``doc``, or
-    at its end."""
-    text = doc.read_text() if doc.is_file() else "# Benchmarks\n"
-    if begin in text and end in text:
-        head, rest = text.split(begin, 1)
-        tail = rest.split(end, 1)[1]
-        text = head + section + tail
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    doc.write_text(text)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -341,12 +212,10 @@ def main(argv: list[str] | None = None) -> int:
         [x for x in (argv if argv is not None else sys.argv[1:]) if x not in ("--quiet",)])
     started = machine()
     comparer = Comparer(args, WordSource(load_tokenizer(None)))
-    comparer.scenarios()
-    offline = None if args.skip_offline else comparer.offline()
-    replace_section(args.doc, render(comparer, offline, started, command.strip()))
+    scenarios(comparer)
+    results = None if args.skip_offline else offline(comparer)
+    replace_section(args.doc, render(comparer, results, started, command.strip()), BEGIN, END)
     if args.vllm:
-        from bench import compare_vllm
-
         concurrency = [1, 4, 16]
         compare_vllm.run_all(comparer, concurrency)
         replace_section(args.doc, compare_vllm.render(comparer.runs, concurrency, machine(),

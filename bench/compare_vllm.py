@@ -2,7 +2,7 @@
 
     python -m bench.compare_vllm [--duration 60] [--concurrency 1 4 16] [--doc docs/benchmarks.md]
 
-Three servers, one after another, each driven by ``bench.compare``'s client with
+Three servers, one after another, each driven by ``pdserve bench``'s client (``bench.comparer``) with
 ``random`` 256 -> 64 tokens (greedy, ``ignore_eos``) at each concurrency, after one
 untimed warm-up request:
 
@@ -29,7 +29,9 @@ import signal
 import sys
 from pathlib import Path
 
-from bench.compare import ROOT, Comparer, Run, _free_port, _ms, machine, replace_section, server
+from bench.comparer import Comparer, Run, ms
+from bench.sections import machine, replace_section
+from bench.servers import ROOT, free_port, server
 from bench.tokenizer import load_tokenizer
 from bench.workloads import WordSource
 
@@ -49,7 +51,7 @@ def vllm_server(out: Path, log: Path) -> contextlib.AbstractContextManager[str]:
         from bench.export_hf import export_hf
 
         export_hf(None, hf)
-    port = _free_port()
+    port = free_port()
     cmd = ["bash", str(ROOT / "scripts" / "vllm_cpu.sh"), "serve", str(hf), str(port)]
     return server(cmd, f"http://127.0.0.1:{port}", log, ready_timeout=900)
 
@@ -70,7 +72,7 @@ def _ratio(a: float, b: float) -> str:
 
 
 def render(runs: dict[str, Run], concurrency: list[int], started: str, command: str, duration: float) -> str:
-    lines = [BEGIN, "", "### Against vLLM (CPU build)", "",
+    lines = [BEGIN, "", "## Against vLLM's CPU build: one pass", "",
              f"Regenerate with `{command}`. Machine: {started}. Workload: `random` "
              f"{RANDOM_VLLM['input_len']:g} -> {RANDOM_VLLM['output_len']:g} tokens, float32, "
              f"{duration:g} s of load per run, the same client (`pdserve bench`'s); "
@@ -94,7 +96,7 @@ def render(runs: dict[str, Run], concurrency: list[int], started: str, command: 
             s = run.summary
             lines.append(f"| {conc} | {label} | {s['completed']}/{s['requests']} | "
                          f"{s['output_throughput']:.1f} | {_ratio(s['output_throughput'], base)} | "
-                         f"{_ms(run, 'itl')} | {_ms(run, 'ttft')} |")
+                         f"{ms(run, 'itl')} | {ms(run, 'ttft')} |")
     lines += ["", END]
     return "\n".join(lines)
 

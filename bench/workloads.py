@@ -11,7 +11,8 @@ Prompt text is built from "word tokens": vocabulary entries that decode to a
 space and 3-10 lowercase letters and encode back to themselves, so ``n`` of them
 joined encode to ``n`` tokens (the tokenizer splits on spaces first). Token counts
 stated here are those of the user/system text, before any chat template adds its
-own tokens. The same ``seed`` and parameters give the same sessions.
+own tokens. The same ``seed`` and parameters give the same sessions. The workloads' names,
+parameters and defaults are ``planner/workload_params.py``'s, shared with the simulator.
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
+
+from planner.workload_params import WORKLOADS as WORKLOADS
+from planner.workload_params import parse_params as parse_params
+from planner.workload_params import workload_params
 
 WORD_RE = re.compile(r"^ [a-z]{3,10}$")
 
@@ -239,53 +244,15 @@ def _copy_heavy(words: WordSource, rng: random.Random, p: dict[str, float]) -> I
         yield Session("chat", (Turn(text, n_out, words.count(text)),), label=label)
 
 
-DEFAULTS: dict[str, dict[str, float]] = {
-    "random": {"input_len": 256, "output_len": 64},
-    "shared-prefix": {"num_prefixes": 8, "questions_per_prefix": 16, "prefix_len": 512, "question_len": 32,
-                      "output_len": 32, "share": 1.0},
-    "multi-turn": {"turns": 4, "user_len": 64, "output_len": 64},
-    "long-context": {"context_len": 2048, "output_len": 32, "margin": 64},
-    "mixed": {"rag_share": 0.2, "short_min": 16, "short_max": 128, "rag_min": 768, "rag_max": 1536,
-              "rag_system_len": 64, "output_min": 16, "output_max": 128},
-    "copy-heavy": {"sentences": 8, "functions": 3, "code_share": 0.5, "output_len": 128},
-}
 MAKERS: dict[str, Callable[[WordSource, random.Random, dict[str, float]], Iterator[Session]]] = {
     "random": _random, "shared-prefix": _shared_prefix, "multi-turn": _multi_turn,
     "long-context": _long_context, "mixed": _mixed, "copy-heavy": _copy_heavy,
 }
-WORKLOADS = tuple(DEFAULTS)
-
-
-def parse_params(items: Sequence[str]) -> dict[str, float]:
-    """``["input_len=128", "share=0.5"]`` -> ``{"input_len": 128.0, "share": 0.5}``.
-
-    ValueError names the bad item."""
-    out: dict[str, float] = {}
-    for item in items:
-        for part in filter(None, item.split(",")):
-            key, sep, value = part.partition("=")
-            try:
-                if not sep:
-                    raise ValueError
-                out[key.strip().replace("-", "_")] = float(value)
-            except ValueError:
-                raise ValueError(f"--param: expected KEY=NUMBER, got {part!r}") from None
-    return out
 
 
 def make_workload(name: str, params: dict[str, float] | None = None) -> Workload:
     """The workload ``name`` with ``params`` over its defaults; ValueError for an unknown name or key."""
-    if name not in DEFAULTS:
-        raise ValueError(f"--workload: unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
-    merged = dict(DEFAULTS[name])
-    for key, value in (params or {}).items():
-        if key not in merged:
-            raise ValueError(f"--param: workload {name!r} has no parameter {key!r}; "
-                             f"it has {', '.join(sorted(merged))}")
-        if value < 0:
-            raise ValueError(f"--param: {key} must be >= 0, got {value}")
-        merged[key] = value
-    return Workload(name, merged, MAKERS[name])
+    return Workload(name, workload_params(name, params), MAKERS[name])
 
 
 def describe(workload: Workload) -> dict[str, Any]:

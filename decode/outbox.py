@@ -1,10 +1,10 @@
 """Outbox: a decode worker's output channels, the worker's end (the router's is ``router.channel``).
 
-Why: a Ray stream item costs ~0.25 ms of CPU in the worker and ~0.45 ms in the router (gRPC, object
-bookkeeping; ``python -m bench.ray_items``), and one stream per request sent one item per request per
-engine step: at 16 requests 16 items a step, on the cores the engine computes on (docs/benchmarks.md,
-"One output channel per decode worker; ..."). A channel carries every item made in one turn of the
-worker's event loop as one ``OutputFrame``: one Ray item a step, whatever the batch.
+Why: every Ray stream item costs CPU in the worker and in the router (gRPC, object bookkeeping), on
+the cores the engine computes on, and one stream per request would send one item per request per
+engine step. A channel carries every item made in one turn of the worker's event loop as one
+``OutputFrame``: one Ray item a step, whatever the batch (figures: docs/benchmarks.md, "One output
+channel per decode worker").
 
 Contract:
 

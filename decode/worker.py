@@ -1,6 +1,6 @@
 """DecodeWorker: reserves KV for a prompt, pulls the missing blocks, and decodes with continuous batching.
 
-Contract (DESIGN.md steps 3, 5, 6): one call per attempt. ``generate(request,
+Contract (docs/architecture.md, "One request, hop by hop"): one call per attempt. ``generate(request,
 prefill)`` streams ``TokenBatch`` bytes until one is ``finished``, or one
 ``WorkerError`` and nothing after it. ``submit(channel, stream, request,
 prefill)`` runs the same attempt with the same items sent on an output channel

@@ -33,10 +33,9 @@ reads from ``GET /v1/workers``.
 One engine thread (``EngineThread``): the engine is built, stepped, read and mutated on one thread
 of its own, never on the event loop's or a pool's. libgomp keeps one thread team per thread that
 opens a parallel region, and once a process holds more OpenMP threads than it has CPUs, every team
-spins only ~100 times at a barrier before it sleeps in the kernel. A model loaded on the actor's
-thread and stepped on ``asyncio.to_thread``'s pool left two teams in a two-CPU worker: the one-call
-decoder's ~240 barriers a step then slept and woke ~3,000 times a second per thread, and a batch-1
-step took 33 ms served against 24 ms alone (docs/benchmarks.md, "One engine thread").
+sleeps in the kernel at a barrier after a short spin: a second team (a model loaded on one thread and
+stepped on another) makes the native decoder's barriers sleep and wake every step. Figures:
+docs/benchmarks.md, "One engine thread".
 """
 
 from __future__ import annotations

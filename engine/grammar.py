@@ -3,9 +3,8 @@
 llguidance rather than xgrammar (both tried on this tokenizer): it needs no torch, triton or
 TVM runtime, so the router validates a spec without loading either; its grammars are lazy, so
 a large schema costs milliseconds to "compile"; Lark with embedded ``%json`` expresses tool calls
-directly; and its masks cost well under a millisecond per row. xgrammar computed one mask about
-ten times faster (about 0.01 ms against 0.1 ms on a JSON schema), which is far below the
-step's other costs either way.
+directly; and its masks cost well under a millisecond per row. xgrammar computes a mask faster,
+but either is far below the step's other costs.
 
 Pure Python over llguidance (no torch, no tokenizer), so the router can refuse a
 bad schema with a 400 before any worker sees it, and the workers build exactly

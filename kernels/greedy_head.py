@@ -2,7 +2,7 @@
 product over the few features that can still win.
 
 A greedy decode step needs only each row's argmax of ``x @ W.T``, yet the float32 product streams the
-whole ``[vocab, hidden]`` weight (SmolLM2: 113 MB, ~15% of a one-thread decode step). ``GreedyHead``
+whole ``[vocab, hidden]`` weight (SmolLM2: 113 MB, a fifth of its weights). ``GreedyHead``
 keeps an IEEE half copy ``Q`` of ``W`` (half the bytes) and, per step:
 
 1. screen (``cpu_greedy.c``): ``y = x @ Q.T`` in float32 arithmetic (the half weights converted as read);

@@ -12,46 +12,27 @@
 - the kernel used depends only on ``rows``, never on timing, so a run is
   deterministic for a given batch shape.
 
-Kernels (``kernel=``): ``"plain"`` is ``F.linear`` (torch's default, the
-"before" configuration); ``"prepacked"`` (the default on CPU fp32 before ``"native"``, below) is:
+Kernels (``kernel=``):
 
-- ``rows == 1``: MKL's packed SGEMM (``torch.ops.mkl._mkl_linear`` on a
-  weight packed by ``_mkl_reorder_linear_weight`` for one row). torch's default
-  takes a GEMV path that reads the ``[out, in]`` weight at 14 GB/s on the 49,152 x 576
-  LM head here; the packed product streams it at the read-bandwidth floor (~3x faster).
-- ``1 < rows <= LARGE_ROWS``: oneDNN's inner product (``torch.ops.mkldnn._linear_pointwise``):
-  with 2 threads about 2x torch's default on the LM head at 16 and 64 rows, with
-  1 thread the same as torch's default; on the decoder's small shapes within the
-  noise of the other candidates (``python -m bench.linear_kernels``).
-- ``rows > LARGE_ROWS`` (prefill chunks), whatever the kernel: the product ``LARGE_PRODUCT`` names,
-  fixed per machine (``large_product``): torch's default (MKL's SGEMM on the ``[out, in]`` weight) on
-  Intel CPUs, oneDNN's inner product on other x86 CPUs. MKL takes its AVX-512 SGEMM on Intel CPUs
-  only: on the 2-core Intel Xeon (AVX-512, 2 threads, the decoder's four shapes x 30 layers) it took
-  815 ms at 1,371 rows against oneDNN's 933, and was 5-12% ahead from 128 rows up; on a 2-core AMD
-  EPYC (Zen 5, AVX-512, 1 thread) it ran the same shapes at 103-106 GFLOP/s (the AVX2 FMA rate)
-  against oneDNN's 200-229, and a 256-token prompt chunk took 587 ms against 289 (docs/benchmarks.md,
-  "Prompt chunks on oneDNN's product off Intel CPUs"). ``PDSERVE_LARGE_PRODUCT=mkl|onednn`` picks one
-  by hand (``pdserve serve`` passes its value to every worker: one deployment's prompts must round
-  alike, or disaggregated and colocated outputs may differ).
+- ``"native"`` (the engine's default) packs the weight once into the native library's panels
+  (``kernels.native_ops.NativeOps.pack``: ``[ceil(out / 16), in, 16]``, a copy of the weight's size)
+  and takes every row count with ``NativeOps.packed_linear``: a register tile of 8 rows x 48 features
+  (AVX-512; 6 x 16 otherwise) with no horizontal sums. Each output is one FMA chain over ``in``, so a
+  row's result does not depend on the other rows or the row count: a token rounds alike in a prompt
+  chunk, a decode step, and on either side of a disaggregated handoff. Where the native library cannot
+  be built it is ``"prepacked"``.
+- ``"prepacked"``: at one row MKL's packed SGEMM (``torch.ops.mkl._mkl_linear`` on a weight packed by
+  ``_mkl_reorder_linear_weight`` for one row: one more copy of each weight, and MKL's packed product
+  serves only the row count it was packed for); up to ``LARGE_ROWS`` rows oneDNN's inner product
+  (``torch.ops.mkldnn._linear_pointwise``); above (prompt chunks) the product ``LARGE_PRODUCT`` names,
+  fixed per machine by ``large_product``: torch's default (MKL's SGEMM) on Intel CPUs, where MKL takes
+  its AVX-512 path, and oneDNN's inner product on other x86 CPUs, where MKL runs at the AVX2 rate.
+  ``PDSERVE_LARGE_PRODUCT=mkl|onednn`` picks one by hand (``pdserve serve`` passes its value to every
+  worker: one deployment's prompts must round alike, or disaggregated and colocated outputs may differ).
+- ``"plain"``: ``F.linear`` (torch's default). Other dtypes and devices always use it.
 
-The packed MKL copy costs one more copy of each weight (for SmolLM2-135M fp32:
-+538 MB); MKL's packed product only serves the row count it was packed for
-(other row counts fall back to torch's default), so only the single-row pack is
-kept. Other dtypes and devices use ``"plain"``.
-
-``"native"`` (the engine's default) packs the weight once into the native library's
-panels (``kernels.native_ops.NativeOps.pack``: ``[ceil(out / 16), in, 16]``, a copy of
-the weight's size) and takes every row count with ``NativeOps.packed_linear``: a
-register tile of 8 rows x 48 features (AVX-512; 6 x 16 otherwise) with no horizontal
-sums, the next weight panels prefetched while it computes. Each output is one FMA chain
-over ``in``, so a row's result does not depend on the other rows or the row count: a
-token rounds alike in a prompt chunk, a decode step, on either side of a disaggregated
-handoff. Measured on a 2-core AMD EPYC (Zen 5, AVX-512), every product of SmolLM2-135M
-(``bench.linear_kernels``; docs/benchmarks.md, "One packed product for every row count"):
-at 16 rows, 2 threads, weights from DRAM, 11.6 ms against 20.4 for the previous native
-kernel (the ``[out, in]`` weight read in place) and 27.7 for oneDNN; at 1 row 6.5 against
-7.2; prompt-sized products (256 rows and more) about 10% ahead of oneDNN's. Where the
-native library cannot be built it is ``"prepacked"``.
+Figures for each kernel, per row count: docs/benchmarks.md ("One packed product for every row count",
+"Prompt chunks on oneDNN's product off Intel CPUs"), measured with ``python -m bench.lab.linear_kernels``.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ overwritten with the exact K/V, and a prefill chunk gets its exact K/V as
 masked). Since a token's own K/V is always computed in the step that attends
 with it, the result does not depend on how the prompt was chunked or whether a
 prefix came from the cache, and it is more accurate than reading the own token
-back from the codes (docs/benchmarks.md).
+back from the codes.
 
 GQA never repeats K/V: the query heads of one KV head are folded into the query
 length, ``[n, kv_heads, q_len * q_per_kv, head_dim]``, and the mask rows are

@@ -35,8 +35,8 @@ on a running server.
    overhead. The decode steps are priced at their mean batch (the clocks keep totals): exact for a cost
    linear in the batch, and above the truth for a mix of batch sizes where the cost bends (with
    ``plain`` products, batch 3 measured dearer than 4), so a contention fitted from it errs low.
-   Measured on two cores (docs/benchmarks.md, simulator runs 7 and 8): nearly all of the sharing is
-   the wait for a core; contention fits at 1.0-1.1.
+   On a 2-core host nearly all of the sharing is the wait for a core (docs/benchmarks.md, "The
+   simulator against real runs").
 
 The calibration's loads are its own; never the load the simulator is later checked against.
 """

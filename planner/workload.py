@@ -1,8 +1,9 @@
 """Request streams for the simulator, as token counts: ``pdserve bench``'s workloads, a trace file, or
 the load the live planner measures.
 
-Bench workloads (``bench/workloads.py``) are read with their own parameters and defaults
-(``make_workload``) and drawn with the same distributions, by length only: the text never exists here.
+Bench workloads are read with their own parameters and defaults (``planner/workload_params.py``, shared
+with ``bench/workloads.py``) and drawn with the same distributions, by length only: the text never exists
+here.
 Prompt lengths add what the model's chat template adds (``ModelInfo.chat_user_tokens`` /
 ``chat_system_tokens``, measured by ``pdserve profile``). Prefix ids: 0 is the template's default
 system prompt (``chat_shared_tokens``, every chat request without a system message), 1 ``mixed``'s RAG
@@ -21,10 +22,10 @@ import random
 from collections.abc import Iterator
 from pathlib import Path
 
-from bench.workloads import make_workload
 from planner.arrivals import poisson_arrivals
 from planner.profile import ModelInfo
 from planner.simulator import RequestSpec
+from planner.workload_params import workload_params
 
 DEFAULT_SYSTEM, RAG_SYSTEM, SHARED_PREFIX_BASE = 0, 1, 2
 MODELLED = ("random", "shared-prefix", "long-context", "mixed")
@@ -74,11 +75,11 @@ def bench_requests(name: str, params: dict[str, float], model: ModelInfo, *, see
     """``pdserve bench``'s workload ``name`` as request specs: Poisson arrivals at ``rate`` (seeded) for
     ``num_requests`` requests, or (``rate`` None) an endless stream for a closed loop. ValueError (at
     once, not when iterated) for an unknown or unmodelled workload or a bad parameter."""
-    workload = make_workload(name, params)  # validates the names and fills the defaults
+    merged = workload_params(name, params)  # validates the names and fills the defaults
     if name not in MODELLED:
         raise ValueError(f"--workload: {name!r} is not modelled by the simulator; use one of "
                          f"{', '.join(MODELLED)} or a --trace")
-    lengths = _lengths(name, workload.params, model, random.Random(seed))
+    lengths = _lengths(name, merged, model, random.Random(seed))
     if rate is None:
         return (RequestSpec(n_in, n_out, 0.0, pid, ptok) for n_in, n_out, pid, ptok in lengths)
     if num_requests is None:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The simulator against real runs on this machine (docs/benchmarks.md, "Simulator against real runs").
+# The simulator against real runs on this machine (docs/benchmarks.md, "The simulator against real runs").
 #
 # 1. `pdserve profile --quick` measures one worker's engine and a NIXL read here;
 # 2. for each P:D in $CONFIGS: `pdserve serve` on its own local Ray, `pdserve profile --calibrate` once
@@ -10,7 +10,7 @@
 #    - closed loop: --concurrency $CONC for $DURATION s, simulated with the same workload and load;
 #    - open loop: Poisson arrivals at the workload's rate in $RATES for $OPEN_DURATION s (seed $OPEN_SEED:
 #      other prompts than the closed loop's, so no prefix-cache hit carries over), simulated on the very
-#      requests the bench sent (`python -m bench.sim_validation trace`: send times and measured lengths);
+#      requests the bench sent (`python -m bench.lab.sim_validation trace`: send times and measured lengths);
 # 3. a markdown table of simulated against measured TTFT p50/p90, ITL p50 and throughput.
 #
 # It starts servers and Ray: run it under the machine's heavy-work lock if it has one. Every output goes
@@ -101,7 +101,7 @@ for config in $CONFIGS; do
             >"$open.bench.txt" 2>&1 || true
         curl -sf "http://127.0.0.1:$PORT/v1/workers" >"$open.workers_after.json" || true
         prefix_len=$(echo "$params" | tr ',' '\n' | sed -n 's/^prefix_len=//p')
-        "$PY" -m bench.sim_validation trace "$open" "$open.trace.csv" --prefix-len "${prefix_len:-0}"
+        "$PY" -m bench.lab.sim_validation trace "$open" "$open.trace.csv" --prefix-len "${prefix_len:-0}"
         "${PDSERVE[@]}" simulate --profile "$PROFILE" --trace "$open.trace.csv" --num-prefill "$P" \
             --num-decode "$D" --host-cores 0 --json "$open.sim.json" >"$open.sim.txt"
         "${PDSERVE[@]}" simulate --profile "$PROFILE" --trace "$open.trace.csv" --num-prefill "$P" \
@@ -110,4 +110,4 @@ for config in $CONFIGS; do
     stop_server
 done
 
-"$PY" -m bench.sim_validation table "$OUT" "$CONFIGS" "$WORKLOADS"
+"$PY" -m bench.lab.sim_validation table "$OUT" "$CONFIGS" "$WORKLOADS"

@@ -1,34 +1,32 @@
 """NIXL agent construction and the progress pump shared by source and sink.
 
 NIXL's own progress thread (``enable_prog_thread``) busy-spins a whole core while
-idle (the Python API fixes its delay at 0: 3.0 CPU-seconds per 3 idle seconds,
-measured on a 2-core host), which starves model compute on small hosts. Without
-it, UCX only progresses inside NIXL calls, and a READ does not complete unless the
-*source* progresses too (measured on a CPU-only host, where UCX picks cma zero-copy
-for the data but TCP for its control lanes: a READ stayed ``PROC`` for seconds once
-the source stopped calling into NIXL). ``ProgressPump`` is the middle ground: a daemon thread that calls
+idle (the Python API fixes its delay at 0), which starves model compute on small
+hosts. Without it, UCX only progresses inside NIXL calls, and a READ does not
+complete unless the *source* progresses too (on a CPU-only host UCX picks cma
+zero-copy for the data but TCP for its control lanes: a READ stays ``PROC`` once
+the source stops calling into NIXL). ``ProgressPump`` is the middle ground: a daemon thread that calls
 ``get_new_notifs`` every ``interval`` seconds (this drives UCX progress) and keeps
 the notifications for the owner. Agents run with ``NIXL_THREAD_SYNC_STRICT`` so
 the pump and the owner's thread may call into NIXL concurrently.
 
 Cadence: the pump progresses every ``interval`` seconds only while its owner has
 transfers in flight, and every ``idle_interval`` seconds (``IDLE_INTERVAL_S``)
-otherwise, so an idle or computing worker does not wake a thousand times a second.
-"In flight" is ``busy()`` (the source: a lease is held, a sink may READ any moment)
+otherwise, so an idle or computing worker does not wake a thousand times a second on
+a core the model needs. "In flight" is ``busy()`` (the source: a lease is held, a sink may READ any moment)
 or a ``kick()`` less than ``linger`` seconds ago (the sink: it posted a READ or sent a
 notification, which completes only while it progresses). ``kick`` also wakes the
-thread at once. Measured on the 2-core host: a source pumping every millisecond
-through a 60 s load at concurrency 16 used 3.0 CPU-seconds (60,614 wake-ups) on a
-core the model needed.
+thread at once.
 
 Read threads (sink side, UCX only): on a CPU-only host UCX moves a READ's bytes with
 cma (``process_vm_readv``), one kernel copy per descriptor on the thread that posts
-it, which reaches about two thirds of a user-space ``memmove`` on one core. With
+it, which reaches about two thirds of a user-space ``memmove`` on one core
+(docs/benchmarks.md, "KV transfer over NIXL"). With
 ``read_threads = n > 0`` the UCX backend runs its thread-pool engine (init params
 ``num_threads=n``, ``split_batch_size=n``): every READ of at least ``n`` descriptors
 is split into ``n`` equal runs of descriptors, each posted and progressed by its own
 UCX worker thread, so ``n`` cores copy at once. The threads block while no READ is
-in flight (no idle CPU, measured). ``default_read_threads`` gives the default: the
+in flight (no idle CPU). ``default_read_threads`` gives the default: the
 environment variable ``PDSERVE_KV_READ_THREADS`` when set (``0`` turns the pool off),
 else ``min(2, cores)`` for host memory and 0 for GPU memory (there a NIC or copy
 engine moves the bytes; more CPU threads do not add bandwidth). The user's own

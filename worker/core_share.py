@@ -2,7 +2,7 @@
 
 A prefill worker computes in bursts: a batch of prompts, then nothing until the next arrives. A decode
 worker beside it on the same node steps all the time, on its own cores only, and on CPU a decode step
-on one core is bound by that core's share of memory bandwidth (one core reads ~15 GB/s here, two ~29).
+on one core is bound by that core's share of memory bandwidth, about half of what two cores read.
 So while the prefill worker has nothing to compute, a decode worker on its node may run its steps on
 the prefill worker's threads too, and gives them back before the prefill worker computes again.
 

@@ -1,7 +1,9 @@
-"""bench/: workloads (seeded, token counts checked with the real tokenizer), statistics, goodput, parsing."""
+"""bench/: workloads (seeded, token counts checked with the real tokenizer), statistics, goodput, parsing,
+and the docs sections the bench tools rewrite."""
 
 from __future__ import annotations
 
+import importlib
 import math
 from itertools import islice
 from pathlib import Path
@@ -10,6 +12,7 @@ import numpy as np
 import pytest
 
 from bench.client import metrics_sample, parse_prometheus, workers_sample
+from bench.sections import replace_section
 from bench.stats import SLO, RequestRecord, describe, parse_slo, percentile, summarize
 from bench.workloads import WORKLOADS, WordSource, make_workload, parse_params
 from engine.kv_cache import KVCacheManager
@@ -177,3 +180,26 @@ def test_kv_stored_tokens_counts_shared_blocks_once() -> None:
     assert kv.num_stored_tokens() == 10 + 4
     kv.free("a")
     assert kv.num_stored_tokens() == 12
+
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
+
+
+def test_replace_section_rewrites_between_its_markers_only(tmp_path: Path) -> None:
+    doc = tmp_path / "b.md"
+    doc.write_text("# B\n\nbefore\n\n<!-- x:begin -->\nold\n<!-- x:end -->\n\nafter <!-- y:begin -->\n")
+    replace_section(doc, "<!-- x:begin -->\nnew\n<!-- x:end -->", "<!-- x:begin -->", "<!-- x:end -->")
+    assert doc.read_text() == ("# B\n\nbefore\n\n<!-- x:begin -->\nnew\n<!-- x:end -->\n\n"
+                               "after <!-- y:begin -->\n")
+    replace_section(doc, "<!-- z:begin -->\nz\n<!-- z:end -->", "<!-- z:begin -->", "<!-- z:end -->")
+    assert doc.read_text().endswith("<!-- y:begin -->\n\n<!-- z:begin -->\nz\n<!-- z:end -->\n")
+
+
+@pytest.mark.parametrize("module", ["bench.compare", "bench.compare_vllm"])
+def test_the_benchmarks_page_keeps_each_tools_markers_once(module: str) -> None:
+    """docs/benchmarks.md stays regenerable: each tool's begin marker appears once, before its end marker,
+    so ``replace_section`` rewrites that tool's section and nothing else."""
+    tool = importlib.import_module(module)
+    text = DOC.read_text()
+    assert text.count(tool.BEGIN) == 1 and text.count(tool.END) == 1
+    assert text.index(tool.BEGIN) < text.index(tool.END)

@@ -2,13 +2,13 @@
 
 A decode worker that is busy stepping other requests gets a ``PrefillResult`` mid-step. It pulls the
 missing blocks (NIXL, while the step runs: the blocks are its reservation's, no running request touches
-them) and starts the request between the running step and the next, where its first token goes out. It
-used to read its reservation's block ids under the engine's lock first: that waited for the running
-step, and by the time the pull was done the engine loop had started the next step, which the start then
-waited for too: a whole extra decode step (130 ms a token at this machine's batch) in every prefilled
-request's time to first token. Real prefill and decode workers here, in one process, with a real NIXL
-pull, given the 20 ms a pull between two processes takes (one in a process can end without a poll);
-each decode step is held 0.1 s so the pull ends well inside the step it starts in.
+them) and starts the request between the running step and the next, where its first token goes out.
+Reading the reservation's block ids under the engine's lock first would wait for the running step, and
+by the time the pull was done the engine loop would have started the next one: a whole extra decode
+step in every prefilled request's time to first token. Real prefill and decode workers here, in one
+process, with a real NIXL pull, given the time a pull between two processes takes (``PULL_S``; one in a
+process can end without a poll); each decode step is held ``STEP_S`` so the pull ends well inside the
+step it starts in.
 """
 
 from __future__ import annotations

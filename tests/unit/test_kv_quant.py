@@ -166,7 +166,7 @@ def test_quantized_engine_allocates_codes_and_scales(tiny_model_dir: Path) -> No
 
 
 def test_fp8_greedy_agrees_with_full_precision_on_the_default_model(default_model_path: Path) -> None:
-    """The cheap version of ``bench/kv_quant.py``: 4 prompts x 8 tokens, one model load.
+    """The cheap version of ``bench/lab/kv_quant.py``: 4 prompts x 8 tokens, one model load.
 
     Looser than the bench: every first token agrees, and at least 2 of 4 outputs are identical.
     """

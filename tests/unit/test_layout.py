@@ -1,5 +1,5 @@
 """The import graph of the project's packages: no import circle, and no import across the layout's
-forbidden pairs (DESIGN.md, "Layout: one folder per role").
+forbidden pairs (docs/architecture.md, "Layout: one folder per process role or shared layer").
 
 Imports are read with ``ast`` from every ``.py`` file of the project packages, never executed. Each edge
 is one import statement resolved to the project module it loads: ``from a.b import c`` is an edge to
@@ -53,40 +53,40 @@ ALLOWED: dict[str, tuple[str, ...]] = {
                "engine.sampling_params", "engine.grammar"),
     "cluster": tuple(p for p in PACKAGES if p not in ("cli", "bench")),
     "cli": PACKAGES,
-    # the load generator talks to a server over HTTP only; in-process benchmarks are listed below
-    "bench": ("bench",),
+    # the load generator, the chaos soak and the serving comparisons talk to a server over HTTP only; they
+    # share the named workloads' parameters with the simulator. The lab benchmarks are listed below
+    "bench": ("bench", "planner.workload_params"),
     # the simulator and its searches are plain Python; the profiler measures an engine and a NIXL read in
-    # process; workloads are read from the load generator's definitions (a module with no project imports)
-    "planner": ("planner", "engine", "kernels", "transfer", "messages.codec", "bench.workloads"),
+    # process
+    "planner": ("planner", "engine", "kernels", "transfer", "messages.codec"),
 }
 
-# bench modules that measure one layer in process (no server in between), each with the layers it may
-# load. Every other bench module (client, workloads, stats, report, compare, cli, tracing, ...) is the load
-# generator or its reporting, and follows ALLOWED["bench"].
+# bench modules that load a layer in process, each with the layers it may load: the lab benchmarks
+# (``bench/lab/``, one layer each), the GGUF to Hugging Face export the comparisons serve vLLM from, and
+# the client's tokenizer. Every other bench module (client, workloads, stats, report, chaos, compare, ...)
+# is the load generator, the chaos soak or the serving comparisons, and follows ALLOWED["bench"].
 IN_PROCESS_BENCHMARKS: dict[str, tuple[str, ...]] = {
-    "bench.offline": ("engine",),
-    "bench.closed_loop": ("engine",),
-    "bench.ray_items": ("messages",),  # the cost of Ray stream items carrying the worker's messages
-    "bench.tensor_parallel": ("engine",),
-    "bench.preemption": ("engine",),
-    "bench.structured": ("engine",),
-    "bench.kv_offload": ("engine",),
-    "bench.kv_window": ("engine",),
-    "bench.kv_quant": ("engine", "kernels"),
-    "bench.gemm_floor": ("engine",),
-    "bench.linear_kernels": ("engine", "kernels"),
-    "bench.product_stream": ("kernels",),
-    "bench.sim_validation": ("planner",),  # a run's step clocks priced with a profile, after the run
-    "bench.step_ops": ("engine", "kernels"),
-    "bench.step_profile": ("engine", "kernels", "bench.step_ops"),
     "bench.export_hf": ("engine",),
-    "bench.gpu": ("engine", "kernels", "transfer", "messages.codec"),
     "bench.tokenizer": ("engine.loader",),  # the client's tokenizer, from the model's local files
-    "bench.transfer": ("transfer", "messages.codec"),
-    "bench.tp_transfer": ("engine", "worker.tp_kv", "transfer", "bench.tensor_parallel"),
-    "bench.routing": ("router", "cluster.workers", "engine", "messages"),
-    "bench.disagg": ("router", "cluster.workers", "engine", "messages"),
-    "bench.router_overhead": ("router", "cluster", "engine", "messages"),
+    "bench.lab.offline": ("engine",),
+    "bench.lab.closed_loop": ("engine",),
+    "bench.lab.ray_items": ("messages",),  # the cost of Ray stream items carrying the worker's messages
+    "bench.lab.tensor_parallel": ("engine",),
+    "bench.lab.preemption": ("engine",),
+    "bench.lab.structured": ("engine",),
+    "bench.lab.kv_offload": ("engine",),
+    "bench.lab.kv_window": ("engine",),
+    "bench.lab.kv_quant": ("engine", "kernels"),
+    "bench.lab.linear_kernels": ("engine", "kernels"),
+    "bench.lab.sim_validation": ("planner",),  # a run's step clocks priced with a profile, after the run
+    "bench.lab.step_ops": ("engine", "kernels"),
+    "bench.lab.step_profile": ("engine", "kernels"),
+    "bench.lab.gpu": ("engine", "kernels", "transfer", "messages.codec"),
+    "bench.lab.transfer": ("transfer", "messages.codec"),
+    "bench.lab.tp_transfer": ("engine", "worker.tp_kv", "transfer"),
+    "bench.lab.routing": ("router", "cluster.workers", "engine", "messages"),
+    "bench.lab.disagg": ("router", "cluster.workers", "engine", "messages"),
+    "bench.lab.router_overhead": ("router", "cluster", "engine", "messages"),
 }
 
 # Imports that cross a forbidden pair in the tree today, each to be removed by the change that moves the
@@ -260,8 +260,11 @@ def test_known_violations_are_still_present() -> None:
     ("cluster.workers", "cli.main", False),
     ("cli.main", "cli.bench", True),
     ("bench.client", "router.client", False),
-    ("bench.routing", "router.client", True),
-    ("bench.transfer", "router.client", False),
+    ("bench.lab.routing", "router.client", True),
+    ("bench.lab.transfer", "router.client", False),
+    ("bench.client", "planner.workload_params", True),
+    ("bench.client", "planner.simulator", False),
+    ("planner.workload", "bench.workloads", False),
 ])
 def test_rule_table(importer: str, imported: str, ok: bool) -> None:
     assert allowed(importer, imported) is ok

@@ -1,4 +1,4 @@
-"""``bench/sim_validation.py``: a bench run's requests as the simulator's trace, and the run's throughput
+"""``bench/lab/sim_validation.py``: a bench run's requests as the simulator's trace, and the run's throughput
 on the simulator's definition."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.lab.sim_validation import requests_to_trace, run_throughput
 from bench.report import REQUEST_FIELDS
-from bench.sim_validation import requests_to_trace, run_throughput
 from planner.simulator import RequestSpec
 from planner.workload import read_trace
 

@@ -10,7 +10,7 @@ Masking time is the engine's own ``grammar_mask_seconds`` over the timed steps.
 Compile: the tokenizer's one-off conversion for the grammar library, then ``SCHEMA`` compiled cold and
 looked up again (cached), each the median of ``--repeats`` fresh grammar caches.
 
-    python -m bench.structured [--model PATH] [--concurrency 1 16] [--output-len 64] [--json OUT]
+    python -m bench.lab.structured [--model PATH] [--concurrency 1 16] [--output-len 64] [--json OUT]
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def compile_times(llm: LLM, repeats: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.structured", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.lab.structured", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="model path (default: the built-in SmolLM2-135M)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     p.add_argument("--output-len", type=int, default=64)

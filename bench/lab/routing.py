@@ -1,6 +1,6 @@
 """Prefix-aware routing against round-robin on a shared-prefix workload, 2 prefill + 2 decode workers.
 
-``python -m bench.routing [--system-prompts 8] [--questions 8] [--prefix-len 1024] [--concurrency 4]``
+``python -m bench.lab.routing [--system-prompts 8] [--questions 8] [--prefix-len 1024] [--concurrency 4]``
 
 Each of N system prompts (``--prefix-len`` tokens, distinct) is followed by M
 short questions; the N x M requests are sent in a seeded random order with a

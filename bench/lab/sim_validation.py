@@ -114,7 +114,7 @@ def table(out: Path, configs: list[str], workloads: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.sim_validation", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m bench.lab.sim_validation", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     t = sub.add_parser("trace", help="a bench run's requests.csv as a simulator trace")

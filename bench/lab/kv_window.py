@@ -6,7 +6,7 @@ tokens than the generation). Every ``--every`` tokens it prints the KV blocks th
 request holds, the pool's used blocks and the process RSS, so a flat line shows the
 memory is bounded; at the end a sample of the text.
 
-    python -m bench.kv_window [--model PATH] [--tokens 20000] [--kv-sinks 4]
+    python -m bench.lab.kv_window [--model PATH] [--tokens 20000] [--kv-sinks 4]
         [--kv-window 512] [--num-kv-blocks 64] [--json OUT]
 """
 

@@ -17,7 +17,7 @@ is what a decode worker uses here).
 comparison is then the device's own copy (``copy_`` between two device buffers, synchronized),
 reported in both copy columns since there is no host ``memmove`` of device memory.
 
-    python -m bench.transfer [--repeats 7] [--read-threads 0,default] [--device cpu|cuda] [--json OUT]
+    python -m bench.lab.transfer [--repeats 7] [--read-threads 0,default] [--device cpu|cuda] [--json OUT]
 """
 
 from __future__ import annotations

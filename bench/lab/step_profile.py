@@ -24,9 +24,9 @@ weights are re-prepared between them), and each phase keeps its best time of
 Floors, measured in the same run: ``bw_floor`` = (weight bytes + KV bytes
 read) / read bandwidth (a torch ``sum`` over ``--bw-bytes`` bytes, best of 5);
 ``gemm_floor`` = the step's GEMMs at the best time any candidate kernel
-(``bench.linear_kernels``) reaches at that shape and row count.
+(``bench.lab.linear_kernels``) reaches at that shape and row count.
 
-    python -m bench.step_profile [--configs plain,prepacked] [--batches 1,16,64]
+    python -m bench.lab.step_profile [--configs plain,prepacked] [--batches 1,16,64]
         [--prefill 2048] [--repeats 10] [--threads N] [--json out.json] [--md out.md]
 """
 
@@ -38,8 +38,8 @@ import time
 
 import torch
 
-from bench.linear_kernels import sweep_shape
-from bench.step_ops import OP_CLASSES, op_class_split
+from bench.lab.linear_kernels import sweep_shape
+from bench.lab.step_ops import OP_CLASSES, op_class_split
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.sampling import SamplingParams

@@ -9,7 +9,7 @@ whole loop and, from the steps' own clocks (``StepClock``), the mean decode-only
 and the prompt-carrying steps' time per prompt token: the figures ``/v1/workers``
 gives for a served worker, so served and alone compare term by term.
 
-    python -m bench.closed_loop [--concurrency 16] [--duration 40] [--input-len 256]
+    python -m bench.lab.closed_loop [--concurrency 16] [--duration 40] [--input-len 256]
         [--output-len 64] [--threads 2] [--json OUT]
 
 Huge pages are on, as in the served workers (``bench/__init__.py``; ``THP_MEM_ALLOC_ENABLE=0``

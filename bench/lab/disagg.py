@@ -1,6 +1,6 @@
 """Disaggregated TTFT and the KV transfer's share of it, on a real 1 prefill + 1 decode Ray cluster.
 
-``python -m bench.disagg [--prompt-len 2048] [--repeats 3] [--json OUT]``
+``python -m bench.lab.disagg [--prompt-len 2048] [--repeats 3] [--json OUT]``
 
 For each repeat a fresh random prompt (no prefix hits) goes through the
 disaggregated path with ``max_tokens=1``; TTFT is measured at the client and

@@ -6,7 +6,7 @@ KV cache (``--num-kv-blocks``) holds only part of the batch, so requests are
 preempted. Both modes run the same batch; the run also checks that their outputs
 are identical token for token.
 
-    python -m bench.preemption [--model PATH] [--num-prompts 12] [--input-len 128]
+    python -m bench.lab.preemption [--model PATH] [--num-prompts 12] [--input-len 128]
         [--output-len 64] [--num-kv-blocks 48] [--json OUT]
 """
 

@@ -1,16 +1,16 @@
-"""Single-GPU engine benchmark, no Ray and no HTTP: ``python -m bench.gpu [--backend NAME]``.
+"""Single-GPU engine benchmark, no Ray and no HTTP: ``python -m bench.lab.gpu [--backend NAME]``.
 
 Prints the GPU, driver and library versions, then on a Llama-3-8B-shaped model with random
 bf16 weights (no download):
 
 * decode tokens/s at batch 1, 16, 64 and 256 with 1024 tokens of context each, against the
-  HBM roofline ``(weight bytes + KV bytes read) / bandwidth`` (docs: DESIGN.md, performance model),
+  HBM roofline ``(weight bytes + KV bytes read) / bandwidth`` (the step's lower bound),
   run eagerly and, when the backend can be captured (Triton), replayed from the engine's CUDA
   graphs (``engine/graph_runner.py``: the step padded into static buffers, one graph per bucket);
 * prefill tokens/s and MFU for one 8192-token prompt (``2 x params x tokens / peak FLOP/s``);
 * transformers' static-cache ``generate`` at batch 1 on the same shapes, side by side;
 * NIXL READ between two processes' CUDA KV caches (VRAM to VRAM over UCX) against the device's
-  own ``copy_`` of the same bytes: ``python -m bench.transfer --device cuda``, run as a child
+  own ``copy_`` of the same bytes: ``python -m bench.lab.transfer --device cuda``, run as a child
   process at the end (``--no-transfer`` leaves it out).
 
 Peak figures default to an H100 SXM (3.35 TB/s, 989 bf16 TFLOP/s); pass ``--hbm-gbs`` and
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="leave out the NIXL VRAM-to-VRAM READ comparison")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("bench.gpu: no CUDA device here; nothing to measure", file=sys.stderr)
+        print("bench.lab.gpu: no CUDA device here; nothing to measure", file=sys.stderr)
         return 2
     for name, value in versions().items():
         print(f"{name}: {value}")
@@ -162,10 +162,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"transformers static-cache generate, batch 1 (its {args.ctx}-token prefill in): {rate:.1f} tok/s")
     if args.transfer:
         sys.stdout.flush()
-        done = subprocess.run([sys.executable, "-m", "bench.transfer", "--device", "cuda", "--repeats", "5"],
-                              timeout=600, check=False)
+        done = subprocess.run([sys.executable, "-m", "bench.lab.transfer", "--device", "cuda",
+                               "--repeats", "5"], timeout=600, check=False)
         if done.returncode:
-            print(f"bench.transfer --device cuda failed (exit {done.returncode})", file=sys.stderr)
+            print(f"bench.lab.transfer --device cuda failed (exit {done.returncode})", file=sys.stderr)
             return done.returncode
     return 0
 

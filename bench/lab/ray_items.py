@@ -7,7 +7,7 @@ whose items each carry every request's batch of a step (``decode/outbox.py``'s
 frames). Prints the wall time and the CPU seconds of the actor's process and of the
 caller's (the router's side), both runs twice, alternating.
 
-    python -m bench.ray_items [--requests 16] [--steps 400] [--interval 0.005]
+    python -m bench.lab.ray_items [--requests 16] [--steps 400] [--interval 0.005]
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """KV transfer between workers of different tensor-parallel sizes: GB/s and NIXL descriptors per pull.
 
-``python -m bench.tp_transfer [--pairs 1:1,2:1,1:2,2:2] [--blocks 128] [--repeats 5]`` starts prefill
-and decode engines of the bench's Llama (``bench/tensor_parallel.py``: 30 layers, 2 KV heads of 64,
+``python -m bench.lab.tp_transfer [--pairs 1:1,2:1,1:2,2:2] [--blocks 128] [--repeats 5]`` starts prefill
+and decode engines of the bench's Llama (``bench/lab/tensor_parallel.py``: 30 layers, 2 KV heads of 64,
 fp32: 30,720 KV bytes a token) at each TP size of the pairs, with rank processes and one NIXL agent per
 rank as a serving worker has them (``worker/tp_kv.py``), fills prefill rank 0's KV with seeded random
 bytes, and per pair ``P:D`` times ``--repeats`` pulls of ``--blocks`` blocks (16 tokens each) into
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from bench.tensor_parallel import model_dir
+from bench.lab.tensor_parallel import model_dir
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.llm import start_engine
@@ -74,7 +74,8 @@ def copy_gb_s(nbytes: int, repeats: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.tp_transfer", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.lab.tp_transfer",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--pairs", default="1:1,2:1,1:2,2:2", help="prefill:decode TP sizes, comma-separated")
     parser.add_argument("--blocks", type=int, default=128, help="blocks per pull (16 tokens each)")
     parser.add_argument("--repeats", type=int, default=5)

@@ -10,7 +10,7 @@ Default (``--mode interleaved``, robust on a noisy machine): one server started 
 anywhere). ``--mode servers``: each round starts a server with tracing off (no endpoint at all), then
 one with it on, one after the other. Prints each run and the median cost of tracing.
 
-    python -m bench.tracing --rounds 5 --concurrency 4 --requests 24
+    python -m bench.lab.tracing --rounds 5 --concurrency 4 --requests 24
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Any
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WORDS = "the keeper counted ships and wrote their names in a leather book by the light of the lamp "
 
 

@@ -1,6 +1,6 @@
 """What tensor parallelism costs on this machine: TP=1 against TP=N on the same cores, same model.
 
-``python -m bench.tensor_parallel [--sizes 1,2] [--threads 2]`` builds (once, cached under
+``python -m bench.lab.tensor_parallel [--sizes 1,2] [--threads 2]`` builds (once, cached under
 ``$PDSERVE_CACHE/bench``) a random-weight Llama of SmolLM2-135M's size whose heads split in two
 (hidden 576, 8 query / 2 KV heads of 64, MLP 1536, 30 layers, vocabulary 49,152; SmolLM2's own 9 heads
 only split in three), then per TP size runs ``LLM(tensor_parallel_size=N)`` with ``--threads / N``
@@ -85,7 +85,7 @@ def measure(folder: Path, size: int, threads: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.tensor_parallel",
+    parser = argparse.ArgumentParser(prog="python -m bench.lab.tensor_parallel",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="1,2", help="TP sizes to run, comma-separated (default: 1,2)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads in all, split over the ranks")

@@ -9,7 +9,7 @@ large enough for them, revisits restore the evicted blocks from host memory.
 Reports the prefix-cache hit rate (prompt tokens served from cache / prompt tokens,
 over the revisiting rounds) and the mean TTFT of those requests.
 
-    python -m bench.kv_offload [--model PATH] [--num-prefixes 6] [--prefix-len 256]
+    python -m bench.lab.kv_offload [--model PATH] [--num-prefixes 6] [--prefix-len 256]
         [--num-kv-blocks 48] [--rounds 3] [--json OUT]
 """
 

@@ -5,7 +5,7 @@ Both run the same batch of prompts (seeded random token ids, exactly
 tokens each, in the same dtype on the same machine. Output tokens/s counts only
 generated tokens over the wall time of the whole batch (prefill included).
 
-    python -m bench.offline [--model PATH] [--num-prompts 64] [--input-len 256]
+    python -m bench.lab.offline [--model PATH] [--num-prompts 64] [--input-len 256]
         [--output-len 128] [--dtype float32] [--skip-hf] [--json OUT]
 """
 
@@ -145,7 +145,7 @@ def markdown(args: argparse.Namespace, results: list[RunResult], info: dict[str,
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.offline", description=DESCRIPTION)
+    p = argparse.ArgumentParser(prog="python -m bench.lab.offline", description=DESCRIPTION)
     p.add_argument("--model", default=None,
                    help="Hugging Face model folder or .gguf file (default: the built-in SmolLM2 GGUF)")
     p.add_argument("--num-prompts", type=int, default=64)

@@ -1,6 +1,6 @@
 """What the HTTP router costs: per-request latency and streamed tokens/s over HTTP vs. PDClient directly.
 
-``python -m bench.router_overhead [--requests 50] [--concurrency 8] [--max-tokens 256]``
+``python -m bench.lab.router_overhead [--requests 50] [--concurrency 8] [--max-tokens 256]``
 
 One prefill and one decode worker start as Ray actors in a local Ray instance.
 The router (the ``create_app`` + ``ClusterBackend`` + uvicorn that ``pdserve
@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     group = start_workers(args.model, engine_config(args), 1, 1, opts, opts, name_prefix=prefix)
     port = free_port()
     log = Path(tempfile.mkdtemp(prefix="pdserve-bench-")) / "router.log"
-    cmd = [sys.executable, "-m", "bench.router_overhead", "--router", "--ray-address",
+    cmd = [sys.executable, "-m", "bench.lab.router_overhead", "--router", "--ray-address",
            ray.get_runtime_context().gcs_address, "--prefix", prefix, "--port", str(port),
            "--dtype", args.dtype, "--device", args.device, "--kv-cache-memory", str(args.kv_cache_memory)]
     if args.model:

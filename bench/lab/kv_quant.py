@@ -24,7 +24,7 @@ Perplexity: a fixed English text, teacher-forced through the engine's model in
 chunks of ``--ppl-chunk`` tokens, so every chunk attends to the earlier chunks as
 stored in the (quantized) paged cache, as decode does.
 
-    python -m bench.kv_quant [--model PATH] [--dtypes auto,fp8,fp8_e5m2,int8]
+    python -m bench.lab.kv_quant [--model PATH] [--dtypes auto,fp8,fp8_e5m2,int8]
         [--output-len 32] [--json OUT]
 """
 

@@ -14,7 +14,7 @@ count, times (best of ``--repeats``, candidates interleaved so load hits all ali
 
 and the per-step total (every layer's four products plus the LM head).
 
-    python -m bench.linear_kernels [--model PATH] [--rows 1,2,4,8,16,32,64] [--repeats 20]
+    python -m bench.lab.linear_kernels [--model PATH] [--rows 1,2,4,8,16,32,64] [--repeats 20]
 """
 
 from __future__ import annotations
@@ -27,13 +27,20 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from bench.gemm_floor import layer_shapes
+from engine.config import ModelConfig
 from engine.loader import load_model_source, resolve_model
 from kernels.linear import PreparedLinear, mkl_linear, mkl_pack, onednn_linear
 from kernels.native_ops import native_ops
 
 CANDIDATES = ("plain", "mkl_packed", "onednn", "mm_t", "native", "prepared")
 
+
+
+def layer_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
+    """``(in, out)`` of one decoder layer's linear layers: fused QKV, output, fused gate/up, down."""
+    h, kv = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
+    q = cfg.num_heads * cfg.head_dim
+    return [(h, q + 2 * kv), (q, h), (h, 2 * cfg.intermediate_size), (cfg.intermediate_size, h)]
 
 def best_of(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
     """Best seconds per callable, calls interleaved round-robin after one warm-up each."""
