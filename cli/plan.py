@@ -1,7 +1,13 @@
 """``pdserve plan``: how much KV cache a device holds for a model, before anyone buys one.
 
 KV bytes per token = 2 x layers x KV heads x head dim x bytes per element (the
-engine's own formula, ``engine.kv_sizing``). The KV budget is either
+engine's own formula, ``engine.kv_sizing``), per KV group of a hybrid model
+(``engine/kv_groups.py``: its full-attention layers and its sliding-window layers,
+whose blocks a sequence holds for at most its window); the plan's
+``kv_bytes_per_token`` is every layer's, as if all attended to everything.
+Blocks hold one slot per layer of a group, and a sequence of N tokens holds each
+group's blocks (``blocks_per_sequence``), as the engine keeps them. A mixture of
+experts also reports its active parameters per token (``engine/models/size.py``). The KV budget is either
 ``--kv-cache-memory`` (what the CPU engine takes as its budget) or
 ``--device-memory`` x ``--gpu-memory-utilization`` minus the weights (what the
 CUDA engine computes, with the weights as the memory already in use). The
@@ -33,7 +39,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -41,6 +46,7 @@ from pathlib import Path
 import torch
 
 from engine.config import ModelConfig, parse_dtype
+from engine.kv_groups import KvGroup, blocks_per_sequence, kv_layout, num_slots
 from engine.models.size import parameter_count as count_parameters
 from engine.tensor_parallel import TpShard
 
@@ -94,6 +100,18 @@ class DtypeCapacity:
 
 
 @dataclass(frozen=True)
+class KvGroupPlan:
+    """One kind of layer's share of the KV: ``groups`` KV groups of ``layers`` layers in all, attending
+    to a ``window`` of tokens (None: everything), ``kv_bytes_per_token`` for those layers together."""
+
+    attention: str
+    window: int | None
+    layers: int
+    groups: int
+    kv_bytes_per_token: int
+
+
+@dataclass(frozen=True)
 class Plan:
     model: str
     num_layers: int
@@ -121,6 +139,11 @@ class Plan:
     tensor_parallel_size: int = 1
     kv_heads_per_device: int = 0  # one rank's KV heads (replicated when N exceeds the model's)
     role: str | None = None  # prefill / decode for a per-role plan
+    architecture: str = ""
+    active_parameters: int = 0  # what one token's forward reads (the routed experts only)
+    active_weight_bytes: int = 0
+    kv_groups: list[KvGroupPlan] | None = None
+    kv_block_slots: int = 0  # layers a block holds
 
 
 def make_plan(model: ModelConfig, *, dtype: str = "bfloat16", kv_cache_dtype: str = "auto",
@@ -142,45 +165,65 @@ def make_plan(model: ModelConfig, *, dtype: str = "bfloat16", kv_cache_dtype: st
     weights_dtype = parse_dtype(dtype)
     kv_name = dtype if kv_cache_dtype == "auto" else kv_cache_dtype
     kv_dtype = KV_CACHE_DTYPES.get(kv_name) or parse_dtype(kv_name)
-    params = parameter_count(model)
+    counts = count_parameters(model)
+    params = counts.total
     shard = TpShard(model, 0, tensor_parallel_size)
     full_model, model = model, shard.kv_config  # KV sized by one device's heads
+    groups = kv_layout(full_model)
+    slots = num_slots(groups)
     per_device = count_parameters(full_model, shard).total * element_bytes(weights_dtype)
     weights = weight_memory // tensor_parallel_size if weight_memory is not None else per_device
     if kv_cache_memory is not None:
         budget = kv_cache_memory
     else:
         budget = device_kv_budget(device_memory, gpu_memory_utilization, weights)
-    blocks = blocks_for_budget(model, block_size, kv_dtype, budget)
+    blocks = blocks_for_budget(model, block_size, kv_dtype, budget, slots)
     length = max_model_len or model.max_position_embeddings
-    per_seq = math.ceil(length / block_size)
+    per_seq = blocks_per_sequence(groups, length, block_size)
     lengths = sorted({n for n in CONTEXT_LENGTHS if n < length} | {length})
     quantized = ["fp8", "fp8_e5m2", "int8"]
     chosen = kv_dtype_name(kv_dtype)
     extra = [] if chosen in quantized else [chosen]
     names = dict.fromkeys([kv_dtype_name(weights_dtype), *extra, *quantized])
     by_dtype = [dataclasses.replace(dtype_capacity(model, KV_CACHE_DTYPES[n], block_size, budget, per_seq,
-                                                   kv_offload_bytes, kv_offload_disk_bytes),
+                                                   kv_offload_bytes, kv_offload_disk_bytes, slots),
                                     selected=n == chosen) for n in names]
     return Plan(
         model=model.name, num_layers=model.num_layers, num_kv_heads=full_model.num_kv_heads,
         head_dim=model.head_dim, parameters=params, weight_bytes=weights, dtype=str(weights_dtype)[6:],
         kv_cache_dtype=str(kv_dtype)[6:],
         kv_bytes_per_token=model.kv_bytes_per_token(element_bytes(kv_dtype)),
-        block_size=block_size, kv_block_bytes=kv_block_bytes(model, block_size, kv_dtype),
+        block_size=block_size, kv_block_bytes=kv_block_bytes(model, block_size, kv_dtype, slots),
         device_memory=None if kv_cache_memory is not None else device_memory,
         gpu_memory_utilization=None if kv_cache_memory is not None else gpu_memory_utilization,
         kv_budget_bytes=budget, num_kv_blocks=blocks, kv_tokens=blocks * block_size,
         max_model_len=length, blocks_per_sequence=per_seq, concurrent_sequences=blocks // per_seq,
-        sequences_at={n: blocks // math.ceil(n / block_size) for n in lengths},
+        sequences_at={n: blocks // blocks_per_sequence(groups, n, block_size) for n in lengths},
         kv_offload_bytes=kv_offload_bytes, kv_offload_disk_bytes=kv_offload_disk_bytes, by_kv_dtype=by_dtype,
         tensor_parallel_size=tensor_parallel_size, kv_heads_per_device=model.num_kv_heads, role=role,
+        architecture=full_model.architecture, active_parameters=counts.active,
+        active_weight_bytes=counts.active * element_bytes(weights_dtype),
+        kv_groups=group_plans(model, groups, element_bytes(kv_dtype)), kv_block_slots=slots,
     )
+
+
+def group_plans(model: ModelConfig, groups: tuple[KvGroup, ...], element: int) -> list[KvGroupPlan]:
+    """The KV groups by attention kind: full attention first, then each window."""
+    kinds: dict[int | None, list[KvGroup]] = {}
+    for g in groups:
+        kinds.setdefault(g.window, []).append(g)
+    per_layer = 2 * model.num_kv_heads * model.head_dim * element
+    plans = []
+    for window, gs in kinds.items():
+        layers = sum(len(g.layers) for g in gs)
+        kind = "full" if window is None else "sliding"
+        plans.append(KvGroupPlan(kind, window, layers, len(gs), per_layer * layers))
+    return plans
 
 
 def dtype_capacity(model: ModelConfig, kv_dtype: torch.dtype, block_size: int, budget: int,
                    blocks_per_sequence: int, host_bytes: int | None = None,
-                   disk_bytes: int | None = None) -> DtypeCapacity:
+                   disk_bytes: int | None = None, slots: int | None = None) -> DtypeCapacity:
     """One row of the per-dtype table, from ``engine.kv_sizing`` (as the engine and its tiers size)."""
     from engine.kv_sizing import (
         blocks_for_budget,
@@ -190,8 +233,8 @@ def dtype_capacity(model: ModelConfig, kv_dtype: torch.dtype, block_size: int, b
         tier_capacity_blocks,
     )
 
-    block = kv_block_bytes(model, block_size, kv_dtype)
-    blocks = blocks_for_budget(model, block_size, kv_dtype, budget)
+    block = kv_block_bytes(model, block_size, kv_dtype, slots)
+    blocks = blocks_for_budget(model, block_size, kv_dtype, budget, slots)
     host = None if host_bytes is None else tier_capacity_blocks(host_bytes, block)
     disk = None if disk_bytes is None else tier_capacity_blocks(disk_bytes, block)
     return DtypeCapacity(
@@ -218,15 +261,16 @@ def format_plan(plan: Plan) -> str:
     per = " per device" if tp > 1 else ""
     rows = [
         ("model", f"{plan.model} ({plan.num_layers} layers, {plan.num_kv_heads} KV heads x {plan.head_dim})"),
-        ("parameters", f"{plan.parameters / 1e9:,.2f} B"),
+        ("parameters", f"{plan.parameters / 1e9:,.2f} B" + _active(plan)),
         ("tensor parallel", f"{tp} devices, {plan.kv_heads_per_device} KV heads per device"
                             + (" (replicated)" if plan.kv_heads_per_device * tp > plan.num_kv_heads else "")),
         (f"weights{per}", f"{_gib(plan.weight_bytes)} ({plan.dtype})"),
         ("KV cache dtype", plan.kv_cache_dtype),
         (f"KV bytes per token{per}", f"{plan.kv_bytes_per_token:,}"),
-        ("KV block", f"{plan.block_size} tokens = {plan.kv_block_bytes:,} bytes"
-                     + (f" (incl. {scales:,} bytes of scales)" if (scales := plan.kv_block_bytes
-                        - plan.block_size * plan.kv_bytes_per_token) else "")),
+        *_group_rows(plan, per),
+        ("KV block", f"{plan.block_size} tokens x {plan.kv_block_slots} layers = "
+                     f"{plan.kv_block_bytes:,} bytes"
+                     + (f" (incl. {scales:,} bytes of scales)" if (scales := _scale_bytes(plan)) else "")),
         (f"KV budget{per}", f"{_gib(plan.kv_budget_bytes)} ({plan.kv_budget_bytes:,} bytes; {budget_how})"),
         ("KV blocks", f"{plan.num_kv_blocks:,}"),
         ("KV tokens", f"{plan.kv_tokens:,}"),
@@ -243,6 +287,34 @@ def format_plan(plan: Plan) -> str:
     if plan.kv_budget_bytes <= 0:
         lines.append("\nthe weights alone exceed the usable device memory: no room for KV")
     return "\n".join(lines)
+
+
+def _group_rows(plan: Plan, per: str) -> list[tuple[str, str]]:
+    """One row per kind of layer when the model has more than one (or a sliding window)."""
+    groups = plan.kv_groups or []
+    if len(groups) < 2 and all(g.window is None for g in groups):
+        return []
+    rows = []
+    for g in groups:
+        name = f"  {g.attention} layers" + (f" (window {g.window:,})" if g.window else "")
+        value = (f"{g.layers} layers in {g.groups} KV group{'s' if g.groups > 1 else ''}: "
+                 f"{g.kv_bytes_per_token:,} bytes per token{per}")
+        rows.append((name, value + (f", at most {g.window:,} tokens a sequence" if g.window else "")))
+    return rows
+
+
+def _scale_bytes(plan: Plan) -> int:
+    """Bytes of a block's scales: the block less its codes (``kv_block_slots`` layers of them)."""
+    slots = plan.kv_block_slots or plan.num_layers
+    codes = plan.block_size * plan.kv_bytes_per_token // plan.num_layers * slots
+    return plan.kv_block_bytes - codes
+
+
+def _active(plan: Plan) -> str:
+    """A mixture of experts' active share, when it has one."""
+    if plan.active_parameters >= plan.parameters:
+        return ""
+    return f", {plan.active_parameters / 1e9:,.2f} B active per token ({_gib(plan.active_weight_bytes)})"
 
 
 def _per_token(x: float) -> str:
