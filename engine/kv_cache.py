@@ -130,7 +130,7 @@ class KVCacheManager:
         ``record`` is False (the caller then counts it with ``record_prefix``
         once it acts on the lookup).
         """
-        empty = [[] for _ in self.groups]
+        empty: list[list[int]] = [[] for _ in self.groups]
         if not self.enable_caching:
             return PrefixHit(empty, [])
         limit = len(token_ids) if max_tokens is None else min(max_tokens, len(token_ids))
