@@ -21,12 +21,13 @@ from kernels.kv_quant import is_quantized, parse_kv_cache_dtype
 from kernels.linear import LINEAR_KERNELS
 
 # the model families (``ModelConfig.architecture``); ``engine/models/`` registers one module for each
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma3", "gpt_oss")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma3", "gpt_oss",
+                           "deepseek_v2", "deepseek_v3")
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
 HIDDEN_ACTS = ("silu", "gelu_tanh")
-MOE_ROUTERS = ("softmax_topk", "topk_softmax")
+MOE_ROUTERS = ("softmax_topk", "topk_softmax", "softmax_group_topk", "sigmoid_group_topk")
 MOE_ACTIVATIONS = ("silu", "swiglu_oai")
 ATTENTION_BACKENDS = ("auto", "triton", "flashinfer", "torch")
 
@@ -75,11 +76,16 @@ class MoeConfig:
     """A mixture-of-experts MLP: ``num_experts`` experts of ``intermediate_size``, ``top_k`` per token.
 
     ``router``: ``softmax_topk`` (softmax over every expert's logit, then the top k, renormalised to
-    sum 1 when ``renormalize``: Mixtral, Qwen3-MoE) or ``topk_softmax`` (the top k logits, then a
-    softmax over those: gpt-oss). ``router_bias``: the router has a bias; ``expert_bias``: each expert's
+    sum 1 when ``renormalize``: Mixtral, Qwen3-MoE), ``topk_softmax`` (the top k logits, then a softmax
+    over those: gpt-oss), ``softmax_group_topk`` (DeepSeek-V2's group-limited greedy: the experts of the
+    ``topk_group`` of ``n_group`` groups with the highest expert probability) or ``sigmoid_group_topk``
+    (DeepSeek-V3: sigmoid scores; the choice adds the router's ``correction_bias`` and keeps the groups
+    whose best two sum highest; the weights are the plain scores); DeepSeek's weights are then multiplied
+    by ``routed_scaling_factor``. ``router_bias``: the router has a bias; ``expert_bias``: each expert's
     products have biases. ``activation``: ``silu`` (SiLU(gate) * up) or ``swiglu_oai`` (gpt-oss's
-    clamped SwiGLU with ``swiglu_alpha`` and ``swiglu_limit``). ``dense_layers``: layers that keep a
-    dense MLP of the model's ``intermediate_size`` instead.
+    clamped SwiGLU with ``swiglu_alpha`` and ``swiglu_limit``). ``shared_intermediate_size``: a dense
+    SiLU MLP of that size beside the experts, its output added (DeepSeek's shared experts; 0: none).
+    ``dense_layers``: layers that keep a dense MLP of the model's ``intermediate_size`` instead.
     """
 
     num_experts: int
@@ -93,6 +99,11 @@ class MoeConfig:
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     dense_layers: tuple[int, ...] = ()
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    correction_bias: bool = False
+    shared_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
         if not 0 < self.top_k <= self.num_experts:
@@ -103,9 +114,37 @@ class MoeConfig:
                              f"got {self.intermediate_size}")
         if self.router not in MOE_ROUTERS:
             raise ValueError(f"unknown MoE router {self.router!r}; known: {', '.join(MOE_ROUTERS)}")
+        if self.num_experts % self.n_group or not 0 < self.topk_group <= self.n_group:
+            raise ValueError(f"bad model config: {self.num_experts} experts in n_group {self.n_group} "
+                             f"groups, topk_group {self.topk_group} of them")
         if self.activation not in MOE_ACTIVATIONS:
             raise ValueError(f"unknown MoE activation {self.activation!r}; "
                              f"known: {', '.join(MOE_ACTIVATIONS)}")
+
+
+@dataclass(frozen=True)
+class MlaConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3): each token caches one latent of ``kv_lora_rank``
+    values (RMSNormed) and one rotary key of ``qk_rope_head_dim`` shared by every head; each head's keys
+    (``qk_nope_head_dim`` of them beside the rotary ones) and values (``v_head_dim``) are the latent's
+    up-projection. Queries come from the hidden state directly, or through a LoRA of ``q_lora_rank``.
+    ``rope_interleave``: rope rotates adjacent pairs of the rotary dims (DeepSeek's layout)."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None
+    rope_interleave: bool = True
+
+    @property
+    def latent_dim(self) -> int:
+        """Values cached per token per layer: the latent and the rotary key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -141,6 +180,8 @@ class ModelConfig:
     local_rope_theta: float | None = None
     hidden_act: str = "silu"  # the dense MLP's gate activation: silu or gelu_tanh
     moe: MoeConfig | None = None
+    # latent attention (DeepSeek): then head_dim is the query/key head (nope + rope), num_kv_heads 1
+    mla: MlaConfig | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -189,9 +230,19 @@ class ModelConfig:
         """Whether ``layer``'s MLP is the mixture of experts (else the dense MLP)."""
         return self.moe is not None and layer not in self.moe.dense_layers
 
+    @property
+    def kv_parts(self) -> int:
+        """Tensors cached per token and layer: K and V, or MLA's one latent."""
+        return 1 if self.mla is not None else 2
+
+    @property
+    def kv_head_dim(self) -> int:
+        """Width of one cached head: ``head_dim``, or MLA's latent and rotary key together."""
+        return self.mla.latent_dim if self.mla is not None else self.head_dim
+
     def kv_bytes_per_token(self, element_bytes: int) -> int:
-        """2 (K and V) x layers x KV heads x head dim x bytes per element."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_bytes
+        """2 (K and V; 1 latent for MLA) x layers x KV heads x KV head dim x bytes per element."""
+        return self.kv_parts * self.num_layers * self.num_kv_heads * self.kv_head_dim * element_bytes
 
 
 @dataclass(frozen=True)

@@ -68,13 +68,14 @@ def element_bytes(dtype: torch.dtype) -> int:
 
 
 def kv_block_bytes(model: ModelConfig, block_size: int, dtype: torch.dtype, slots: int | None = None) -> int:
-    """Bytes of one block over its slots: block_size x 2 x slots x kv_heads x head_dim x elem.
+    """Bytes of one block over its slots: block_size x parts x slots x kv_heads x KV head dim x elem
+    (parts: K and V, or MLA's one latent).
 
     A quantized dtype (fp8/int8) adds its scales: 2 x slots x kv_heads float32 per block
     (``kernels/kv_quant.py``), so the count stays honest.
     """
     layers = model.num_layers if slots is None else slots
-    per_token = 2 * layers * model.num_kv_heads * model.head_dim * element_bytes(dtype)
+    per_token = model.kv_parts * layers * model.num_kv_heads * model.kv_head_dim * element_bytes(dtype)
     return block_size * per_token + kv_scale_bytes(model, dtype, slots)
 
 
@@ -82,7 +83,8 @@ def kv_scale_bytes(model: ModelConfig, dtype: torch.dtype, slots: int | None = N
     """Scale bytes of one block over its slots: 0 unless ``dtype`` is quantized."""
     if not is_quantized(dtype):
         return 0
-    return 2 * (model.num_layers if slots is None else slots) * model.num_kv_heads * SCALE_DTYPE.itemsize
+    layers = model.num_layers if slots is None else slots
+    return model.kv_parts * layers * model.num_kv_heads * SCALE_DTYPE.itemsize
 
 
 def blocks_for_budget(model: ModelConfig, block_size: int, dtype: torch.dtype, budget: int,

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -35,7 +35,8 @@ from engine.kv_tensors import allocate_kv_cache, allocate_kv_scales
 from engine.models.causal_lm import CausalLM
 from engine.scheduler import SchedulerOutput
 from engine.tp_group import Call, CallReply, StepPlan, Stop, TpGroup, run_handler
-from kernels import AttentionMetadata, get_attention_backend
+from kernels import AttentionBackend, AttentionMetadata, get_attention_backend
+from kernels.mla import MlaTorchBackend
 
 if TYPE_CHECKING:
     from engine.compiled import CompiledDecoder
@@ -96,8 +97,7 @@ class ModelRunner:
         self.kv_groups = groups or kv_layout(model_config, engine_config.hybrid_kv)
         self.slots = num_slots(self.kv_groups)
         model.set_kv_groups(self.kv_groups)
-        self.backends = [get_attention_backend(self.device, engine_config.attention_backend,
-                                               engine_config.kv_quantized) for _ in self.kv_groups]
+        self.backends = [self._new_backend() for _ in self.kv_groups]
         self.backend = self.backends[0]
         # the block pool's size; padded decode steps (engine/graph_runner.py) add one block past it, the
         # scratch block their pad rows write, which no request ever holds
@@ -114,6 +114,15 @@ class ModelRunner:
         self._compiled: CompiledDecoder | None = None
         self.compiled: CompiledDecoder | None = None
         self.set_compiled(engine_config.compile_enabled)
+
+    def _new_backend(self) -> AttentionBackend:
+        """A KV group's attention backend: MLA's (``kernels/mla.py``) for a latent cache."""
+        if self.model_config.mla is not None:
+            if self.config.kv_quantized:
+                raise ValueError(f"--kv-cache-dtype {self.config.kv_cache_dtype} does not combine with "
+                                 f"{self.model_config.name}'s latent cache yet")
+            return cast(AttentionBackend, MlaTorchBackend())
+        return get_attention_backend(self.device, self.config.attention_backend, self.config.kv_quantized)
 
     def _table_width(self) -> int:
         """Blocks a sequence can hold: the static block tables' width."""

@@ -38,9 +38,10 @@ from engine.config import ModelConfig
 
 _LAYER_NAME = re.compile(
     r"model\.layers\.\d+\.(self_attn|mlp|block_sparse_moe)\.(experts\.\d+\.)?(\w+)\.(weight|bias)")
+_SHARED_EXPERTS = re.compile(r"model\.layers\.\d+\.mlp\.shared_experts\.(\w+)\.weight")
 _FUSED_EXPERTS = re.compile(r"model\.layers\.\d+\.mlp\.experts\.(gate_up_proj|gate_up_proj_bias|down_proj)")
 _SINKS = re.compile(r"model\.layers\.\d+\.self_attn\.sinks")
-_COLUMN_PARALLEL = ("gate_proj", "up_proj", "w1", "w3")
+_COLUMN_PARALLEL = ("gate_proj", "up_proj", "w1", "w3")  # a dense MLP's or an expert's
 _ROW_PARALLEL = ("down_proj", "w2")
 
 
@@ -119,6 +120,11 @@ class TpShard:
         q0, q1 = self.head_range
         if _SINKS.fullmatch(name):
             return WeightSlice(0, q0, q1)
+        shared = _SHARED_EXPERTS.fullmatch(name)
+        if shared is not None and self.config.moe is not None:  # DeepSeek's shared experts: a dense MLP
+            inter = self.config.moe.shared_intermediate_size // self.size
+            cut = (self.rank * inter, (self.rank + 1) * inter)
+            return WeightSlice(1 if shared.group(1) == "down_proj" else 0, *cut)
         fused = _FUSED_EXPERTS.fullmatch(name)
         if fused is not None:  # gpt-oss's stacked experts, input-major
             inter, r = self.expert_intermediate_size, self.rank
@@ -132,6 +138,17 @@ class TpShard:
         part, kind = match.group(3), match.group(4)
         k0, k1 = self.kv_head_range
         inter = self.expert_intermediate_size if match.group(2) else self.intermediate_size
+        mla = self.config.mla
+        if mla is not None:  # latent attention: the query heads' rows; the latent's products whole
+            if part in ("q_proj", "q_b_proj"):
+                return WeightSlice(0, q0 * hd, q1 * hd)
+            if part == "kv_b_proj":
+                per_head = mla.qk_nope_head_dim + mla.v_head_dim
+                return WeightSlice(0, q0 * per_head, q1 * per_head)
+            if part == "o_proj" and kind == "weight":
+                return WeightSlice(1, q0 * mla.v_head_dim, q1 * mla.v_head_dim)
+            if part in ("q_a_proj", "kv_a_proj_with_mqa"):
+                return None
         if part == "q_proj":
             return WeightSlice(0, q0 * hd, q1 * hd)
         if part in ("k_proj", "v_proj"):
@@ -165,3 +182,6 @@ def check_tp_size(config: ModelConfig, size: int) -> None:
     if config.moe is not None and config.moe.intermediate_size % size:
         raise ValueError(f"tensor_parallel_size {size} does not divide the experts' MLP size "
                          f"{config.moe.intermediate_size} of {config.name}")
+    if config.moe is not None and config.moe.shared_intermediate_size % size:
+        raise ValueError(f"tensor_parallel_size {size} does not divide the shared experts' MLP size "
+                         f"{config.moe.shared_intermediate_size} of {config.name}")

@@ -147,3 +147,14 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` (``[T, heads, head_dim]``) by the per-token angles in ``cos``/``sin``."""
     return (x * cos) + (rotate_half(x) * sin)
+
+
+def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent pairs ``(x[2i], x[2i+1])`` of ``x``'s last dim by frequency ``i`` (DeepSeek's
+    rope layout), given ``RotaryEmbedding.cos_sin``'s full-width ``cos``/``sin``. The result holds the
+    rotated even elements, then the rotated odd ones (transformers' layout: queries and keys rotated
+    alike, so their dot products are those of the interleaved rotation)."""
+    half = cos.shape[-1] // 2
+    cos, sin = cos[..., :half], sin[..., :half]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -17,6 +17,10 @@ from typing import Any
 
 import torch
 from transformers import (
+    DeepseekV2Config,
+    DeepseekV2ForCausalLM,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
     GptOssConfig,
@@ -83,15 +87,33 @@ def _gpt_oss() -> PreTrainedModel:
     return GptOssForCausalLM(config)
 
 
+MLA: dict[str, Any] = dict(  # transformers' DeepSeek expands the latent to every head: KV heads = heads
+    moe_intermediate_size=32, num_hidden_layers=3, num_experts_per_tok=2, first_k_dense_replace=1,
+    kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_shared_experts=1,
+    **{**{k: v for k, v in COMMON.items() if k != "head_dim"}, "num_key_value_heads": 4},
+)
+
+
+def _deepseek_v2() -> PreTrainedModel:
+    # no query LoRA, a dense first layer, softmax top-2 of 4 experts and a shared expert
+    return DeepseekV2ForCausalLM(DeepseekV2Config(n_routed_experts=4, q_lora_rank=None, **MLA))
+
+
+def _deepseek_v3() -> PreTrainedModel:
+    # a query LoRA, sigmoid top-2 of 8 experts chosen from the best 2 of 4 groups, a shared expert
+    return DeepseekV3ForCausalLM(DeepseekV3Config(n_routed_experts=8, n_group=4, topk_group=2, q_lora_rank=24,
+                                                  **MLA))
+
+
 def _llama() -> PreTrainedModel:
     return LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, **{k: v for k, v in COMMON.items()}))
 
 
 BUILDERS: dict[str, Callable[[], PreTrainedModel]] = {
     "llama": _llama, "qwen3": _qwen3, "qwen3_moe": _qwen3_moe, "mixtral": _mixtral, "gemma3": _gemma3,
-    "gpt_oss": _gpt_oss,
+    "gpt_oss": _gpt_oss, "deepseek_v2": _deepseek_v2, "deepseek_v3": _deepseek_v3,
 }
-NEW_FAMILIES = ("qwen3", "qwen3_moe", "mixtral", "gemma3", "gpt_oss")
+NEW_FAMILIES = ("qwen3", "qwen3_moe", "mixtral", "gemma3", "gpt_oss", "deepseek_v2", "deepseek_v3")
 
 
 def build(family: str, seed: int = 0) -> PreTrainedModel:
@@ -104,6 +126,9 @@ def build(family: str, seed: int = 0) -> PreTrainedModel:
             if param.ndim == 1:
                 param.add_(torch.randn_like(param) * 0.2)
         model.get_output_embeddings().weight.mul_(HEAD_SCALE)
+        for name, buffer in model.named_buffers():  # DeepSeek-V3's router correction bias (zeros)
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn_like(buffer) * 0.1)
     return model.eval()
 
 

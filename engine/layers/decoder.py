@@ -18,21 +18,20 @@ rounding). A model of fusable layers whose products all hold packed copies hands
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from engine.layers.attention import Attention
 from engine.layers.context import LayerContext
+from engine.layers.mla import MlaAttention
 from engine.layers.mlp import GatedMLP
 from engine.layers.moe import MoE
 from engine.layers.prepared import Prepared, weight
 from kernels.attention import AttentionBackend
-from kernels.linear import LinearKernel
 from kernels.native_decoder import DecoderLayerWeights
 from kernels.native_ops import NativeOps
 from kernels.norm import rms_norm
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(Prepared):
     def __init__(self, ctx: LayerContext, layer: int, sandwich: bool = False) -> None:
         super().__init__()
         c = ctx.config
@@ -44,39 +43,22 @@ class DecoderLayer(nn.Module):
         self.post_norm = weight(h, dtype=dt, device=dev)
         self.pre_ff_norm = weight(h, dtype=dt, device=dev) if sandwich else None
         self.post_ff_norm = weight(h, dtype=dt, device=dev) if sandwich else None
-        self.attn = Attention(ctx, layer)
+        self.attn: Attention | MlaAttention = (MlaAttention(ctx, layer) if c.mla is not None
+                                               else Attention(ctx, layer))
         self.mlp: GatedMLP | MoE = (MoE(ctx) if c.is_moe_layer(layer)
                                     else GatedMLP(ctx, ctx.shard.intermediate_size))
-
-    def _parts(self) -> tuple[Prepared, Prepared]:
-        return self.attn, self.mlp
-
-    def prepare_linears(self, kernel: LinearKernel, keep_plain: bool = False) -> None:
-        for part in self._parts():
-            part.prepare_linears(kernel, keep_plain)
-
-    def release_plain(self) -> None:
-        for part in self._parts():
-            part.release_plain()
-
-    def restore_plain(self) -> None:
-        for part in self._parts():
-            part.restore_plain()
-
-    @property
-    def plain_released(self) -> bool:
-        return any(part.plain_released for part in self._parts())
 
     @property
     def fusable(self) -> bool:
         """Whether the fused native paths compute this layer (see the module docstring)."""
-        return (not self.sandwich and self.ctx.norm is rms_norm and self.attn.plain
+        return (not self.sandwich and self.ctx.norm is rms_norm and isinstance(self.attn, Attention)
+                and self.attn.plain
                 and isinstance(self.mlp, GatedMLP) and self.mlp.act_name == "silu")
 
     def native_weights(self) -> DecoderLayerWeights | None:
         """The layer's tensors for the one-call decoder; None where it is not fusable or a product holds
         no packed copy."""
-        if not self.fusable or not isinstance(self.mlp, GatedMLP):
+        if not self.fusable or not isinstance(self.mlp, GatedMLP) or not isinstance(self.attn, Attention):
             return None
         attn, mlp = self.attn, self.mlp
         qkv, o = attn.qkv_linear.packed, attn.o_linear.packed
@@ -112,7 +94,7 @@ class DecoderLayer(nn.Module):
         ``hidden + delta`` (``delta`` None: ``hidden``), and it returns ``(residual, delta)`` whose sum
         is its output. ``hidden`` is updated in place."""
         attn, mlp = self.attn, self.mlp
-        assert isinstance(mlp, GatedMLP)
+        assert isinstance(mlp, GatedMLP) and isinstance(attn, Attention)
         tokens = hidden.shape[0]
         h, kv_h, hd = attn.num_heads, attn.num_kv_heads, attn.head_dim
         x = ops.add_rms_norm(hidden, delta, self.input_norm, self.eps)

@@ -6,9 +6,11 @@ every rank; per expert ``e``, ``experts.<e>.gate_proj`` / ``up_proj`` fused into
 gate, then up; this rank's columns of the experts' intermediate size) and ``experts.<e>.down_proj``
 as ``w2[e]`` (row-parallel), with optional biases (gpt-oss; the down bias added on rank 0 only).
 
-Routing (``MoeConfig.router``): ``softmax_topk`` takes the top k of the softmax over every expert,
-renormalised when ``renormalize``; ``topk_softmax`` takes the top k logits, then their softmax. The
-weights stay float32. Each expert present in the step computes its products once for all of its
+Routing (``MoeConfig.router``, which says each kind exactly): softmax then top k (Mixtral, Qwen3-MoE;
+DeepSeek-V2, its group-limited variant too), top k then softmax (gpt-oss), or DeepSeek-V3's sigmoid
+scores chosen by group with the router's correction bias (``gate.e_score_correction_bias``). The
+weights stay float32. DeepSeek's shared experts (``shared_experts.*``, a dense SiLU MLP) add their
+output to the routed experts'. Each expert present in the step computes its products once for all of its
 tokens, in ascending expert order, and adds ``weight * output`` into each token's row (the order
 transformers adds them in). On CPU the products are the model's prepared products (packed for the
 native kernel); on CUDA the fused kernel (``kernels/moe.py``).
@@ -22,20 +24,43 @@ from torch import nn
 
 from engine.config import MoeConfig
 from engine.layers.context import LayerContext
+from engine.layers.mlp import GatedMLP
 from engine.layers.prepared import Prepared, weight
 from kernels.linear import LinearKernel, PreparedLinear
 
 
-def route(logits: torch.Tensor, moe: MoeConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def _group_mask(group_scores: torch.Tensor, moe: MoeConfig) -> torch.Tensor:
+    """Boolean ``[T, E]``: the experts of each token's ``topk_group`` best groups."""
+    picked = torch.topk(group_scores, moe.topk_group, dim=-1, sorted=False).indices
+    mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, picked, True)
+    return mask.repeat_interleave(moe.num_experts // moe.n_group, dim=1)
+
+
+def route(logits: torch.Tensor, moe: MoeConfig,
+          correction: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Each token's ``top_k`` expert weights (float32) and ids (int64) from its router logits."""
+    tokens = logits.shape[0]
     if moe.router == "topk_softmax":
         top, ids = torch.topk(logits, moe.top_k, dim=-1)
         return torch.softmax(top.float(), dim=-1), ids
+    if moe.router == "sigmoid_group_topk":
+        scores = logits.float().sigmoid()
+        choice = scores if correction is None else scores + correction.float()
+        groups = choice.view(tokens, moe.n_group, -1).topk(min(2, moe.num_experts // moe.n_group), dim=-1)
+        choice = choice.masked_fill(~_group_mask(groups.values.sum(dim=-1), moe), float("-inf"))
+        ids = torch.topk(choice, moe.top_k, dim=-1, sorted=False).indices
+        top = scores.gather(1, ids)
+        if moe.renormalize:
+            top = top / (top.sum(dim=-1, keepdim=True) + 1e-20)
+        return top * moe.routed_scaling_factor, ids
     probs = torch.softmax(logits.float(), dim=-1)
+    if moe.router == "softmax_group_topk":
+        best = probs.view(tokens, moe.n_group, -1).max(dim=-1).values
+        probs = probs.masked_fill(~_group_mask(best, moe), 0.0)
     top, ids = torch.topk(probs, moe.top_k, dim=-1)
     if moe.renormalize:
         top = top / top.sum(dim=-1, keepdim=True)
-    return top, ids
+    return top * moe.routed_scaling_factor, ids
 
 
 def expert_activation(h: torch.Tensor, moe: MoeConfig) -> torch.Tensor:
@@ -64,6 +89,9 @@ class MoE(Prepared):
         self.w2 = weight(experts, hidden, inter, dtype=dt, device=dev)
         self.b13 = weight(experts, 2 * inter, dtype=dt, device=dev) if moe.expert_bias else None
         self.b2 = weight(experts, hidden, dtype=dt, device=dev) if moe.expert_bias else None
+        self.correction = (weight(experts, dtype=torch.float32, device=dev) if moe.correction_bias else None)
+        self.shared = (GatedMLP(ctx, moe.shared_intermediate_size // ctx.shard.size)
+                       if moe.shared_intermediate_size else None)
         self.prepare_linears("plain")
 
     def _build_linears(self, kernel: LinearKernel) -> None:
@@ -85,6 +113,10 @@ class MoE(Prepared):
         targets = {f"{prefix}.gate.weight": self.router.data}
         if self.router_bias is not None:
             targets[f"{prefix}.gate.bias"] = self.router_bias.data
+        if self.correction is not None:
+            targets[f"{prefix}.gate.e_score_correction_bias"] = self.correction.data
+        if self.shared is not None:
+            targets |= self.shared.hf_targets(f"{prefix}.shared_experts")
         for e in range(self.moe.num_experts):
             p = f"{prefix}.experts.{e}"
             targets |= {f"{p}.gate_proj.weight": self.w13.data[e, :inter],
@@ -97,7 +129,7 @@ class MoE(Prepared):
         return targets
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(self.router_linear(x), self.moe)
+        weights, ids = route(self.router_linear(x), self.moe, self.correction)
         out = torch.zeros_like(x)
         flat = ids.flatten()
         order = torch.argsort(flat, stable=True)
@@ -113,4 +145,5 @@ class MoE(Prepared):
             h = expert_activation(self.w13_linears[expert](x[tokens]), self.moe)
             y = self.w2_linears[expert](h) * flat_weights[picks, None]
             out.index_add_(0, tokens, y.to(out.dtype))
-        return self.ctx.reduce(out)
+        out = self.ctx.reduce(out)
+        return out if self.shared is None else out + self.shared(x)

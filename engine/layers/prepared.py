@@ -2,11 +2,12 @@
 
 A ``Prepared`` module names its matrices (``_matrices``: each parameter with the products built over
 it, one for an ``[out, in]`` matrix, one per expert for an ``[E, out, in]`` stack) and builds the
-products in ``_build_linears``. ``prepare_linears`` (re)builds them from the current weights. The
-native kernel's products hold a packed copy; unless ``keep_plain``, the plain matrices are then
-released (``release_plain``: each becomes a zero-stride stand-in of its shape, 4 bytes) so the weights
-are in memory once, and ``restore_plain`` brings them back bitwise from the packed copies (loading
-weights, another kernel and the compiled path read them).
+products in ``_build_linears``; every operation below also reaches its ``Prepared`` children.
+``prepare_linears`` (re)builds them from the current weights. The native kernel's products hold a
+packed copy; unless ``keep_plain``, the plain matrices are then released (``release_plain``: each
+becomes a zero-stride stand-in of its shape, 4 bytes) so the weights are in memory once, and
+``restore_plain`` brings them back bitwise from the packed copies (loading weights, another kernel
+and the compiled path read them).
 """
 
 from __future__ import annotations
@@ -39,22 +40,37 @@ class Prepared(nn.Module):
     def _build_linears(self, kernel: LinearKernel) -> None:
         """Build this module's products over its current matrices."""
 
+    def _parts(self) -> list[Prepared]:
+        return [m for m in self.children() if isinstance(m, Prepared)]
+
     def prepare_linears(self, kernel: LinearKernel, keep_plain: bool = False) -> None:
         if self._built:  # not the first build: the matrices may be released
-            self.restore_plain()
+            self._restore_own()
         self._build_linears(kernel)
         self._built = True
         if not keep_plain:
-            self.release_plain()
+            self._release_own()
+        for part in self._parts():
+            part.prepare_linears(kernel, keep_plain)
 
     def release_plain(self) -> None:
+        self._release_own()
+        for part in self._parts():
+            part.release_plain()
+
+    def restore_plain(self) -> None:
+        self._restore_own()
+        for part in self._parts():
+            part.restore_plain()
+
+    def _release_own(self) -> None:
         for param, linears in self._matrices():
             if linears and all(lin.packed is not None for lin in linears) and not released(param):
                 param.data = torch.zeros((), dtype=param.dtype, device=param.device).expand(param.shape)
                 for i, lin in enumerate(linears):
                     lin.release_weight(param.data if param.dim() == 2 else param.data[i])
 
-    def restore_plain(self) -> None:
+    def _restore_own(self) -> None:
         for param, linears in self._matrices():
             if not linears or not released(param) or any(lin.packed is None for lin in linears):
                 continue
@@ -70,4 +86,5 @@ class Prepared(nn.Module):
 
     @property
     def plain_released(self) -> bool:
-        return any(released(param) for param, _ in self._matrices())
+        return any(released(param) for param, _ in self._matrices()) or any(
+            part.plain_released for part in self._parts())

@@ -38,6 +38,7 @@ from torch import nn
 
 from engine.config import ModelConfig, RopeScaling
 from engine.kv_groups import KvGroup, layer_slots
+from engine.layers.attention import Attention
 from engine.layers.context import LayerContext
 from engine.layers.decoder import DecoderLayer
 from engine.layers.prepared import weight
@@ -86,7 +87,8 @@ class CausalLM(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = weight(vocab, config.hidden_size, dtype=dtype, device=device)
             self.lm_head.data.zero_()
-        self.rotaries = [RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, device)]
+        rope_dim = config.mla.qk_rope_head_dim if config.mla is not None else config.head_dim
+        self.rotaries = [RotaryEmbedding(rope_dim, config.rope_theta, config.rope_scaling, device)]
         if config.local_rope_theta is not None:
             local = RotaryEmbedding(config.head_dim, config.local_rope_theta, RopeScaling(), device)
             self.rotaries.append(local)
@@ -286,6 +288,8 @@ class CausalLM(nn.Module):
 def _unfused(layer: DecoderLayer) -> list[str]:
     """Why a layer takes the per-layer path, in words."""
     attn = layer.attn
+    if not isinstance(attn, Attention):
+        return ["latent attention"] + (["mixture of experts"] if not hasattr(layer.mlp, "act_name") else [])
     reasons = {"q/k norms": attn.q_norm is not None, "sliding windows": attn.window is not None,
                "attention sinks": attn.sinks is not None, "softcaps": attn.softcap is not None,
                "output bias": attn.o_bias is not None, "sandwich norms": layer.sandwich,

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import SUPPORTED_ARCHITECTURES
+from engine.models.deepseek import DEEPSEEK_V2, DEEPSEEK_V3
 from engine.models.family import ModelFamily
 from engine.models.gemma3 import GEMMA3
 from engine.models.gpt_oss import GPT_OSS
@@ -19,7 +20,7 @@ from engine.models.mixtral import MIXTRAL
 from engine.models.qwen3 import QWEN3, QWEN3_MOE
 
 FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3, QWEN3_MOE, MIXTRAL,
-                                                          GEMMA3, GPT_OSS)}
+                                                          GEMMA3, GPT_OSS, DEEPSEEK_V2, DEEPSEEK_V3)}
 assert tuple(FAMILIES) == SUPPORTED_ARCHITECTURES, "engine/config.py lists the families in this order"
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 import torch
@@ -20,6 +20,7 @@ from engine.layers.decoder import DecoderLayer
 from engine.models.causal_lm import CausalLM
 from kernels import AttentionBackend, get_attention_backend
 from kernels.attention import AttentionMetadata
+from kernels.mla import MlaTorchBackend
 from kernels.native_ops import native_ops
 
 if TYPE_CHECKING:
@@ -99,7 +100,9 @@ class PagedRunner:
             model.load_weights(hf.state_dict().items())
         self.model = model
         self.kv = allocate_kv_cache(model.config, NUM_BLOCKS, BLOCK_SIZE, torch.float32, "cpu")
-        self.backend: AttentionBackend = get_attention_backend("cpu")
+        mla = model.config.mla is not None
+        self.backend: AttentionBackend = (cast(AttentionBackend, MlaTorchBackend()) if mla
+                                          else get_attention_backend("cpu"))
         self.free = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(1)).tolist()
         self.tables: dict[int, list[int]] = {}
         self.lens: dict[int, int] = {}

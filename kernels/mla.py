@@ -1,0 +1,133 @@
+"""Multi-head latent attention over a paged latent cache: the torch reference, in both forms.
+
+Cache layout (``kernels/attention.py``'s, with one part and one head): ``kv_layer`` is
+``[num_blocks, 1, block_size, 1, latent_dim]``, token ``t``'s row holding its RMSNormed latent
+(``kv_lora_rank`` values) then its rotated rotary key (``qk_rope_head_dim``), shared by every head.
+``forward`` first writes the step's new rows at ``meta.slot_mapping``, then attends.
+
+Per head ``h``, with ``w_uk[h]`` ``[qk_nope, rank]`` and ``w_uv[h]`` ``[v_dim, rank]`` (the two halves
+of ``kv_b_proj``), the score of key ``t`` is ``q_nope . (w_uk c_t) + q_rope . k_rope_t`` and the value
+``w_uv c_t``. Two forms compute it:
+
+- expanded (prompt chunks): the context's latents up-projected to per-head keys and values, then
+  ordinary causal attention per head;
+- absorbed (decode rows): ``w_uk`` folded into the query (``q_lat = w_uk[h]^T q_nope``) so attention
+  runs over the latent rows themselves, reading ``latent_dim`` values per cached token for all heads
+  at once, and ``w_uv`` applied to each head's mix of latents afterwards.
+
+They are the same sum in another order (equal to rounding, tests/unit/test_mla.py). ``absorb`` picks
+the form per group of the step: decode rows (``q_len`` 1) absorbed, prompt chunks expanded, unless
+forced. Scores and softmax in float32; causal masking as every backend's (query ``i`` of a
+sequence of ``L`` tokens with ``q_len`` new sits at ``L - q_len + i``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.attention import AttentionMetadata
+
+
+@dataclass
+class _Seqs:
+    tokens: slice | torch.Tensor  # the group's rows of the step's tokens
+    q_len: int
+    rows: torch.Tensor  # int64 [n, L]: cache rows (block * block_size + offset) of each key position
+    mask: torch.Tensor  # bool [n, q_len, L]
+
+
+class MlaTorchBackend:
+    """MLA attention for any torch device (see the module docstring)."""
+
+    features: frozenset[str] = frozenset()
+
+    def __init__(self, absorb: bool | None = None) -> None:
+        self.absorb = absorb  # None: absorbed for decode rows, expanded for prompt chunks
+        self._meta: AttentionMetadata | None = None
+        self._groups: list[_Seqs] = []
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        self._meta = meta
+        starts = [0]
+        for q_len in meta.query_lens_list:
+            starts.append(starts[-1] + q_len)
+        decodes = [s for s, q in enumerate(meta.query_lens_list) if q == 1]
+        groups = []
+        if decodes:
+            device = meta.slot_mapping.device
+            index = torch.tensor([starts[s] for s in decodes], dtype=torch.int64, device=device)
+            groups.append(self._plan(meta, decodes, index, 1))
+        for s, q_len in enumerate(meta.query_lens_list):
+            if q_len > 1:
+                groups.append(self._plan(meta, [s], slice(starts[s], starts[s] + q_len), q_len))
+        self._groups = groups
+
+    @staticmethod
+    def _plan(meta: AttentionMetadata, seqs: list[int], tokens: slice | torch.Tensor, q_len: int) -> _Seqs:
+        bs = meta.block_size
+        lens = torch.tensor([meta.seq_lens_list[s] for s in seqs], dtype=torch.int64)
+        width = int(lens.max())
+        tables = [meta.block_tables_list[s][: -(-width // bs)] for s in seqs]
+        tables = [t + [0] * (-(-width // bs) - len(t)) for t in tables]
+        pos = torch.arange(width, dtype=torch.int64)
+        rows = torch.tensor(tables, dtype=torch.int64)[:, pos // bs] * bs + pos % bs
+        last = lens[:, None] - q_len + torch.arange(q_len, dtype=torch.int64)[None, :]
+        mask = pos[None, None, :] <= last[:, :, None]
+        device = meta.slot_mapping.device
+        return _Seqs(tokens, q_len, rows.to(device), mask.to(device))
+
+    def forward(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor,
+                kv_layer: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float) -> torch.Tensor:
+        """Attention output ``[T, heads, v_dim]`` for queries ``q_nope`` ``[T, heads, qk_nope]`` and
+        ``q_rope`` ``[T, heads, qk_rope]`` (rotated), after writing ``latent`` ``[T, latent_dim]``."""
+        meta = self._meta
+        if meta is None:
+            raise RuntimeError("MlaTorchBackend.forward called before prepare")
+        flat = kv_layer.view(-1, kv_layer.shape[-1])
+        flat.index_copy_(0, meta.slot_mapping.to(torch.int64), latent.to(flat.dtype))
+        out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], w_uv.shape[1])
+        for group in self._groups:
+            absorbed = group.q_len == 1 if self.absorb is None else self.absorb
+            attend = _absorbed if absorbed else _expanded
+            out[group.tokens] = attend(group, q_nope[group.tokens], q_rope[group.tokens], flat, w_uk, w_uv,
+                                       scale).to(out.dtype)
+        return out
+
+
+def _split(group: _Seqs, q: torch.Tensor) -> torch.Tensor:
+    """``[n * q_len, heads, d]`` -> ``[n, q_len, heads, d]`` in float32."""
+    return q.float().reshape(group.rows.shape[0], group.q_len, *q.shape[1:])
+
+
+def _softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+
+
+def _absorbed(group: _Seqs, q_nope: torch.Tensor, q_rope: torch.Tensor, flat: torch.Tensor,
+              w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float) -> torch.Tensor:
+    rank = w_uk.shape[2]
+    rows = flat.index_select(0, group.rows.reshape(-1)).float().view(*group.rows.shape, -1)  # [n, L, D]
+    q_lat = torch.einsum("nqhd,hdr->nqhr", _split(group, q_nope), w_uk.float())
+    query = torch.cat((q_lat, _split(group, q_rope)), dim=-1)  # [n, q, heads, D]
+    scores = torch.einsum("nqhc,nlc->nhql", query, rows) * scale
+    probs = _softmax(scores, group.mask[:, None])
+    mixed = torch.einsum("nhql,nlr->nqhr", probs, rows[..., :rank])
+    out = torch.einsum("nqhr,hvr->nqhv", mixed, w_uv.float())
+    return out.reshape(-1, *out.shape[2:])
+
+
+def _expanded(group: _Seqs, q_nope: torch.Tensor, q_rope: torch.Tensor, flat: torch.Tensor,
+              w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float) -> torch.Tensor:
+    rank = w_uk.shape[2]
+    rows = flat.index_select(0, group.rows.reshape(-1)).float().view(*group.rows.shape, -1)
+    latent, k_rope = rows[..., :rank], rows[..., rank:]
+    k_nope = torch.einsum("nlr,hdr->nlhd", latent, w_uk.float())
+    values = torch.einsum("nlr,hvr->nlhv", latent, w_uv.float())
+    keys = torch.cat((k_nope, k_rope[:, :, None].expand(-1, -1, k_nope.shape[2], -1)), dim=-1)
+    query = torch.cat((_split(group, q_nope), _split(group, q_rope)), dim=-1)
+    scores = torch.einsum("nqhd,nlhd->nhql", query, keys) * scale
+    probs = _softmax(scores, group.mask[:, None])
+    out = torch.einsum("nhql,nlhv->nqhv", probs, values)
+    return out.reshape(-1, *out.shape[2:])
