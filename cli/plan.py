@@ -144,6 +144,7 @@ class Plan:
     active_weight_bytes: int = 0
     kv_groups: list[KvGroupPlan] | None = None
     kv_block_slots: int = 0  # layers a block holds
+    latent_dim: int = 0  # MLA: values cached per token per layer (no KV heads)
 
 
 def make_plan(model: ModelConfig, *, dtype: str = "bfloat16", kv_cache_dtype: str = "auto",
@@ -204,6 +205,7 @@ def make_plan(model: ModelConfig, *, dtype: str = "bfloat16", kv_cache_dtype: st
         architecture=full_model.architecture, active_parameters=counts.active,
         active_weight_bytes=counts.active * element_bytes(weights_dtype),
         kv_groups=group_plans(model, groups, element_bytes(kv_dtype)), kv_block_slots=slots,
+        latent_dim=model.mla.latent_dim if model.mla is not None else 0,
     )
 
 
@@ -212,7 +214,7 @@ def group_plans(model: ModelConfig, groups: tuple[KvGroup, ...], element: int) -
     kinds: dict[int | None, list[KvGroup]] = {}
     for g in groups:
         kinds.setdefault(g.window, []).append(g)
-    per_layer = 2 * model.num_kv_heads * model.head_dim * element
+    per_layer = model.kv_parts * model.num_kv_heads * model.kv_head_dim * element
     plans = []
     for window, gs in kinds.items():
         layers = sum(len(g.layers) for g in gs)
@@ -260,7 +262,9 @@ def format_plan(plan: Plan) -> str:
     tp = plan.tensor_parallel_size
     per = " per device" if tp > 1 else ""
     rows = [
-        ("model", f"{plan.model} ({plan.num_layers} layers, {plan.num_kv_heads} KV heads x {plan.head_dim})"),
+        ("model", f"{plan.model} ({plan.num_layers} layers, " + (
+            f"{plan.num_kv_heads} KV heads x {plan.head_dim})" if not plan.latent_dim
+            else f"a latent of {plan.latent_dim} values per token per layer)")),
         ("parameters", f"{plan.parameters / 1e9:,.2f} B" + _active(plan)),
         ("tensor parallel", f"{tp} devices, {plan.kv_heads_per_device} KV heads per device"
                             + (" (replicated)" if plan.kv_heads_per_device * tp > plan.num_kv_heads else "")),

@@ -119,3 +119,44 @@ def test_plan_prints_the_groups(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert "sliding layers (window 1,024)" in out
     assert "52 layers in 6 KV groups: 425,984 bytes per token" in out
     assert "full layers" in out and "16 tokens x 10 layers = 1,310,720 bytes\n" in out
+
+
+DEEPSEEK_V3 = json.loads("""{"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+ "attention_bias": false, "first_k_dense_replace": 3, "hidden_act": "silu", "hidden_size": 7168,
+ "intermediate_size": 18432, "kv_lora_rank": 512, "max_position_embeddings": 163840,
+ "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256,
+ "n_shared_experts": 1, "norm_topk_prob": true,
+ "num_attention_heads": 128, "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 128,
+ "num_nextn_predict_layers": 1, "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+ "rms_norm_eps": 1e-06, "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+ "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096, "type": "yarn"}, "rope_theta": 10000,
+ "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "tie_word_embeddings": false, "topk_group": 4,
+ "topk_method": "noaux_tc", "v_head_dim": 128, "vocab_size": 129280}""")  # deepseek-ai/DeepSeek-V3
+
+
+def test_deepseek_v3_latent_cache(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    p = plan(tmp_path, capsys, DEEPSEEK_V3)
+    assert p["kv_bytes_per_token"] == 61 * (512 + 64) * 2 == 70_272  # one latent row, no heads
+    assert p["latent_dim"] == 576 and p["kv_groups"] == [group("full", None, 61, 1, 70_272)]
+    fp8 = plan(tmp_path, capsys, DEEPSEEK_V3, "--kv-cache-dtype", "fp8")
+    assert fp8["kv_bytes_per_token"] == 35_136
+    assert fp8["kv_block_bytes"] == 16 * 35_136 + 61 * 4  # one float32 scale per layer's block
+    h, heads = 7168, 128
+    attention = (1536 * h + 1536 + heads * 192 * 1536  # query LoRA, its norm, up-projection
+                 + 576 * h + 512 + heads * (128 + 128) * 512 + h * heads * 128)  # latent, kv_b, o
+    routed = 3 * h * 2048
+    moe_layer = attention + 2 * h + 256 * h + 256 + routed  # router, correction bias, one shared expert
+    total = 3 * (attention + 2 * h + 3 * h * 18432) + 58 * (moe_layer + 256 * routed) + 2 * 129280 * h + h
+    active = total - 58 * (256 - 8) * routed
+    assert p["parameters"] == total and round(total / 1e9) == 671
+    assert p["active_parameters"] == active and round(active / 1e9) == 38  # DeepSeek's "37B activated"
+    # 8 x 80 GiB at TP 8: the bf16 weights alone (~158 GiB a device) leave no room for KV
+    tp8 = plan(tmp_path, capsys, DEEPSEEK_V3, "--tensor-parallel-size", "8", "--device-memory", "80G")
+    assert tp8["weight_bytes"] > 0.9 * 80 * 1024**3 and tp8["kv_tokens"] == 0
+    # with the fp8 checkpoint's bytes (--weight-memory) on 8 x 141 GiB: the latent is replicated on every
+    # rank, so each device holds every layer's 576 values per token
+    h200 = plan(tmp_path, capsys, DEEPSEEK_V3, "--tensor-parallel-size", "8", "--device-memory", "141G",
+                "--weight-memory", "671G", "--kv-cache-dtype", "fp8")
+    budget = int(141 * 1024**3 * 0.9) - 671 * 1024**3 // 8
+    assert h200["kv_budget_bytes"] == budget
+    assert h200["kv_tokens"] == budget // (16 * 35_136 + 244) * 16
