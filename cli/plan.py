@@ -34,12 +34,12 @@ import argparse
 import dataclasses
 import json
 import math
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
+from cli.engine_args import DTYPES, size
 from engine.config import ModelConfig, parse_dtype
 from engine.tensor_parallel import TpShard
 
@@ -285,14 +285,13 @@ def format_dtype_table(plan: Plan) -> list[str]:
     return [*title, line(head), *(line(r) for r in rows)]
 
 
-def add_plan_args(parser: argparse.ArgumentParser, size: Callable[[str], int],
-                  dtypes: tuple[str, ...]) -> None:
+def add_plan_args(parser: argparse.ArgumentParser) -> None:
     from engine.kv_sizing import KV_CACHE_DTYPES
 
     parser.add_argument("model", nargs="?", default=None, metavar="MODEL",
                         help="a Hugging Face model folder, a .gguf file or a bare config.json "
                              "(default: the built-in SmolLM2 GGUF)")
-    parser.add_argument("--dtype", choices=dtypes, default="bfloat16",
+    parser.add_argument("--dtype", choices=DTYPES, default="bfloat16",
                         help="dtype the weights are held in (default: bfloat16)")
     parser.add_argument("--kv-cache-dtype", choices=("auto", *KV_CACHE_DTYPES), default="auto",
                         help="dtype of the KV cache; auto follows --dtype (default: auto)")

@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from cli.argtypes import number, positive
+from cli.engine_args import add_engine_args, engine_config_from_args
 
 
-def add_profile_parser(sub: Any, add_engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
+def add_profile_parser(sub: Any) -> None:
     p = sub.add_parser(
         "profile", help="measure a worker's prefill, decode and KV transfer times; write a profile file",
         description=__doc__.split("\n\n", 2)[2].replace("``", "`") if __doc__ else None,
@@ -67,7 +67,6 @@ def add_profile_parser(sub: Any, add_engine_args: Callable[[argparse.ArgumentPar
 
 
 def run_profile_command(args: argparse.Namespace) -> int:
-    from cli.main import engine_config_from_args
     from planner.profile import load_profile, save_profile
 
     if args.calibrate is not None:

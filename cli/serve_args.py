@@ -10,7 +10,7 @@ import argparse
 from typing import Any
 
 from cli.argtypes import number, parsed_by, positive
-from cli.main import add_engine_args, size
+from cli.engine_args import add_engine_args, size
 from router.config import KvFailurePolicy
 from router.policy import POLICIES as POLICIES_ROUTING
 from telemetry.tracing import PROTOCOLS

@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 from cli.config_file import subparser
-from cli.main import build_parser, engine_config_from_args, parse_size, size, size_or_zero
+from cli.engine_args import engine_config_from_args, parse_size, size, size_or_zero
+from cli.main import build_parser
 from cli.serve_config import serve_config_from_args
 from cluster.config import (
     ENGINE_WITHOUT_FLAG,
