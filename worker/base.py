@@ -49,17 +49,18 @@ from engine.kv_events import KvEventPublisher
 from engine.kv_sizing import kv_dtype_name
 from engine.llm import start_engine
 from engine.sampling_params import SamplingParams
-from messages.codec import pack
+from messages.codec import pack, unpack
 from messages.wire import KvEvents, KvSnapshot, KvTierStats, WorkerRefresh, WorkerStats
 from telemetry.histogram import Histogram
-from telemetry.tracing import TracedRole
+from telemetry.tracing import TraceConfig, Tracing
 from worker.core_share import step_gate
 from worker.tp_kv import EXTENSION
 from worker.tp_watch import GroupWatch
 
 
-class WorkerBase(TracedRole):
+class WorkerBase:
     role = "worker"
+    tracing: Tracing
 
     def __init__(self, worker_id: str, model: str | None, config: EngineConfig, torch_threads: int,
                  tracing: bytes | None = None, core_share: str | None = None) -> None:
@@ -83,6 +84,19 @@ class WorkerBase(TracedRole):
         self.events = KvEventPublisher(self.engine.kv)
         self.queue_time = Histogram()
         self.init_tracing(tracing)
+
+    def init_tracing(self, config: bytes | None) -> None:
+        """Trace to where ``config`` (``TraceConfig`` bytes; ``None``: nowhere) says."""
+        self.tracing = Tracing(unpack(config, TraceConfig) if config else None, self.role)
+
+    async def set_tracing(self, config: bytes | None) -> None:
+        """Replace the tracing setup (``None``: off), flushing what the old one buffered."""
+        self.tracing.shutdown()
+        self.init_tracing(config)
+
+    async def flush_traces(self) -> None:
+        """Export the spans still buffered (the cluster calls it before the process goes away)."""
+        self.tracing.flush()
 
     def decode_only(self) -> bool:
         """Whether the engine's next step can only be a decode step: nothing waits and every running
