@@ -1,5 +1,5 @@
 """The import graph of the project's packages: no import circle, and no import across the layout's
-forbidden pairs (DESIGN.md, "Layout: one folder per role").
+forbidden pairs (docs/architecture.md, "Layout: one folder per process role or shared layer").
 
 Imports are read with ``ast`` from every ``.py`` file of the project packages, never executed. Each edge
 is one import statement resolved to the project module it loads: ``from a.b import c`` is an edge to
@@ -10,13 +10,11 @@ package. Edges are of three kinds:
 - ``type_checking``: inside an ``if TYPE_CHECKING:`` block;
 - ``function``: inside a function or method body (run later, when called).
 
-Forbidden pairs: every kind counts. A type-only or lazy import is still a dependency of the code (the
-importer is written against the other layer's names), and a lazy import is still loaded in the process
-that runs it; laziness is no licence to cross a layer.
-
-Circles: only ``module`` edges count. They are the ones that execute while the importer's module is half
-initialised; a ``TYPE_CHECKING`` import never runs, and an import inside a function runs after every
-module involved has finished loading, which is the accepted way to break a circle.
+Every kind counts, for the forbidden pairs and for circles alike. A type-only or lazy import is still a
+dependency of the code (the importer is written against the other module's names), and a lazy import is
+still loaded in the process that runs it: laziness is no licence to cross a layer, and an import moved
+into a function to dodge a circle leaves the circle in the design (two modules that need each other are
+one idea, or share a third module both import).
 """
 
 from __future__ import annotations
@@ -43,7 +41,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "transfer": ("transfer", "messages.codec"),
     # histogram data is a part of WorkerStats
     "messages": ("messages", "engine.sampling_params", "transfer.wire", "telemetry.histogram"),
-    "telemetry": ("telemetry", "messages.codec"),
+    "telemetry": ("telemetry",),
     "worker": WORKER_SIDE,
     "prefill": ("prefill", *WORKER_SIDE),
     "decode": ("decode", *WORKER_SIDE),
@@ -93,6 +91,10 @@ IN_PROCESS_BENCHMARKS: dict[str, tuple[str, ...]] = {
 # code to its layer. An edge not listed here fails ``test_no_import_across_forbidden_pairs``; an edge listed
 # here that no longer exists fails ``test_known_violations_are_still_present`` (delete it from this set).
 KNOWN_VIOLATIONS: frozenset[tuple[str, str]] = frozenset()
+
+# Import edges that close a circle in the tree today, left out of the circle check until the change that
+# cuts the circle; like KNOWN_VIOLATIONS, an edge listed here that no longer exists fails a test.
+KNOWN_CIRCLE_EDGES: frozenset[tuple[str, str]] = frozenset({("bench.compare_vllm", "bench.compare")})
 
 
 @dataclass(frozen=True)
@@ -224,13 +226,28 @@ def test_import_walk_sees_every_kind() -> None:
     assert kinds[("decode.worker", "worker.base")] == "module"
 
 
-def test_no_import_circle() -> None:
+def import_graph() -> dict[str, set[str]]:
+    """Every module and what it imports, every kind of import (module level, lazy, type-only)."""
     graph: dict[str, set[str]] = {m: set() for m in project_modules()}
     for edge in edges():
-        if edge.kind == "module":
-            graph[edge.importer].add(edge.imported)
+        graph[edge.importer].add(edge.imported)
+    return graph
+
+
+def test_no_import_circle() -> None:
+    graph = import_graph()
+    for importer, imported in KNOWN_CIRCLE_EDGES:
+        graph[importer].discard(imported)
     cycle = find_cycle(graph)
-    assert cycle is None, "import circle among module-level imports: " + " -> ".join(cycle or [])
+    where = {(e.importer, e.imported): f"{e.kind} import, {e.path.relative_to(ROOT)}:{e.line}" for e in edges()}
+    steps = [f"{a} -> {b} ({where[(a, b)]})" for a, b in zip(cycle or [], (cycle or [])[1:])]
+    assert cycle is None, "import circle (lazy and type-only imports count):\n" + "\n".join(steps)
+
+
+def test_known_circle_edges_are_still_present() -> None:
+    graph = import_graph()
+    gone = sorted((a, b) for a, b in KNOWN_CIRCLE_EDGES if b not in graph[a])
+    assert not gone, f"gone, so remove them from KNOWN_CIRCLE_EDGES: {gone}"
 
 
 def test_find_cycle_finds_one() -> None:
