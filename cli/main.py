@@ -18,8 +18,9 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
+from cli.argtypes import DefaultsHelpFormatter
 from cli.engine_args import add_engine_args, engine_config_from_args
 
 if TYPE_CHECKING:
@@ -36,7 +37,12 @@ class UsageError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one line: ``pdserve: error: ...``."""
+    """An ArgumentParser whose errors are one line (``pdserve: error: ...``) and whose help shows each
+    option's default from the parser (``cli.argtypes.DefaultsHelpFormatter``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         raise UsageError(message)
@@ -64,24 +70,24 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("sampling")
     penalty = _number(float, -2.0, 2.0, what="in [-2, 2]")
     g.add_argument("--max-tokens", type=_number(int, 1, what=">= 1"), default=64, metavar="N",
-                   help="most tokens to generate per prompt (default: 64)")
+                   help="most tokens to generate per prompt")
     g.add_argument("--temperature", type=_number(float, 0.0, what=">= 0"), default=0.0, metavar="T",
-                   help="sampling temperature; 0 means greedy (default: 0)")
+                   help="sampling temperature; 0 means greedy")
     g.add_argument("--top-p", type=_number(float, 0.0, 1.0, low_open=True, what="in (0, 1]"),
                    default=1.0, metavar="P",
-                   help="keep the smallest set of tokens whose probability sums to P (default: 1, off)")
+                   help="keep the smallest set of tokens whose probability sums to P; 1 means off")
     g.add_argument("--top-k", type=_number(int, 0, what=">= 0"), default=0, metavar="K",
-                   help="keep only the K most likely tokens; 0 means off (default: 0)")
+                   help="keep only the K most likely tokens; 0 means off")
     g.add_argument("--min-p", type=_number(float, 0.0, 1.0, what="in [0, 1]"), default=0.0, metavar="P",
-                   help="drop tokens less likely than P x the top token's probability (default: 0, off)")
+                   help="drop tokens less likely than P x the top token's probability; 0 means off")
     g.add_argument("--presence-penalty", type=penalty, default=0.0, metavar="X",
-                   help="subtract this from the logit of every token already generated (default: 0)")
+                   help="subtract this from the logit of every token already generated")
     g.add_argument("--frequency-penalty", type=penalty, default=0.0, metavar="X",
-                   help="subtract this x its count from the logit of each generated token (default: 0)")
+                   help="subtract this x its count from the logit of each generated token")
     g.add_argument("--repetition-penalty", type=_number(float, 0.0, low_open=True, what="> 0"),
                    default=1.0, metavar="X",
                    help="divide positive (multiply negative) logits of tokens seen in the prompt or "
-                        "output by this; 1 means off (default: 1)")
+                        "output by this; 1 means off")
     g.add_argument("--ignore-eos", action="store_true",
                    help="keep generating past the end-of-sequence token until --max-tokens")
 
