@@ -76,7 +76,7 @@ class WorkerBase:
             thread.close()
             raise
         shares = core_share is not None and config.tensor_parallel_size == 1 and config.device == "cpu"
-        self.cores = (step_gate(self.role, core_share, worker_id, torch_threads, self.decode_only)
+        self.cores = (step_gate(self.role, core_share, worker_id, torch_threads, self.engine.decodes_only_next)
                       if shares and core_share is not None else None)
         self.aengine = AsyncEngine(self.engine, thread, self.cores)
         self.watch = (GroupWatch(self.ranks, lambda: self.aengine.error, worker_id).start()
@@ -97,12 +97,6 @@ class WorkerBase:
     async def flush_traces(self) -> None:
         """Export the spans still buffered (the cluster calls it before the process goes away)."""
         self.tracing.flush()
-
-    def decode_only(self) -> bool:
-        """Whether the engine's next step can only be a decode step: nothing waits and every running
-        request has computed all its tokens but the last one (engine thread, between steps)."""
-        s = self.engine.scheduler
-        return not s.waiting and all(r.num_computed_tokens >= r.num_tokens - 1 for r in s.running)
 
     def exit_if_group_broken(self) -> None:
         """A tensor-parallel worker whose group broke ends its process here (``GroupWatch``): call it
@@ -127,13 +121,13 @@ class WorkerBase:
         deadline = time.monotonic() + timeout
         while await self.aengine.read(self.holds) and time.monotonic() < deadline:
             await asyncio.sleep(poll_interval)
-        await self.aengine.read(lambda e: e.kv.pool.reset_prefix_cache())
+        await self.aengine.read(lambda e: e.reset_prefix_cache())
         return await self.stats()
 
     def holds(self, e: LLMEngine) -> int:
         """Requests, reservations and KV blocks this worker still holds (0: it can leave); engine
         lock held. A role adds what it alone holds (a prefill worker's leases)."""
-        return len(e.requests) + len(e.reserved) + e.kv.pool.num_used_blocks
+        return e.num_held()
 
     async def check_integrity(self) -> None:
         await self.aengine.read(lambda e: e.kv.check_integrity())
@@ -152,7 +146,7 @@ class WorkerBase:
             worker_id=self.worker_id, role=self.role, pid=os.getpid(),
             num_running=s.num_running, num_waiting=s.num_waiting,
             num_kv_blocks=s.num_kv_blocks, num_free_kv_blocks=s.num_free_kv_blocks,
-            num_used_blocks=e.kv.pool.num_used_blocks, num_cached_blocks=len(e.kv.pool.cached),
+            num_used_blocks=e.num_used_blocks(), num_cached_blocks=e.num_cached_blocks(),
             num_stored_tokens=e.kv.num_stored_tokens(), block_size=e.kv.block_size,
             num_reserved=len(e.reserved), prefix_queries=s.prefix_queries, prefix_hits=s.prefix_hits,
             num_preemptions=s.num_preemptions, queue_time=self.queue_time.data(),

@@ -20,6 +20,7 @@ one idea, or share a third module both import).
 from __future__ import annotations
 
 import ast
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
@@ -239,8 +240,9 @@ def test_no_import_circle() -> None:
     for importer, imported in KNOWN_CIRCLE_EDGES:
         graph[importer].discard(imported)
     cycle = find_cycle(graph)
-    where = {(e.importer, e.imported): f"{e.kind} import, {e.path.relative_to(ROOT)}:{e.line}" for e in edges()}
-    steps = [f"{a} -> {b} ({where[(a, b)]})" for a, b in zip(cycle or [], (cycle or [])[1:])]
+    where = {(e.importer, e.imported): f"{e.kind} import, {e.path.relative_to(ROOT)}:{e.line}"
+             for e in edges()}
+    steps = [f"{a} -> {b} ({where[(a, b)]})" for a, b in itertools.pairwise(cycle or [])]
     assert cycle is None, "import circle (lazy and type-only imports count):\n" + "\n".join(steps)
 
 
