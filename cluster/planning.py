@@ -136,7 +136,7 @@ class PlannerLoop:
 
     def start(self) -> None:
         if self._task is None:
-            self.fleet.backend.client.window.take()  # start-up is no load sample
+            self.fleet.client.window.take()  # start-up is no load sample
             self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
@@ -155,7 +155,7 @@ class PlannerLoop:
                 log.exception("planner step failed")
 
     async def step(self) -> Outcome:
-        client = self.fleet.backend.client
+        client = self.fleet.client
         self._windows.append(client.window.take())
         observed = observe(Served.merge(list(self._windows)), client.table)
         d = await asyncio.to_thread(self.planner.decide, observed)  # simulations: off the event loop

@@ -9,7 +9,7 @@ carries the engine's own ``SamplingParams``; a prefill result carries its
 Errors: a worker never raises across Ray; it answers (or streams) a ``WorkerError``
 whose ``kind`` is an ``ErrorKind``. The router turns it into ``RequestFailed`` with
 the same kind, and the HTTP layer maps that kind to a status code in one place
-(``router.errors.backend_failure``).
+(``router.errors.api_error``).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from engine.config import EngineConfig
 from engine.loader import default_model_path, load_model_source
 from engine.sampling_params import SamplingParams
 from messages.codec import pack, unpack
-from messages.wire import GenerateRequest, PrefillResult, TokenBatch, WorkerStats
+from messages.wire import GenerateRequest, PrefillResult, TokenBatch, WorkerError, WorkerStats
 from router.client import PDClient
 from router.config import ClientConfig, KvFailurePolicy
 from router.errors import RequestFailed
@@ -111,13 +111,15 @@ def test_kv_bytes_equal_on_both_sides(group: WorkerGroup, tokenizer: Any) -> Non
         result = await ref
         assert unpack(result, PrefillResult).request_id == r.request_id
         source_digest = await prefill.kv_digest.remote(r.request_id, len(tokens))
-        stream = decode.generate.options(num_returns="streaming").remote(pack(r), [ref])
-        first = unpack(await (await stream.__anext__()), TokenBatch)
-        assert not first.finished
+        outputs = DecodeHandle(decode).submit(r, ref, 1, 60, 60)  # the router's way in
+        first = await outputs.next()
+        assert isinstance(first, TokenBatch) and not first.finished
         sink_digest = await decode.kv_digest.remote(r.request_id, len(tokens))
-        async for ref in stream:
-            if unpack(await ref, TokenBatch).finished:
-                break
+        item: TokenBatch | WorkerError = first
+        while isinstance(item, TokenBatch) and not item.finished:
+            item = await outputs.next()
+        outputs.close()
+        assert isinstance(item, TokenBatch), item
         return source_digest, sink_digest
 
     source_digest, sink_digest = run(flow())
@@ -263,32 +265,28 @@ def test_killed_prefill_worker_request_completes_on_the_other(
 def test_one_output_channel_carries_every_request_of_a_step(group: WorkerGroup,
                                                             prompts: list[list[int]]) -> None:
     """Concurrent requests on one decode worker come back on its one output channel, a step's items in
-    one frame (``decode/outbox.py``, ``router/channel.py``): the same greedy tokens as each request's
-    own Ray stream (``DecodeWorker.generate``), in far fewer Ray items than token batches."""
+    one frame (``decode/outbox.py``, ``router/channel.py``): each request gets its own greedy tokens (a
+    prompt sent twice at once gets the same tokens twice, the same as in an earlier run of the batch), in
+    far fewer Ray items than token batches."""
     decode = group.decode[0]
-
-    async def own_stream(r: GenerateRequest) -> list[int]:
-        stream = decode.generate.options(num_returns="streaming").remote(pack(r))
-        return [t async for ref in stream for t in unpack(await ref, TokenBatch).token_ids]
-
     requests = [req(p, max_tokens=16, ignore_eos=True) for p in prompts[:5]] * 2
 
     def fresh(r: GenerateRequest) -> GenerateRequest:
         return msgspec.structs.replace(r, request_id=uuid.uuid4().hex)
 
-    async def both() -> tuple[list[list[int]], list[list[int]]]:
-        own = await asyncio.gather(*[own_stream(fresh(r)) for r in requests])
-        shared = await asyncio.gather(*[collect(client, fresh(r)) for r in requests])
-        return own, shared
+    async def together() -> list[list[int]]:
+        return list(await asyncio.gather(*[collect(client, fresh(r)) for r in requests]))
 
     client = PDClient([], group.decode)
     handle = client.table.decode[0].handle
     assert isinstance(handle, DecodeHandle)
+    earlier = run(together())
     before = unpack(ray.get(decode.stats.remote(), timeout=30), WorkerStats)
-    own, shared = run(both())
+    received = handle.channel.frames, handle.channel.items
+    shared = run(together())
     after = unpack(ray.get(decode.stats.remote(), timeout=30), WorkerStats)
-    assert shared == own and all(len(t) == 16 for t in shared)
-    frames, items = handle.channel.frames, handle.channel.items  # what the router received
+    assert shared == earlier and shared[:5] == shared[5:] and all(len(t) == 16 for t in shared)
+    frames, items = handle.channel.frames - received[0], handle.channel.items - received[1]  # the router's
     assert (frames, items) == (after.output_frames - before.output_frames,
                                after.output_items - before.output_items)  # what the worker sent
     assert items >= 10 * 16 // 2  # a batch per request per step, give or take a merged pair
@@ -310,13 +308,15 @@ def test_a_closed_channel_fails_its_attempts_and_loses_nothing(group: WorkerGrou
         await anext(stream)
         first_name = handle.channel.name
         handle.close()
-        number, queue = handle.channel.open()  # the next channel, before the closed one's reader has ended
+        outputs = handle.channel.open(60)  # the next channel, before the closed one's reader has ended
         with pytest.raises(RuntimeError, match="closed"):
             async with asyncio.timeout(10):
                 async for _ in stream:
                     pass
-        assert queue.empty()  # the closed channel's end failed its own attempts only
-        handle.channel.release(number)
+        with pytest.raises(TimeoutError):  # the closed channel's end failed its own attempts only
+            async with asyncio.timeout(0.5):
+                await outputs.next()
+        outputs.close()
         return first_name, await collect(client, req(prompts[0], max_tokens=4))
 
     first_name, tokens = run(flow())
