@@ -1,6 +1,6 @@
 """PrefillWorker: runs prompts, samples the first token, and lends the prompt's K/V under a lease.
 
-Contract with the decode side (see DESIGN.md, steps 4-5):
+Contract with the decode side (docs/architecture.md, "One request, hop by hop"):
 
 * ``prefill`` computes only what its prefix cache lacks, samples the first
   token with the request's own sampling parameters, and returns a

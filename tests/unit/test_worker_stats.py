@@ -21,7 +21,8 @@ from decode.worker import DecodeWorker
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from messages.codec import pack, unpack
-from messages.wire import GenerateRequest, TokenBatch, WorkerError, WorkerStats
+from messages.wire import GenerateRequest, TokenBatch, WorkerStats
+from tests.unit.decode_attempts import attempt_items
 
 
 def _instrument(worker: DecodeWorker, steps: list[int] | None = None) -> list[str]:
@@ -72,8 +73,7 @@ def test_stats_in_a_tight_loop_never_read_the_engine_mid_step(tiny_model_dir: Pa
 
     async def consume(req: GenerateRequest) -> int:
         n = 0
-        async for data in worker.generate(pack(req), None):
-            item = unpack(data, TokenBatch | WorkerError)
+        async for item in attempt_items(worker, req):
             assert isinstance(item, TokenBatch), item
             n += len(item.token_ids)
         return n
