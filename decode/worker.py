@@ -43,7 +43,7 @@ import asyncio
 import time
 import uuid
 import zlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import msgspec
@@ -59,9 +59,11 @@ from messages.codec import pack, unpack
 from messages.wire import (
     ErrorKind,
     GenerateRequest,
+    OutputStats,
     PrefillResult,
     TokenBatch,
     TokenLogprob,
+    TransferStats,
     WorkerError,
     WorkerStats,
 )
@@ -175,7 +177,7 @@ class DecodeWorker(WorkerBase):
             if final:
                 self._end(rid, last)
 
-    async def outputs(self, channel: str) -> AsyncIterator[bytes]:
+    async def outputs(self, channel: str) -> AsyncGenerator[bytes, None]:
         """Output channel ``channel``: ``OutputFrame`` bytes, each with every item its attempts put in
         one turn of this worker's event loop, until the caller cancels it (``decode/outbox.py``)."""
         async for frame in self.outbox.frames(channel):
@@ -327,8 +329,8 @@ class DecodeWorker(WorkerBase):
         self.sink.inject_failures(n)
 
     def role_stats(self, common: WorkerStats) -> WorkerStats:
-        return msgspec.structs.replace(
-            common, transfer_blocks=self.transfer_blocks, transfer_bytes=self.transfer_bytes,
-            transfer_seconds=self.transfer_seconds, transfer_failures=self.transfer_failures,
-            transfer_time=self.transfer_time.data(), output_frames=self.outbox.frames_sent,
-            output_items=self.outbox.items_sent)
+        transfer = TransferStats(blocks=self.transfer_blocks, bytes=self.transfer_bytes,
+                                 seconds=self.transfer_seconds, failures=self.transfer_failures,
+                                 time=self.transfer_time.data())
+        outputs = OutputStats(frames=self.outbox.frames_sent, items=self.outbox.items_sent)
+        return msgspec.structs.replace(common, transfer=transfer, outputs=outputs)

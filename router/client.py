@@ -168,7 +168,7 @@ class PDClient:
         stats = await handle.stats(timeout)
         worker = self.table.add(role, handle, stats.worker_id)
         worker.agent, worker.pid, worker.stats = agent, stats.pid, stats
-        worker.free_blocks = stats.num_free_kv_blocks
+        worker.free_blocks = stats.kv.free_blocks
         return worker
 
     async def _refresh_agent(self, worker: WorkerState) -> None:

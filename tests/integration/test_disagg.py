@@ -150,10 +150,10 @@ def test_lease_expires_when_decode_never_pulls(group: WorkerGroup, prompts: list
     before = unpack(ray.get(prefill.stats.remote(), timeout=30), WorkerStats)
     ray.get(prefill.prefill.remote(pack(r), lease_seconds=0.5), timeout=60)
     held = unpack(ray.get(prefill.stats.remote(), timeout=30), WorkerStats)
-    assert held.num_used_blocks > 0 and held.num_leases == 1
+    assert held.kv.used_blocks > 0 and held.leases.held == 1
     settle(PDClient(group.prefill, group.decode))
     after = unpack(ray.get(prefill.stats.remote(), timeout=30), WorkerStats)
-    assert after.leases_expired == before.leases_expired + 1
+    assert after.leases.expired == before.leases.expired + 1
 
 
 @pytest.mark.parametrize("policy", list(KvFailurePolicy))
@@ -237,14 +237,14 @@ def test_killed_prefill_worker_request_completes_on_the_other(
         return unpack(ray.get(worker.stats.remote(), timeout=30), WorkerStats)
 
     before = [stats(w) for w in group.prefill]
-    assert all(s.num_running == 0 and s.num_waiting == 0 for s in before)
+    assert all(s.requests.running == 0 and s.requests.waiting == 0 for s in before)
 
     async def kill_while_running() -> tuple[list[int], int]:
         task = asyncio.create_task(collect(client, req(prompt, max_tokens=8)))
         deadline = time.monotonic() + 60
         while True:
             now = await asyncio.gather(*[w.stats.remote() for w in group.prefill])
-            running = [i for i, b in enumerate(now) if unpack(b, WorkerStats).num_running]
+            running = [i for i, b in enumerate(now) if unpack(b, WorkerStats).requests.running]
             if running:
                 break
             assert not task.done() and time.monotonic() < deadline, "no prefill worker ran the request"
@@ -256,8 +256,9 @@ def test_killed_prefill_worker_request_completes_on_the_other(
     tokens, victim = run(kill_while_running())
     survivor = 1 - victim
     after = stats(group.prefill[survivor])
-    assert after.prefix_queries - before[survivor].prefix_queries == len(prompt), "the survivor did not retry"
-    assert after.prefix_hits == before[survivor].prefix_hits  # it computed every token itself
+    queried = after.kv.prefix_queries - before[survivor].kv.prefix_queries
+    assert queried == len(prompt), "the survivor did not retry"
+    assert after.kv.prefix_hits == before[survivor].kv.prefix_hits  # it computed every token itself
     assert tokens == run(collect(PDClient([], group.decode), req(prompt, max_tokens=8)))
     settle(PDClient([group.prefill[survivor]], group.decode))
 
@@ -287,8 +288,8 @@ def test_one_output_channel_carries_every_request_of_a_step(group: WorkerGroup,
     after = unpack(ray.get(decode.stats.remote(), timeout=30), WorkerStats)
     assert shared == earlier and shared[:5] == shared[5:] and all(len(t) == 16 for t in shared)
     frames, items = handle.channel.frames - received[0], handle.channel.items - received[1]  # the router's
-    assert (frames, items) == (after.output_frames - before.output_frames,
-                               after.output_items - before.output_items)  # what the worker sent
+    assert (frames, items) == (after.outputs.frames - before.outputs.frames,
+                               after.outputs.items - before.outputs.items)  # what the worker sent
     assert items >= 10 * 16 // 2  # a batch per request per step, give or take a merged pair
     assert frames * 4 <= items, (frames, items)  # ten requests a step: most frames carry several
     settle(client)

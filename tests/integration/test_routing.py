@@ -110,10 +110,10 @@ def test_conditional_disaggregation_keeps_short_prompts_on_decode(
         config = ClientConfig(routing="round-robin", disagg_min_tokens=10_000)
         client = PDClient(group.prefill, group.decode, config)
         await client.start()
-        before = sum(s.transfer_blocks for s in await client.stats())
+        before = sum(s.transfer.blocks for s in await client.stats())
         out = await collect(client, req(tokenizer.encode("The tide tables say"), max_tokens=6))
         assert sum(len(b.token_ids) for b in out) == 6
-        assert sum(s.transfer_blocks for s in await client.stats()) == before
+        assert sum(s.transfer.blocks for s in await client.stats()) == before
         assert client.routing_decisions()[("local", "round-robin", "short")] == 1
         await client.close()
 
@@ -142,7 +142,7 @@ def test_decode_worker_killed_mid_stream_migrates(group: WorkerGroup, tokenizer:
         deadline = time.monotonic() + 20
         while True:
             stats = [await w.handle.stats(30) for w in survivors]
-            if all(s.num_used_blocks == 0 for s in stats):
+            if all(s.kv.used_blocks == 0 for s in stats):
                 break
             assert time.monotonic() < deadline, stats
             await asyncio.sleep(0.1)
