@@ -123,10 +123,10 @@ async def _serve(server: Any, service: Service, ready_line: str) -> bool:
             return
         log.info(ready_line)
 
-    task = asyncio.create_task(bring_up())
-    await server.serve()
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
+    async with asyncio.TaskGroup() as tasks:  # bring_up answers its own failure: it never fails the group
+        up = tasks.create_task(bring_up())
+        await server.serve()
+        up.cancel()  # a signal while the workers still load: stop waiting for them
     if service.planner is not None:
         await service.planner.stop()
     return not failed
