@@ -54,14 +54,13 @@ class Attempt:
         assert isinstance(handle, DecodeHandle)
         touched.add(handle)
         prefills = self.table.live("prefill")
-        if not prefills:
-            return self._submit(handle, req, None, 1)
-        missing = len(req.prompt_token_ids) - decode.prefix_tokens
-        saturated = all(w.inflight_tokens > self.config.prefill_saturation_tokens for w in prefills)
-        if missing < self.config.disagg_min_tokens or saturated:
+        if prefills:
+            missing = len(req.prompt_token_ids) - decode.prefix_tokens
+            saturated = all(w.inflight_tokens > self.config.prefill_saturation_tokens for w in prefills)
+            if missing >= self.config.disagg_min_tokens and not saturated:
+                return await self._disaggregated(req, handle, prefills, touched)
             self.chooser.count("local", "prefill_saturated" if saturated else "short")
-            return self._submit(handle, req, None, 1)
-        return await self._disaggregated(req, handle, prefills, touched)
+        return handle.submit(req, None, 1, self.config.prefill_timeout, self.config.stream_timeout)
 
     async def _disaggregated(self, req: GenerateRequest, decode: DecodeHandle, prefills: list[WorkerState],
                              touched: set[Any]) -> AttemptOutputs:
@@ -77,7 +76,8 @@ class Attempt:
             prefill = worker.handle
             assert isinstance(prefill, PrefillHandle)
             touched.add(prefill)
-            outputs = self._submit(decode, req, prefill.prefill(req), len(tried))
+            outputs = decode.submit(req, prefill.prefill(req), len(tried), self.config.prefill_timeout,
+                                    self.config.stream_timeout)
             first = None
             try:
                 first = await outputs.next()
@@ -103,9 +103,5 @@ class Attempt:
             raise RequestFailed(ErrorKind.TRANSFER,
                                 f"request {req.request_id} failed under policy 'fail': {last_error}")
         self.chooser.count("local", "recompute")
-        return self._submit(decode, req, None, len(tried) + 1)
-
-    def _submit(self, decode: DecodeHandle, req: GenerateRequest, prefill_ref: Any | None,
-                attempt: int) -> AttemptOutputs:
-        config = self.config
-        return decode.submit(req, prefill_ref, attempt, config.prefill_timeout, config.stream_timeout)
+        return decode.submit(req, None, len(tried) + 1, self.config.prefill_timeout,
+                             self.config.stream_timeout)
