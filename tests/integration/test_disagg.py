@@ -75,7 +75,7 @@ def settle(client: PDClient, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
         stats = run(client.stats())
-        if all(s.num_used_blocks == 0 and s.num_leases == 0 for s in stats):
+        if all(s.kv.used_blocks == 0 and s.leases.held == 0 for s in stats):
             break
         assert time.monotonic() < deadline, f"blocks still held: {stats}"
         time.sleep(0.1)
@@ -95,9 +95,9 @@ def test_disaggregated_equals_colocated(group: WorkerGroup, prompts: list[list[i
     assert local == remote
     assert all(len(t) > 0 for t in local)
     stats = {s.worker_id: s for s in run(disagg.stats())}
-    assert stats["decode-0"].transfer_blocks > 0
+    assert stats["decode-0"].transfer.blocks > 0
     # the idle prefill workers lent their threads to decode steps (worker/core_share.py): same tokens
-    assert stats["decode-0"].cores_borrowed_steps > 0
+    assert stats["decode-0"].cores.borrowed_steps > 0
     settle(disagg)
 
 
@@ -138,9 +138,9 @@ def test_only_missing_blocks_cross_the_wire(group: WorkerGroup, tokenizer: Any) 
     after = {s.worker_id: s for s in run(client.stats())}["decode-0"]
     block = CONFIG.block_size
     expected_blocks = -(-len(second) // block) - 256 // block
-    assert after.transfer_blocks - before.transfer_blocks == expected_blocks
+    assert after.transfer.blocks - before.transfer.blocks == expected_blocks
     region = 2 * block * 3 * 64 * 4
-    assert after.transfer_bytes - before.transfer_bytes == expected_blocks * 30 * region
+    assert after.transfer.bytes - before.transfer.bytes == expected_blocks * 30 * region
     settle(client)
 
 
@@ -162,7 +162,7 @@ def test_injected_transfer_failure(
 ) -> None:
     client = PDClient(group.prefill, group.decode, ClientConfig(kv_failure_policy=policy))
     reference = run(collect(PDClient([], group.decode), req(prompts[0])))
-    failures_before = {s.worker_id: s for s in run(client.stats())}["decode-0"].transfer_failures
+    failures_before = {s.worker_id: s for s in run(client.stats())}["decode-0"].transfer.failures
     ray.get(group.decode[0].inject_transfer_failures.remote(1), timeout=30)
     if policy is KvFailurePolicy.FAIL:
         with pytest.raises(RequestFailed) as info:
@@ -171,7 +171,7 @@ def test_injected_transfer_failure(
     else:
         assert run(collect(client, req(prompts[0]))) == reference
     stats = {s.worker_id: s for s in run(client.stats())}
-    assert stats["decode-0"].transfer_failures == failures_before + 1
+    assert stats["decode-0"].transfer.failures == failures_before + 1
     settle(client)
 
 

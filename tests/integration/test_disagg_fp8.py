@@ -54,10 +54,10 @@ def test_disaggregated_fp8_equals_colocated_fp8(group: WorkerGroup) -> None:
     colocated = PDClient([], group.decode)
     disagg = PDClient(group.prefill, group.decode)
     local = [run(collect(colocated, req(p))) for p in prompts]
-    before = {s.worker_id: s for s in run(disagg.stats())}["decode-0"].transfer_blocks
+    before = {s.worker_id: s for s in run(disagg.stats())}["decode-0"].transfer.blocks
     remote = [run(collect(disagg, req(p))) for p in prompts]
     stats = {s.worker_id: s for s in run(disagg.stats())}["decode-0"]
-    assert stats.transfer_blocks > before  # the KV really crossed the wire
+    assert stats.transfer.blocks > before  # the KV really crossed the wire
     assert remote == local and all(len(t) == 16 for t in local)
 
     # the codes and the per-block scales arrive byte for byte (the digest covers both); only the
@@ -109,7 +109,7 @@ def test_metrics_report_fp8_device_and_host_tiers(group: WorkerGroup) -> None:
 
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for f in text_string_to_metric_families(run(scrape())) for s in f.samples}
-    worker_tiers = {s.worker_id: {t.tier: t for t in s.kv_tiers}
+    worker_tiers = {s.worker_id: {t.tier: t for t in s.kv.tiers}
                     for s in run(PDClient(group.prefill, group.decode).stats())}
 
     def get(name: str, worker: str, **labels: str) -> float:
