@@ -44,7 +44,16 @@ from typing import Any
 
 import httpx
 
-from bench.chaos_checks import Check, index_agreement, ray_census, rss_checks, rss_table, settle, workers
+from bench.chaos_checks import (
+    Check,
+    figure,
+    index_agreement,
+    ray_census,
+    rss_checks,
+    rss_table,
+    settle,
+    workers,
+)
 from bench.chaos_load import Outcome, Spec, Variant, make_specs, pick_variant, send
 from bench.chaos_report import Report, render, summarize
 from bench.servers import ROOT, free_port, pdserve_cmd
@@ -86,8 +95,9 @@ class FaultLog:
     def sample(self, stats: list[dict[str, Any]]) -> None:
         for w in stats:
             key = f"{w['worker_id']}/{w['pid']}"
-            self.pull_failures[key] = max(self.pull_failures.get(key, 0), int(w.get("transfer_failures", 0)))
-            self.leases_expired[key] = max(self.leases_expired.get(key, 0), int(w.get("leases_expired", 0)))
+            failures, expired = int(figure(w, "transfer.failures")), int(figure(w, "leases.expired"))
+            self.pull_failures[key] = max(self.pull_failures.get(key, 0), failures)
+            self.leases_expired[key] = max(self.leases_expired.get(key, 0), expired)
 
 
 class Chaos:

@@ -25,7 +25,8 @@ from typing import Any
 
 import httpx
 
-BUSY_FIELDS = ("num_used_blocks", "num_running", "num_waiting", "num_leases", "num_reserved")
+# what a worker still holds, as paths into its /v1/workers entry (messages.wire.WorkerStats)
+BUSY_FIELDS = ("kv.used_blocks", "requests.running", "requests.waiting", "leases.held", "requests.reserved")
 
 
 @dataclass
@@ -44,8 +45,16 @@ async def workers(client: httpx.AsyncClient, url: str) -> list[dict[str, Any]]:
     return list(resp.json().get("workers", [])) if resp.status_code == 200 else []
 
 
+def figure(worker: dict[str, Any], path: str) -> Any:
+    """The value at a dotted ``path`` of a worker's /v1/workers entry (0 when it has none)."""
+    value: Any = worker
+    for key in path.split("."):
+        value = value.get(key, 0) if isinstance(value, dict) else 0
+    return value
+
+
 def busy(stats: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
-    return {w["worker_id"]: {f: w.get(f, 0) for f in BUSY_FIELDS if w.get(f, 0)} for w in stats}
+    return {w["worker_id"]: {f: figure(w, f) for f in BUSY_FIELDS if figure(w, f)} for w in stats}
 
 
 async def settle(client: httpx.AsyncClient, url: str, num_workers: int,

@@ -7,7 +7,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.chaos_checks import BUSY_FIELDS, Check
+from bench.chaos_checks import BUSY_FIELDS, Check, figure
 from bench.chaos_load import ALLOWED_ERRORS, Outcome
 from bench.stats import percentile
 
@@ -62,8 +62,8 @@ def summarize(config: dict[str, Any], outcomes: list[Outcome], kills: list[dict[
     }
     checked = [o for o in outcomes if o.greedy_checked]
     ttfts = [o.ttft for o in faulted if o.kind == "ok" and o.stream and o.ttft is not None]
-    state = [{"worker": w["worker_id"], "pid": w["pid"], **{f: w.get(f, 0) for f in BUSY_FIELDS},
-              "cached_blocks": w.get("num_cached_blocks", 0)}
+    state = [{"worker": w["worker_id"], "pid": w["pid"], **{f: figure(w, f) for f in BUSY_FIELDS},
+              "cached_blocks": figure(w, "kv.cached_blocks")}
              for w in sorted(end, key=lambda w: w["worker_id"])]
     rss = {name: {"pid_before": pid, "before": mb, "pid_after": rss_after.get(name, (0, None))[0],
                   "after": rss_after.get(name, (0, None))[1]} for name, (pid, mb) in rss_before.items()}

@@ -107,9 +107,10 @@ def metrics_sample(metrics: dict[str, float]) -> dict[str, float]:
 def workers_sample(payload: Any) -> dict[str, float]:
     """KV memory utilisation and token counts from pdserve's ``/v1/workers`` JSON."""
     workers = payload.get("workers", []) if isinstance(payload, dict) else []
-    stored = sum(int(w.get("num_stored_tokens", 0)) for w in workers)
-    slots = sum(int(w.get("num_used_blocks", 0)) * int(w.get("block_size", 0)) for w in workers)
-    if not workers or not any("block_size" in w for w in workers):
+    kvs = [w.get("kv", {}) for w in workers]
+    stored = sum(int(kv.get("stored_tokens", 0)) for kv in kvs)
+    slots = sum(int(kv.get("used_blocks", 0)) * int(kv.get("block_size", 0)) for kv in kvs)
+    if not kvs or not any("block_size" in kv for kv in kvs):
         return {}
     out = {"kv_stored_tokens": float(stored), "kv_token_slots": float(slots)}
     if slots > 0:

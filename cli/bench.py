@@ -26,7 +26,7 @@ from typing import Any
 from bench.stats import SLO, parse_slo, summarize
 from bench.tokenizer import load_tokenizer
 from bench.workloads import WORKLOADS, WordSource, Workload, describe, make_workload, parse_params
-from cli.argtypes import number, positive
+from cli.argtypes import RawDescriptionDefaultsHelpFormatter, number, positive
 
 _positive_float = positive(float)
 _positive_int = number(int, lambda v: v >= 1, ">= 1")
@@ -37,12 +37,12 @@ def add_bench_parser(sub: Any) -> None:
     p = sub.add_parser(
         "bench", help="load an OpenAI-compatible server with a workload and report latency and goodput",
         description=__doc__.split("\n\n", 2)[2].replace("``", "`") if __doc__ else None,
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        formatter_class=RawDescriptionDefaultsHelpFormatter)
     p.add_argument("mode", nargs="?", choices=("run", "sweep"), default="run",
                    help="run: one load at --rate or --concurrency (default); sweep: raise the rate until "
                         "SLO attainment drops below --target")
     p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
-    p.add_argument("--workload", choices=WORKLOADS, default="random", help="workload (default: random)")
+    p.add_argument("--workload", choices=WORKLOADS, default="random", help="workload")
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                    help="workload parameter, repeatable or comma-separated (e.g. input_len=128,"
                         "output_len=32); "
@@ -53,9 +53,9 @@ def add_bench_parser(sub: Any) -> None:
     load.add_argument("--concurrency", type=_positive_int, default=None, metavar="C",
                       help="closed loop: C sessions in flight at all times")
     p.add_argument("--duration", type=_positive_float, default=60.0, metavar="S",
-                   help="seconds of sending new requests (default: 60); running ones then finish")
+                   help="seconds of sending new requests; running ones then finish")
     p.add_argument("--output", type=Path, default=Path("bench_out"), metavar="DIR",
-                   help="folder for the JSON, CSV and PNG files (default: bench_out)")
+                   help="folder for the JSON, CSV and PNG files")
     p.add_argument("--slo", type=str, default=None, metavar="SPEC",
                    help="SLO for goodput: ttft=..., itl=... (mean per request), e2e=...; ms or s, a bare "
                         "number is ms (e.g. ttft=2s,itl=200ms)")
@@ -64,29 +64,28 @@ def add_bench_parser(sub: Any) -> None:
                    help="model name to request (default: the first of GET /v1/models)")
     p.add_argument("--tokenizer", default=None, metavar="PATH",
                    help="model folder or .gguf whose tokenizer counts tokens (default: the built-in model)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the workload and arrivals (default: 0)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the workload and arrivals")
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="let requests stop at end-of-sequence (default: send ignore_eos so outputs have "
                         "the workload's lengths)")
     p.add_argument("--request-timeout", type=_positive_float, default=600.0, metavar="S",
-                   help="per-request timeout in seconds (default: 600)")
+                   help="per-request timeout in seconds")
     p.add_argument("--drain-timeout", type=_positive_float, default=60.0, metavar="S",
-                   help="after --duration, wait this long for running requests, then cancel them "
-                        "(default: 60)")
+                   help="after --duration, wait this long for running requests, then cancel them")
     p.add_argument("--metrics-interval", type=_positive_float, default=1.0, metavar="S",
-                   help="seconds between reads of the server's /metrics (default: 1)")
+                   help="seconds between reads of the server's /metrics")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar on stderr")
     s = p.add_argument_group("sweep")
     s.add_argument("--start-rate", type=_positive_float, default=0.25, metavar="R",
-                   help="first rate of a sweep (default: 0.25)")
+                   help="first rate of a sweep")
     s.add_argument("--factor", type=_positive_float, default=2.0, metavar="F",
-                   help="rate multiplier per sweep step (default: 2)")
+                   help="rate multiplier per sweep step")
     s.add_argument("--max-steps", type=_positive_int, default=8, metavar="N",
-                   help="most rising steps of a sweep (default: 8)")
+                   help="most rising steps of a sweep")
     s.add_argument("--refine", type=int, default=1, metavar="N",
-                   help="bisection steps between the last good and first bad rate (default: 1)")
+                   help="bisection steps between the last good and first bad rate")
     s.add_argument("--target", type=_positive_float, default=0.9, metavar="FRACTION",
-                   help="SLO attainment a sweep rate must reach (default: 0.9)")
+                   help="SLO attainment a sweep rate must reach")
     p.set_defaults(handler=run_bench_command)
 
 

@@ -2,8 +2,8 @@
 
 ``pdserve generate PROMPT...`` runs prompts through the in-process engine and
 prints each completion with its token counts and timings. The engine flags are
-defined once in :func:`add_engine_args` so every subcommand that builds an
-engine accepts the same ones.
+defined once in ``cli.engine_args`` so every subcommand that builds an engine
+accepts the same ones.
 
 In-process engines (``generate``, ``profile``) read their weights through 2 MB pages, as the serving
 workers do (``THP_MEM_ALLOC_ENABLE``, set at import here, before anything imports torch; an explicit
@@ -14,29 +14,22 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import os
-import re
 import sys
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from cli.argtypes import converted
+from cli.argtypes import DefaultsHelpFormatter
+from cli.engine_args import add_engine_args, engine_config_from_args
 
 if TYPE_CHECKING:
-    from engine.config import EngineConfig
     from engine.outputs import RequestOutput
     from engine.sampling import SamplingParams
 
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # see the module doc; torch is not imported yet
 
 PROG = "pdserve"
-DTYPES = ("float32", "bfloat16", "float16")
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e5m2", "int8")
-_SIZE_UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
-_DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
 
 class UsageError(Exception):
@@ -44,29 +37,15 @@ class UsageError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one line: ``pdserve: error: ...``."""
+    """An ArgumentParser whose errors are one line (``pdserve: error: ...``) and whose help shows each
+    option's default from the parser (``cli.argtypes.DefaultsHelpFormatter``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         raise UsageError(message)
-
-
-def parse_size(text: str, allow_zero: bool = False) -> int:
-    """Parse a byte count: ``1048576``, ``512M``, ``2G``, ``1.5GiB`` (binary units: K = 1024).
-
-    ``0`` is accepted only with ``allow_zero`` (sizes whose 0 means "off")."""
-    match = _SIZE_RE.match(text)
-    if match is None:
-        raise ValueError(f"invalid size {text!r}; use bytes or a number with K, M, G or T (e.g. 512M, 2G)")
-    value = float(match.group(1)) * _SIZE_UNITS[match.group(2).upper()]
-    if allow_zero and value == 0:
-        return 0
-    if value < 1:
-        raise ValueError(f"invalid size {text!r}; must be at least 1 byte" + (" or 0" if allow_zero else ""))
-    return int(value)
-
-
-size = converted(parse_size)
-size_or_zero = converted(functools.partial(parse_size, allow_zero=True))  # a size whose 0 means off
 
 
 def _number(kind: type[int] | type[float], low: float | None = None, high: float | None = None,
@@ -86,146 +65,29 @@ def _number(kind: type[int] | type[float], low: float | None = None, high: float
     return convert
 
 
-def _device(text: str) -> str:
-    if not _DEVICE_RE.match(text):
-        raise argparse.ArgumentTypeError(f"invalid device {text!r}; use cpu, cuda or cuda:N")
-    return text
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Add the flags that configure an engine (model, memory, scheduler limits). Each flag's dest is
-    an ``EngineConfig`` field and its default is that field's default (``engine_config_from_args``)."""
-    from engine.config import ATTENTION_BACKENDS, EngineConfig
-    from engine.spec_config import parse_speculative_config
-    from kernels.linear import LINEAR_KERNELS
-
-    d = EngineConfig()
-    g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None, metavar="PATH",
-                   help="a Hugging Face model folder (config.json, tokenizer, *.safetensors) or a .gguf "
-                        "file; default: the built-in SmolLM2-135M-Instruct Q4_1 GGUF in "
-                        "$PDSERVE_CACHE/models (fetched by scripts/fetch_model.py)")
-    g.add_argument("--dtype", choices=("auto", *DTYPES), default=d.dtype,
-                   help="dtype of weights, activations and KV cache; auto is bfloat16 on CUDA and float32 "
-                        "on CPU (default: auto)")
-    g.add_argument("--device", type=_device, default=d.device,
-                   help="torch device: cpu, cuda or cuda:N (default: cpu)")
-    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d.kv_cache_dtype,
-                   help="KV cache storage: auto (the --dtype), fp8 (e4m3), fp8_e5m2 or int8; quantized "
-                        "blocks keep float32 per-block, per-head scales and hold 2x the tokens of "
-                        "bf16 (4x of float32) per byte (default: auto)")
-    g.add_argument("--preemption-mode", choices=("recompute", "swap"), default=d.preemption_mode,
-                   help="when KV runs out, the least important running request (highest priority value) "
-                        "is preempted: recompute its KV on resume, or swap its blocks to host memory and "
-                        "back (default: recompute)")
-    g.add_argument("--swap-space", type=size, default=d.swap_space, metavar="SIZE",
-                   help="host memory for swapped-out KV with --preemption-mode swap; requests that do "
-                        "not fit are recomputed (default: 1G)")
-    g.add_argument("--kv-offload-bytes", type=size_or_zero, default=d.kv_offload_bytes, metavar="SIZE",
-                   help="host memory for prefix-cache blocks evicted from the KV cache; a later prefix "
-                        "hit copies them back instead of recomputing (default: 0, off)")
-    g.add_argument("--kv-offload-dir", default=d.kv_offload_dir, metavar="DIR",
-                   help="disk tier below the host tier: one file per block plus an index, kept across "
-                        "restarts for the same model and KV layout (default: none)")
-    g.add_argument("--kv-offload-disk-bytes", type=size, default=d.kv_offload_disk_bytes, metavar="SIZE",
-                   help="most bytes the disk tier (--kv-offload-dir) holds; its least recently used "
-                        "block file is deleted past that (default: 8G)")
-    g.add_argument("--kv-window", type=int, default=d.kv_window, metavar="N",
-                   help="bounded KV for endless sessions: keep only the last N tokens' K/V (whole "
-                        "blocks) plus the --kv-sinks first tokens; generation is then not limited by "
-                        "the pool (default: off; models with a native sliding_window use theirs)")
-    g.add_argument("--kv-sinks", type=int, default=d.kv_sinks, metavar="K",
-                   help="attention sinks kept with --kv-window: the first K tokens, rounded up to whole "
-                        "blocks (default: 0)")
-    g.add_argument("--block-size", type=int, default=d.block_size, metavar="N",
-                   help="tokens per KV cache block, a power of two (default: 16)")
-    g.add_argument("--kv-cache-memory", type=size, default=d.kv_cache_memory, metavar="SIZE",
-                   help="bytes for the paged KV cache, with optional K/M/G/T suffix, 1024-based "
-                        "(default: 512M); ignored when --num-kv-blocks is given")
-    g.add_argument("--num-kv-blocks", type=int, default=d.num_kv_blocks, metavar="N",
-                   help="exact number of KV cache blocks (default: derived from --kv-cache-memory)")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=d.enable_prefix_caching,
-                   help="reuse KV blocks of identical prompt prefixes across requests (default: on)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens, metavar="N",
-                   help="most tokens (prompt chunks + decodes) run in one engine step (default: 2048)")
-    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, metavar="N",
-                   help="most requests running at once (default: 128)")
-    g.add_argument("--max-model-len", type=int, default=d.max_model_len, metavar="N",
-                   help="longest prompt + output in tokens (default: the model's context length)")
-    g.add_argument("--seed", type=int, default=d.seed, metavar="N",
-                   help="seed of the engine's random sampling (default: 0)")
-    g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=d.attention_backend,
-                   help="attention kernels: auto (flashinfer on CUDA when installed and the KV cache is "
-                        "not quantized, else Triton on CUDA; the CPU kernels on CPU), triton, flashinfer "
-                        "or torch (default: auto)")
-    g.add_argument("--enforce-eager", action="store_true", default=d.enforce_eager,
-                   help="run the model eagerly: no compiled forward (--compile-cpu), no CUDA graphs")
-    g.add_argument("--linear-kernel", choices=LINEAR_KERNELS, default=d.linear_kernel,
-                   help="matrix products on CPU: native (one native product for every row count against "
-                        "weights packed once at load, replacing the decoder's unpacked ones; prepacked where "
-                        "the native kernels cannot be built), prepacked (MKL's product packed for one row, "
-                        "oneDNN's to 64 rows, MKL's or oneDNN's SGEMM above; an extra copy of the weights) "
-                        "or plain (torch's F.linear) (default: native)")
-    g.add_argument("--compile-cpu", action=argparse.BooleanOptionalAction, default=d.compile_cpu,
-                   help="compile the decoder layers with torch.compile (inductor) for decode batches padded "
-                        "to buckets, cached on disk under $PDSERVE_CACHE/inductor; it did not pay on the "
-                        "CPUs measured, see docs/benchmarks.md (default: off)")
-    g.add_argument("--speculative-config", type=converted(parse_speculative_config),
-                   default=d.speculative_config, metavar="JSON",
-                   help="speculative decoding, vLLM's shape: '{\"method\": \"ngram\", "
-                        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' "
-                        "proposes the tokens that followed the latest earlier match of the last tokens and "
-                        "verifies them in one forward; '{\"method\": \"draft_model\", \"model\": PATH, "
-                        "\"num_speculative_tokens\": 4}' proposes with a smaller local model of the same "
-                        "vocabulary on the decode worker; greedy output is unchanged, sampled output keeps "
-                        "its distribution (default: None, off)")
-    g.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size, metavar="N",
-                   help="devices one engine spans (tensor parallelism, vLLM's flag): N rank processes, each "
-                        "holding 1/N of the heads, MLP and vocabulary; `pdserve generate` starts them itself "
-                        "(gloo on CPU, NCCL on CUDA); under `pdserve serve` each worker does, for both "
-                        "roles unless --prefill-tp / --decode-tp say otherwise (default: 1)")
-    g.add_argument("--tp-timeout", dest="tp_timeout_s", type=float, default=d.tp_timeout_s, metavar="SECONDS",
-                   help="with --tensor-parallel-size above 1, the longest any collective of the rank group "
-                        "waits: a dead or hung rank is an error after it, never a hang (default: 120)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization, metavar="F",
-                   help="with --device cuda, the fraction of the device's memory the engine may use "
-                        "(weights plus KV cache), in (0, 1] (default: 0.9)")
-
-
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """The ``EngineConfig`` of the flags added by :func:`add_engine_args` (each dest names its field;
-    fields without a flag keep their defaults). Raises ValueError naming the flag on a bad value."""
-    from engine.config import EngineConfig
-
-    given = vars(args)
-    return EngineConfig(**{f.name: given[f.name] for f in dataclasses.fields(EngineConfig)
-                           if f.name in given})
-
-
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     """Add the flags of ``engine.SamplingParams``."""
     g = parser.add_argument_group("sampling")
     penalty = _number(float, -2.0, 2.0, what="in [-2, 2]")
     g.add_argument("--max-tokens", type=_number(int, 1, what=">= 1"), default=64, metavar="N",
-                   help="most tokens to generate per prompt (default: 64)")
+                   help="most tokens to generate per prompt")
     g.add_argument("--temperature", type=_number(float, 0.0, what=">= 0"), default=0.0, metavar="T",
-                   help="sampling temperature; 0 means greedy (default: 0)")
+                   help="sampling temperature; 0 means greedy")
     g.add_argument("--top-p", type=_number(float, 0.0, 1.0, low_open=True, what="in (0, 1]"),
                    default=1.0, metavar="P",
-                   help="keep the smallest set of tokens whose probability sums to P (default: 1, off)")
+                   help="keep the smallest set of tokens whose probability sums to P; 1 means off")
     g.add_argument("--top-k", type=_number(int, 0, what=">= 0"), default=0, metavar="K",
-                   help="keep only the K most likely tokens; 0 means off (default: 0)")
+                   help="keep only the K most likely tokens; 0 means off")
     g.add_argument("--min-p", type=_number(float, 0.0, 1.0, what="in [0, 1]"), default=0.0, metavar="P",
-                   help="drop tokens less likely than P x the top token's probability (default: 0, off)")
+                   help="drop tokens less likely than P x the top token's probability; 0 means off")
     g.add_argument("--presence-penalty", type=penalty, default=0.0, metavar="X",
-                   help="subtract this from the logit of every token already generated (default: 0)")
+                   help="subtract this from the logit of every token already generated")
     g.add_argument("--frequency-penalty", type=penalty, default=0.0, metavar="X",
-                   help="subtract this x its count from the logit of each generated token (default: 0)")
+                   help="subtract this x its count from the logit of each generated token")
     g.add_argument("--repetition-penalty", type=_number(float, 0.0, low_open=True, what="> 0"),
                    default=1.0, metavar="X",
                    help="divide positive (multiply negative) logits of tokens seen in the prompt or "
-                        "output by this; 1 means off (default: 1)")
+                        "output by this; 1 means off")
     g.add_argument("--ignore-eos", action="store_true",
                    help="keep generating past the end-of-sequence token until --max-tokens")
 
@@ -273,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "dtype side by side, with the host/disk offload tiers' blocks when their sizes are "
                     "given.",
     )
-    add_plan_args(plan, size, DTYPES)
+    add_plan_args(plan)
 
     from cli.bench import add_bench_parser
 
@@ -281,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     from cli.profile import add_profile_parser
     from cli.simulate import add_simulate_parser
 
-    add_profile_parser(sub, add_engine_args)
+    add_profile_parser(sub)
     add_simulate_parser(sub)
     return parser
 

@@ -39,12 +39,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
+from cli.engine_args import DTYPES, size
 from engine.config import ModelConfig, parse_dtype
 from engine.kv_groups import KvGroup, blocks_per_sequence, kv_layout, num_slots
 from engine.models.size import parameter_count as count_parameters
@@ -357,21 +357,20 @@ def format_dtype_table(plan: Plan) -> list[str]:
     return [*title, line(head), *(line(r) for r in rows)]
 
 
-def add_plan_args(parser: argparse.ArgumentParser, size: Callable[[str], int],
-                  dtypes: tuple[str, ...]) -> None:
+def add_plan_args(parser: argparse.ArgumentParser) -> None:
     from engine.kv_sizing import KV_CACHE_DTYPES
 
     parser.add_argument("model", nargs="?", default=None, metavar="MODEL",
                         help="a Hugging Face model folder, a .gguf file or a bare config.json "
                              "(default: the built-in SmolLM2 GGUF)")
-    parser.add_argument("--dtype", choices=dtypes, default="bfloat16",
-                        help="dtype the weights are held in (default: bfloat16)")
+    parser.add_argument("--dtype", choices=DTYPES, default="bfloat16",
+                        help="dtype the weights are held in")
     parser.add_argument("--kv-cache-dtype", choices=("auto", *KV_CACHE_DTYPES), default="auto",
-                        help="dtype of the KV cache; auto follows --dtype (default: auto)")
+                        help="dtype of the KV cache; auto follows --dtype")
     parser.add_argument("--device-memory", type=size, default=DEFAULT_DEVICE_MEMORY, metavar="SIZE",
-                        help="memory of one device, e.g. 80G (default: 80G)")
+                        help="memory of one device, e.g. 80G")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="F",
-                        help="fraction of device memory the engine may use, in (0, 1] (default: 0.9)")
+                        help="fraction of device memory the engine may use, in (0, 1]")
     parser.add_argument("--kv-cache-memory", type=size, default=None, metavar="SIZE",
                         help="a KV budget in bytes instead of device memory minus weights (as the CPU "
                              "engine's --kv-cache-memory)")
@@ -382,7 +381,7 @@ def add_plan_args(parser: argparse.ArgumentParser, size: Callable[[str], int],
     parser.add_argument("--max-model-len", type=int, default=None, metavar="N",
                         help="context length of one sequence (default: the model's)")
     parser.add_argument("--block-size", type=int, default=16, metavar="N",
-                        help="tokens per KV block, a power of two (default: 16)")
+                        help="tokens per KV block, a power of two")
     parser.add_argument("--kv-offload-bytes", type=size, default=None, metavar="SIZE",
                         help="also size a host offload tier of SIZE bytes (as serve's --kv-offload-bytes): "
                              "its blocks and tokens per KV dtype")
@@ -391,7 +390,7 @@ def add_plan_args(parser: argparse.ArgumentParser, size: Callable[[str], int],
                              "--kv-offload-disk-bytes with --kv-offload-dir)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                         help="devices one worker spans (tensor parallelism): weights, KV and blocks per "
-                             "device (default: 1)")
+                             "device")
     parser.add_argument("--prefill-tp", type=int, default=None, metavar="N",
                         help="plan prefill workers at tensor parallelism N (one plan per role)")
     parser.add_argument("--decode-tp", type=int, default=None, metavar="N",

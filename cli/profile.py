@@ -23,25 +23,24 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from cli.argtypes import number, positive
+from cli.argtypes import RawDescriptionDefaultsHelpFormatter, number, positive
+from cli.engine_args import add_engine_args, engine_config_from_args
 
 
-def add_profile_parser(sub: Any, add_engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
+def add_profile_parser(sub: Any) -> None:
     p = sub.add_parser(
         "profile", help="measure a worker's prefill, decode and KV transfer times; write a profile file",
         description=__doc__.split("\n\n", 2)[2].replace("``", "`") if __doc__ else None,
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        formatter_class=RawDescriptionDefaultsHelpFormatter)
     p.add_argument("--output", type=Path, default=Path("profile.json"), metavar="FILE",
-                   help="where to write the profile JSON (default: profile.json)")
+                   help="where to write the profile JSON")
     p.add_argument("--quick", action="store_true",
                    help="a small grid of points (under a minute for the default model on two cores)")
     p.add_argument("--torch-threads", type=positive(int), default=1, metavar="N",
-                   help="torch threads, as each worker gets with `pdserve serve --torch-threads` "
-                        "(default: 1)")
+                   help="torch threads, as each worker gets with `pdserve serve --torch-threads`")
     p.add_argument("--request-overhead", type=number(float, lambda v: v >= 0, ">= 0"), default=None,
                    metavar="SECONDS",
                    help="fixed latency outside the engines added to every simulated TTFT (HTTP, router, "
@@ -54,20 +53,19 @@ def add_profile_parser(sub: Any, add_engine_args: Callable[[argparse.ArgumentPar
                         "profile back")
     p.add_argument("--calibrate-concurrency", type=positive(int), default=4, metavar="N",
                    help="--calibrate's host load: clients, each sending its next request when the last "
-                        "ends (default: 4)")
+                        "ends")
     p.add_argument("--calibrate-input-len", type=positive(int), default=256, metavar="TOKENS",
-                   help="--calibrate's host load: prompt tokens a request (default: 256)")
+                   help="--calibrate's host load: prompt tokens a request")
     p.add_argument("--calibrate-output-len", type=positive(int), default=32, metavar="TOKENS",
-                   help="--calibrate's host load: output tokens a request (default: 32)")
+                   help="--calibrate's host load: output tokens a request")
     p.add_argument("--calibrate-duration", type=positive(float), default=20.0, metavar="SECONDS",
-                   help="--calibrate's host load: how long clients send (default: 20)")
+                   help="--calibrate's host load: how long clients send")
     p.add_argument("--api-key", default=None, help="API key for --calibrate's server")
     add_engine_args(p)
     p.set_defaults(handler=run_profile_command)
 
 
 def run_profile_command(args: argparse.Namespace) -> int:
-    from cli.main import engine_config_from_args
     from planner.profile import load_profile, save_profile
 
     if args.calibrate is not None:

@@ -126,7 +126,7 @@ class _Router:
         with contextlib.suppress(Exception):
             if service.planner is not None:
                 await service.planner.stop()
-            await service.backend.client.close()
+            await service.client.close()
         await asyncio.to_thread(service.stop)
         service.prepared.tracing.shutdown()
         log.info("pdserve: workers stopped")

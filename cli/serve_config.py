@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from cli.main import engine_config_from_args
+from cli.engine_args import engine_config_from_args
 from cluster.config import PlannerOptions, ServeConfig, TraceFlags
 from cluster.placement import WorkerOptions
 from engine.loader import load_model_source, resolve_model

@@ -27,7 +27,7 @@ from typing import Any
 
 from bench.stats import parse_slo
 from bench.workloads import WORKLOADS, parse_params
-from cli.argtypes import number, positive
+from cli.argtypes import RawDescriptionDefaultsHelpFormatter, number, positive
 
 _count = number(int, lambda v: v >= 1, ">= 1")
 
@@ -36,7 +36,7 @@ def add_simulate_parser(sub: Any) -> None:
     p = sub.add_parser(
         "simulate", help="simulate a P:D cluster from a profile: latency, throughput, goodput; size one",
         description=__doc__.split("\n\n", 2)[2].replace("``", "`") if __doc__ else None,
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        formatter_class=RawDescriptionDefaultsHelpFormatter)
     p.add_argument("--profile", required=True, type=Path, metavar="FILE",
                    help="profile JSON written by `pdserve profile` (or a scaled one)")
     src = p.add_mutually_exclusive_group()
@@ -53,16 +53,16 @@ def add_simulate_parser(sub: Any) -> None:
     load.add_argument("--concurrency", type=_count, default=None, metavar="C",
                       help="closed loop: C requests in flight, each sent when one ends")
     p.add_argument("--duration", type=positive(float), default=60.0, metavar="S",
-                   help="seconds of sending requests (default: 60)")
+                   help="seconds of sending requests")
     p.add_argument("--warmup", type=number(float, lambda v: v >= 0, ">= 0"), default=0.0, metavar="S",
-                   help="leave requests sent in the first S seconds out of the figures (default: 0)")
+                   help="leave requests sent in the first S seconds out of the figures")
     p.add_argument("--host-cores", type=number(float, lambda v: v >= 0, ">= 0"), default=None, metavar="N",
                    help="the workers share N CPU cores (CPU workers on one machine): a step takes longer by "
                         "busy workers / N when that is above 1; 0: every worker has its own device "
                         "(default: the profile's host_cores, prefill_host_cores and contentions, "
                         "measured by `pdserve profile --calibrate`; N sets both cores and no contention)")
-    p.add_argument("--num-prefill", type=_count, default=1, metavar="N", help="prefill workers (default: 1)")
-    p.add_argument("--num-decode", type=_count, default=1, metavar="N", help="decode workers (default: 1)")
+    p.add_argument("--num-prefill", type=_count, default=1, metavar="N", help="prefill workers")
+    p.add_argument("--num-decode", type=_count, default=1, metavar="N", help="decode workers")
     p.add_argument("--slo", default=None, metavar="SPEC",
                    help="ttft=...,itl=... (ms or s; a bare number is ms): goodput counts requests within "
                         "both (mean ITL per request); --search and --max-rate hold the p90s to them")
@@ -73,11 +73,11 @@ def add_simulate_parser(sub: Any) -> None:
                         "meets --slo")
     for role in ("prefill", "decode"):
         p.add_argument(f"--min-{role}", type=_count, default=1, metavar="N",
-                       help=f"--search: fewest {role} workers (default: 1)")
+                       help=f"--search: fewest {role} workers")
         p.add_argument(f"--max-{role}", type=_count, default=64, metavar="N",
-                       help=f"--search: most {role} workers (default: 64)")
+                       help=f"--search: most {role} workers")
     p.add_argument("--seed", type=int, default=0, metavar="N",
-                   help="seed of arrivals and lengths (default: 0)")
+                   help="seed of arrivals and lengths")
     p.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write the results as JSON")
     p.set_defaults(handler=run_simulate_command)
 

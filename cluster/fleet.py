@@ -2,9 +2,9 @@
 
 ``Fleet.add(role)`` starts one more worker (``WorkerGroup.launch``: a new placement group, then the
 actor; the blocking Ray calls run off the event loop), waits for it to load, and has the router's
-client ready and connect it (``PDClient.add_worker``), after which requests are routed to it; a
+client ready and connect it (``PDClient.join``), after which requests are routed to it; a
 worker that fails to join is retired and the error raised. ``Fleet.drain(worker_id, deadline_s)`` is
-the router's drain (``ClusterBackend.drain``, see ``router.drain``); its last step, ``retire``, kills
+the router's drain (``PDClient.drain``, see ``router.drain``); its last step, ``retire``, kills
 the actor without restart and removes its placement group here, so Ray never brings it back and
 ``/v1/workers`` no longer lists it.
 """
@@ -15,7 +15,7 @@ import asyncio
 import logging
 
 from cluster.workers import WorkerGroup
-from router.backend import ClusterBackend
+from router.client import PDClient
 from router.drain import DrainReport
 from router.worker_table import WorkerState
 
@@ -24,23 +24,22 @@ JOIN_TIMEOUT_S = 600.0  # a new worker's model load and connection
 
 
 class Fleet:
-    def __init__(self, group: WorkerGroup, backend: ClusterBackend,
-                 join_timeout: float = JOIN_TIMEOUT_S) -> None:
+    def __init__(self, group: WorkerGroup, client: PDClient, join_timeout: float = JOIN_TIMEOUT_S) -> None:
         self.group = group
-        self.backend = backend
+        self.client = client
         self.join_timeout = join_timeout
-        backend.retire = self.retire
-        backend.launch = self.add
+        client.retire = self.retire
+        client.launch = self.add
 
     def live(self, role: str) -> list[WorkerState]:
         """The workers of ``role`` that requests are routed to now (not draining)."""
-        return self.backend.client.table.live(role)
+        return self.client.table.live(role)
 
     async def add(self, role: str) -> str:
         """Start a worker of ``role`` and let it join routing; its id."""
         member = await asyncio.to_thread(self.group.launch, role)
         try:
-            await self.backend.client.add_worker(role, member.actor, self.join_timeout)
+            await self.client.join(role, member.actor, self.join_timeout)
         except BaseException:
             await self.retire(member.worker_id)
             raise
@@ -49,7 +48,7 @@ class Fleet:
 
     async def drain(self, worker_id: str, deadline_s: float) -> DrainReport:
         """Drain a worker and remove it (``router.drain``); raises ``DrainRefused`` before starting."""
-        return await self.backend.drain(worker_id, deadline_s)
+        return await self.client.drain(worker_id, deadline_s)
 
     async def retire(self, worker_id: str) -> None:
         if await asyncio.to_thread(self.group.retire, worker_id):

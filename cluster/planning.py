@@ -50,14 +50,14 @@ def observe(served: Served, table: WorkerTable, min_samples: int = MIN_SAMPLES) 
     decode = table.live("decode")
     stats = [w.stats for w in decode if w.stats is not None]
     n, prompted = served.requests, served.first_prompt_tokens
-    kv = max((s.num_used_blocks / s.num_kv_blocks for s in stats if s.num_kv_blocks), default=0.0)
+    kv = max((s.kv.used_blocks / s.kv.num_blocks for s in stats if s.kv.num_blocks), default=0.0)
     return Observed(
         seconds=served.seconds, requests=n,
         mean_input_tokens=served.prompt_tokens / n if n else 0.0,
         mean_output_tokens=served.output_tokens / n if n else 0.0,
         prefix_hit_rate=served.cached_tokens / prompted if prompted else 0.0,
         ttft_p90_s=p90(served.ttft, min_samples), itl_p90_s=p90(served.itl, min_samples),
-        decode_waiting=sum(s.num_waiting for s in stats),
+        decode_waiting=sum(s.requests.waiting for s in stats),
         decode_kv_usage=kv,
         num_prefill=len(table.live("prefill")), num_decode=len(decode))
 
@@ -136,7 +136,7 @@ class PlannerLoop:
 
     def start(self) -> None:
         if self._task is None:
-            self.fleet.backend.client.window.take()  # start-up is no load sample
+            self.fleet.client.window.take()  # start-up is no load sample
             self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
@@ -155,7 +155,7 @@ class PlannerLoop:
                 log.exception("planner step failed")
 
     async def step(self) -> Outcome:
-        client = self.fleet.backend.client
+        client = self.fleet.client
         self._windows.append(client.window.take())
         observed = observe(Served.merge(list(self._windows)), client.table)
         d = await asyncio.to_thread(self.planner.decide, observed)  # simulations: off the event loop

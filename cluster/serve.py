@@ -48,8 +48,8 @@ if TYPE_CHECKING:
     from engine.loader import ModelSource
     from engine.tokenizer import Tokenizer
     from planner.live import LivePlanner
-    from router.app import RouterConfig
-    from router.backend import ClusterBackend
+    from router.client import PDClient
+    from router.config import RouterConfig
     from router.drain import DrainReport
 
 log = logging.getLogger("pdserve")
@@ -123,10 +123,10 @@ async def _serve(server: Any, service: Service, ready_line: str) -> bool:
             return
         log.info(ready_line)
 
-    task = asyncio.create_task(bring_up())
-    await server.serve()
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
+    async with asyncio.TaskGroup() as tasks:  # bring_up answers its own failure: it never fails the group
+        up = tasks.create_task(bring_up())
+        await server.serve()
+        up.cancel()  # a signal while the workers still load: stop waiting for them
     if service.planner is not None:
         await service.planner.stop()
     return not failed
@@ -147,21 +147,21 @@ class Prepared:
 
 @dataclass
 class Service:
-    """One router's serving stack on Ray: the worker actors, the backend over them and the HTTP app.
+    """One router's serving stack on Ray: the worker actors, the PD client over them and the HTTP app.
 
     ``start`` waits for the workers (then starts the planner, if any); ``stop`` kills them and removes
     their placement groups. While serving, ``add_worker`` and ``drain_worker`` change the split (the
     Python face of what the planner and ``POST /v1/workers/{id}/drain`` do)."""
 
     app: FastAPI
-    backend: ClusterBackend
+    client: PDClient
     group: WorkerGroup
     prepared: Prepared
     fleet: Fleet
     planner: PlannerLoop | None = None
 
     async def start(self, timeout: float = READY_TIMEOUT) -> None:
-        await self.backend.start(timeout)
+        await self.client.start(timeout)
         if self.planner is not None:
             self.planner.start()
 
@@ -189,7 +189,7 @@ def prepare_service(config: ServeConfig) -> Prepared:
     the model decides (its name, its context length) and what this process's environment says (the API
     key, the ``OTEL_*`` tracing variables)."""
     from engine.loader import load_model_source, resolve_model
-    from router.app import RouterConfig
+    from router.config import RouterConfig
 
     path = resolve_model(config.model)
     source = load_model_source(path)
@@ -214,7 +214,6 @@ def launch_service(config: ServeConfig, prepared: Prepared) -> Service:
     from cluster.fleet import Fleet
     from cluster.workers import start_workers
     from router.app import create_app
-    from router.backend import ClusterBackend
     from router.client import PDClient
 
     group = start_workers(prepared.model_path, config.engine, config.num_prefill, config.num_decode,
@@ -223,21 +222,19 @@ def launch_service(config: ServeConfig, prepared: Prepared) -> Service:
                           transfer_failure_rate=config.inject_transfer_failures,
                           share_cores=config.share_cores)
     try:
-        client = PDClient(group.prefill, group.decode, config.client)
-        name = prepared.router_config.model_name
-        backend = ClusterBackend(client, name, colocated=config.colocated)
-        fleet = Fleet(group, backend)
+        client = PDClient(group.prefill, group.decode, config.client, colocated=config.colocated)
+        fleet = Fleet(group, client)
         planner = None
         if prepared.planner is not None:
             from cluster.planning import PlannerLoop
 
             planner = PlannerLoop(config.planner, prepared.planner, fleet, prepared.tracing)
         registries = [planner.metrics.registry] if planner is not None else []
-        app = create_app(backend, prepared.tokenizer, prepared.router_config, prepared.tracing, registries)
+        app = create_app(client, prepared.tokenizer, prepared.router_config, prepared.tracing, registries)
     except BaseException:
         group.shutdown()
         raise
-    return Service(app, backend, group, prepared, fleet, planner)
+    return Service(app, client, group, prepared, fleet, planner)
 
 
 def run_serve(config: ServeConfig, config_file: str | None = None) -> int:
@@ -258,7 +255,6 @@ def run_serve(config: ServeConfig, config_file: str | None = None) -> int:
     # Everything the router and the worker handles run is imported before Ray starts: under `ray job
     # submit` the job's copy of the working directory can be removed by a node's runtime-env agent
     # while the driver runs (several nodes sharing one temp dir), so nothing may be imported later.
-    import router.backend  # noqa: F401
     import router.client  # noqa: F401
 
     prepared = prepare_service(config)

@@ -1,12 +1,11 @@
 """DecodeWorker: reserves KV for a prompt, pulls the missing blocks, and decodes with continuous batching.
 
-Contract (docs/architecture.md, "One request, hop by hop"): one call per attempt. ``generate(request,
-prefill)`` streams ``TokenBatch`` bytes until one is ``finished``, or one
-``WorkerError`` and nothing after it. ``submit(channel, stream, request,
-prefill)`` runs the same attempt with the same items sent on an output channel
-(``outputs(channel)``, one Ray stream per router and worker carrying one
-``OutputFrame`` per event-loop turn: every request's items of an engine step in
-one Ray item, ``decode/outbox.py``); the router uses those.
+Contract (docs/architecture.md, steps 9-14): one call per attempt. ``submit(channel, stream,
+request, prefill)`` sends ``TokenBatch`` items until one is ``finished``, or one ``WorkerError`` and
+nothing after it, on an output channel (``outputs(channel)``, one Ray stream per router and worker
+carrying one ``OutputFrame`` per event-loop turn: every request's items of an engine step in one Ray
+item, ``decode/outbox.py``), each tagged ``stream``. What the worker keeps about an attempt meanwhile
+is one ``decode/attempt.py:DecodeAttempt``.
 
 * ``prefill`` is a one-element list holding the ``ObjectRef`` of a prefill
   worker's ``prefill`` call (a list, so Ray hands the ref over unresolved), or
@@ -21,7 +20,7 @@ one Ray item, ``decode/outbox.py``); the router uses those.
   decodes from the first token. A failed prefill (``prefill``, or
   ``prefill_died`` when its process died) or pull (``transfer``) yields that
   retryable ``WorkerError``, gives the prefill lease back, and KEEPS the
-  reservation: the caller calls ``generate`` again with another prefill ref
+  reservation: the caller calls ``submit`` again with another prefill ref
   (retry) or with ``None`` (recompute here).
 * Without a prefill ref the prompt is computed here: in the reservation when
   there is one (recompute), else as a new request (colocated mode).
@@ -44,13 +43,13 @@ import asyncio
 import time
 import uuid
 import zlib
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import msgspec
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
+from decode.attempt import DecodeAttempt
 from decode.outbox import Outbox
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
@@ -60,9 +59,11 @@ from messages.codec import pack, unpack
 from messages.wire import (
     ErrorKind,
     GenerateRequest,
+    OutputStats,
     PrefillResult,
     TokenBatch,
     TokenLogprob,
+    TransferStats,
     WorkerError,
     WorkerStats,
 )
@@ -75,12 +76,6 @@ from worker.tp_kv import open_sink, rank_layout
 
 PrefillRef = list[Any]  # [ObjectRef of PrefillWorker.prefill]; a list so Ray does not resolve it
 _PrefillDied = (ActorDiedError, ActorUnavailableError, RayActorError)
-
-
-@dataclass
-class _Trace:
-    carrier: dict[str, str]
-    queue: Any
 
 
 def to_batch(outputs: list[RequestOutput], worker_id: str) -> TokenBatch:
@@ -106,11 +101,7 @@ class DecodeWorker(WorkerBase):
         super().__init__(worker_id, model, unpack(engine_config, EngineConfig), torch_threads, tracing,
                          core_share)
         self.transfer_time = Histogram()
-        self._traces: dict[str, _Trace] = {}
-        self._kv_ready: dict[str, float] = {}
-        # request id -> (its reservation's block ids, how many of them its prefix cache filled), taken
-        # with the reservation under the engine's lock, so a pull needs no read of the engine
-        self._plans: dict[str, tuple[list[int], int]] = {}
+        self._attempts: dict[str, DecodeAttempt] = {}  # by request id, from arrival to the last item
         self.layout = rank_layout(self.engine.runner, self.engine.model_config.name)
         # one agent per tensor-parallel rank, each pulling its own KV heads (``worker/tp_kv.py``)
         self.sink = open_sink(self.engine, f"{worker_id}-{uuid.uuid4().hex[:8]}")
@@ -141,34 +132,19 @@ class DecodeWorker(WorkerBase):
         """Forget a prefill worker's agent: that worker has drained and left (idempotent)."""
         self.sink.disconnect(agent_name)
 
-    async def generate(self, request: bytes, prefill: PrefillRef | None = None, attempt: int = 1,
-                       prefill_timeout: float = 120.0) -> AsyncIterator[bytes]:
-        """Stream ``TokenBatch`` bytes, or one ``WorkerError``, for one attempt at ``request`` (see the
-        module docstring); ``attempt`` numbers the pulls of one request (for its ``kv.transfer`` spans);
-        the prefill result is awaited ``prefill_timeout`` seconds at most. One Ray stream per attempt:
-        the router uses ``submit`` and ``outputs`` instead, which carry the same items."""
-        async for item in self._attempt(request, prefill, attempt, prefill_timeout):
-            yield pack(item)
-
     async def submit(self, channel: str, stream: int, request: bytes, prefill: PrefillRef | None = None,
                      attempt: int = 1, prefill_timeout: float = 120.0) -> None:
-        """Run one attempt as ``generate`` does, its items sent on output channel ``channel`` tagged
-        ``stream`` (``decode/outbox.py``); returns when the attempt has put its last item."""
-        async for item in self._attempt(request, prefill, attempt, prefill_timeout):
+        """Run one attempt at ``request`` (see the module docstring), its items sent on output channel
+        ``channel`` tagged ``stream`` (``decode/outbox.py``); returns when it has put its last item.
+        ``attempt`` numbers the pulls of one request (for its ``kv.transfer`` spans); the prefill result
+        is awaited ``prefill_timeout`` seconds at most."""
+        def put(item: TokenBatch | WorkerError) -> None:
             self.outbox.put(channel, stream, item)
 
-    async def outputs(self, channel: str) -> AsyncIterator[bytes]:
-        """Output channel ``channel``: ``OutputFrame`` bytes, each with every item its attempts put in
-        one turn of this worker's event loop, until the caller cancels it (``decode/outbox.py``)."""
-        async for frame in self.outbox.frames(channel):
-            yield pack(frame)
-
-    async def _attempt(self, request: bytes, prefill: PrefillRef | None, attempt: int,
-                       prefill_timeout: float) -> AsyncIterator[TokenBatch | WorkerError]:
         try:
             req = unpack(request, GenerateRequest)
         except msgspec.ValidationError as exc:
-            yield WorkerError(ErrorKind.INVALID, str(exc))
+            put(WorkerError(ErrorKind.INVALID, str(exc)))
             return
         rid = req.request_id
         last: RequestOutput | None = None
@@ -177,31 +153,35 @@ class DecodeWorker(WorkerBase):
             await self.prepare_grammar(req.sampling)
             if prefill is None:
                 await self.aengine.mutate(lambda e: self._start_here(e, req))
-                error = None
             else:
                 error, last = await self._prefilled(req, prefill[0], prefill_timeout, attempt)
-            if error is not None:
-                final = not error.retryable
-                yield error
-                return
-            if last is not None:
-                yield to_batch([last], self.worker_id)
+                if error is not None:
+                    final = not error.retryable  # a retry keeps the attempt's reservation
+                    put(error)
+                    return
+                assert last is not None
+                put(to_batch([last], self.worker_id))
                 if last.finished:
                     return
             async for outputs in self.aengine.stream(rid, self.request_timeout):
                 last = outputs[-1]
-                yield to_batch(outputs, self.worker_id)
+                put(to_batch(outputs, self.worker_id))
         except ValueError as exc:  # the engine refused the request (e.g. longer than the model allows)
-            yield WorkerError(ErrorKind.INVALID, str(exc))
+            put(WorkerError(ErrorKind.INVALID, str(exc)))
         except TimeoutError:
-            yield WorkerError(ErrorKind.TIMEOUT, f"{rid}: no output for {self.request_timeout} s")
+            put(WorkerError(ErrorKind.TIMEOUT, f"{rid}: no output for {self.request_timeout} s"))
         except RuntimeError as exc:  # the engine loop failed: this worker cannot serve
             self.exit_if_group_broken()  # a broken tensor-parallel group: dies, the request migrates
-            yield WorkerError(ErrorKind.UNAVAILABLE, f"{self.worker_id}: {exc}")
+            put(WorkerError(ErrorKind.UNAVAILABLE, f"{self.worker_id}: {exc}"))
         finally:
-            if final:  # no retry comes here (a retry's reservation notes its plan again)
-                self._plans.pop(rid, None)
-                self._finish_trace(rid, last)
+            if final:
+                self._end(rid, last)
+
+    async def outputs(self, channel: str) -> AsyncGenerator[bytes, None]:
+        """Output channel ``channel``: ``OutputFrame`` bytes, each with every item its attempts put in
+        one turn of this worker's event loop, until the caller cancels it (``decode/outbox.py``)."""
+        async for frame in self.outbox.frames(channel):
+            yield pack(frame)
 
     async def _prefilled(self, req: GenerateRequest, ref: Any, timeout: float,
                          attempt: int) -> tuple[WorkerError | None, RequestOutput | None]:
@@ -218,17 +198,16 @@ class DecodeWorker(WorkerBase):
         return None, await self.aengine.mutate(lambda e: self._start_prefilled(e, result))
 
     def _reserve(self, e: LLMEngine, req: GenerateRequest) -> WorkerError | None:
-        """Hold KV for the prompt unless this request holds it already (a retry keeps its reservation),
-        and note where its pull will write (``_plans``)."""
-        rid = req.request_id
-        if rid not in e.reserved:
-            r = e.make_request(req.prompt_token_ids, req.sampling, request_id=rid, priority=req.priority)
-            if e.reserve(r) is None:
-                return WorkerError(ErrorKind.NO_KV,
-                                   f"{self.worker_id} has no KV room for {r.num_tokens} tokens")
-            self._open_trace(req)
-        res = e.reserved[rid]
-        self._plans[rid] = (e.kv.blocks_of(rid), res.metrics.cached_prompt_tokens // e.kv.block_size)
+        """Hold KV for the prompt unless the attempt holds it already (a retry keeps its reservation)."""
+        held = self._attempts.get(req.request_id)
+        if held is not None and held.reservation is not None:
+            return None
+        r = e.make_request(req.prompt_token_ids, req.sampling, request_id=req.request_id,
+                           priority=req.priority)
+        reservation = e.reserve(r)
+        if reservation is None:
+            return WorkerError(ErrorKind.NO_KV, f"{self.worker_id} has no KV room for {r.num_tokens} tokens")
+        self._attempts[req.request_id] = DecodeAttempt(req, reservation, self._queue_span(req))
         return None
 
     async def _await_prefill(self, ref: Any, timeout: float) -> PrefillResult | WorkerError:
@@ -253,30 +232,31 @@ class DecodeWorker(WorkerBase):
 
     def _start_here(self, e: LLMEngine, req: GenerateRequest) -> None:
         """Compute the prompt here: in its reservation (recompute) or as a new request (colocated)."""
-        self.aengine.open_stream(req.request_id)
-        if req.request_id in e.reserved:
-            e.start_local(req.request_id)
+        rid = req.request_id
+        self.aengine.open_stream(rid)
+        held = self._attempts.get(rid)
+        if held is not None and held.reservation is not None:
+            e.start_local(rid)
+            held.reservation = None
             return
-        self._open_trace(req)
-        e.add_request(req.prompt_token_ids, req.sampling, request_id=req.request_id, priority=req.priority)
+        self._attempts[rid] = DecodeAttempt(req, queue_span=self._queue_span(req))
+        e.add_request(req.prompt_token_ids, req.sampling, request_id=rid, priority=req.priority)
 
     async def _pull(self, request_id: str, handle: KvHandle, attempt: int = 1) -> WorkerError | None:
-        """Read the blocks the reservation lacks from the prefill worker, at once: the block ids were
-        taken with the reservation (``_reserve``), so the pull waits for no running step (a read of the
-        engine here would, and the start after it for the next one: a whole extra decode step before
+        """Read the blocks the reservation lacks from the prefill worker, at once: the block ids came with
+        the reservation (``DecodeAttempt.pull_blocks``), so the pull waits for no running step (a read of
+        the engine here would, and the start after it for the next one: a whole extra decode step before
         every prefilled request's first token). The reservation's blocks are its own until it starts,
-        so the pull may write them while a step runs; an abort meanwhile drops the plan."""
-        planned = self._plans.pop(request_id, None)
-        if planned is None:
+        so the pull may write them while a step runs; an abort meanwhile ends the attempt."""
+        held = self._attempts.get(request_id)
+        if held is None or held.reservation is None:
             self.sink.release(handle)
             return WorkerError(ErrorKind.INVALID, f"no reservation for {request_id!r}")
-        local, held = planned
-        n = len(handle.block_ids)
+        remote, local = held.pull_blocks(handle)
         t0 = time.monotonic()
         error: WorkerError | None = None
         try:
-            stats = await self.sink.read(handle, handle.block_ids[held:n], local[held:n],
-                                         self.transfer_timeout)
+            stats = await self.sink.read(handle, remote, local, self.transfer_timeout)
         except TransferError as exc:
             self.sink.release(handle)
             error, outcome = WorkerError(ErrorKind.TRANSFER, f"{exc.outcome}: {exc}"), exc.outcome
@@ -288,15 +268,14 @@ class DecodeWorker(WorkerBase):
             self.transfer_bytes += stats.bytes
             self.transfer_seconds += t1 - t0
             self.transfer_time.observe(t1 - t0)
-            self._kv_ready[request_id] = t1
+            held.kv_ready = t1
             outcome = "ok"
         else:
             self.transfer_failures += 1
-        trace = self._traces.get(request_id)
-        if trace is not None:
-            self.tracing.span_between("kv.transfer", trace.queue or trace.carrier, t0, t1, {
+        if held.queue_span is not None:
+            self.tracing.span_between("kv.transfer", held.queue_span, t0, t1, {
                 "pdserve.worker": self.worker_id, "kv.source_agent": handle.agent_name,
-                "kv.blocks": stats.blocks if error is None else n - held,
+                "kv.blocks": stats.blocks if error is None else len(remote),
                 "kv.bytes": stats.bytes if error is None else 0,
                 "kv.descriptors": stats.descriptors if error is None else 0,
                 "kv.backend": self.sink.backend, "kv.duration_s": t1 - t0,
@@ -304,30 +283,33 @@ class DecodeWorker(WorkerBase):
             }, error=None if error is None else error.message)
         return error
 
-    def _open_trace(self, req: GenerateRequest) -> None:
-        if self.tracing.enabled and req.trace_context:
-            span = self.tracing.start_span("decode.queue", req.trace_context, attributes={
-                "pdserve.worker": self.worker_id, "pdserve.request_id": req.request_id,
-                "gen_ai.usage.input_tokens": len(req.prompt_token_ids)})
-            self._traces[req.request_id] = _Trace(req.trace_context, span)
+    def _queue_span(self, req: GenerateRequest) -> Any:
+        """The attempt's ``decode.queue`` span, from its arrival here (None when it is not traced)."""
+        if not (self.tracing.enabled and req.trace_context):
+            return None
+        return self.tracing.start_span("decode.queue", req.trace_context, attributes={
+            "pdserve.worker": self.worker_id, "pdserve.request_id": req.request_id,
+            "gen_ai.usage.input_tokens": len(req.prompt_token_ids)})
 
-    def _finish_trace(self, request_id: str, last: RequestOutput | None) -> None:
-        """Observe the queue time; end ``decode.queue`` at the first schedule and emit ``decode``."""
-        trace = self._traces.pop(request_id, None)
-        ready = self._kv_ready.pop(request_id, 0.0)
+    def _end(self, request_id: str, last: RequestOutput | None) -> None:
+        """The attempt is over: observe its queue time; end ``decode.queue`` at the first schedule and
+        emit ``decode``."""
+        held = self._attempts.pop(request_id, None)
         m = last.metrics if last is not None else None
         scheduled = m.first_scheduled_time if m is not None else None
         if m is not None and scheduled is not None:
+            ready = held.kv_ready if held is not None else 0.0
             self.queue_time.observe(max(0.0, scheduled - max(m.arrival_time, ready)))
-        if trace is None:
+        if held is None or held.queue_span is None:
             return
         now = time.monotonic()
         if last is None or m is None:
-            end_span(trace.queue, "ended before decoding")
+            end_span(held.queue_span, "ended before decoding")
             return
-        end_span(trace.queue, None, wall_ns(scheduled or now))
+        end_span(held.queue_span, None, wall_ns(scheduled or now))
         finished = last.finished and last.finish_reason != "abort"
-        self.tracing.span_between("decode", trace.carrier, scheduled or now, m.finish_time or now, {
+        carrier = held.request.trace_context
+        self.tracing.span_between("decode", carrier, scheduled or now, m.finish_time or now, {
             "pdserve.worker": self.worker_id, "gen_ai.usage.output_tokens": m.output_tokens,
             "gen_ai.response.finish_reasons": [last.finish_reason or ""],
             "pdserve.preemptions": m.num_preemptions,
@@ -338,19 +320,17 @@ class DecodeWorker(WorkerBase):
         }, error=None if finished else (last.finish_reason or "not finished"))
 
     async def abort(self, request_id: str) -> None:
-        self._plans.pop(request_id, None)
-        trace = self._traces.pop(request_id, None)
-        self._kv_ready.pop(request_id, None)
-        if trace is not None:
-            end_span(trace.queue, "aborted")
+        held = self._attempts.pop(request_id, None)
+        if held is not None and held.queue_span is not None:
+            end_span(held.queue_span, "aborted")
         await super().abort(request_id)
 
     async def inject_transfer_failures(self, n: int) -> None:
         self.sink.inject_failures(n)
 
     def role_stats(self, common: WorkerStats) -> WorkerStats:
-        return msgspec.structs.replace(
-            common, transfer_blocks=self.transfer_blocks, transfer_bytes=self.transfer_bytes,
-            transfer_seconds=self.transfer_seconds, transfer_failures=self.transfer_failures,
-            transfer_time=self.transfer_time.data(), output_frames=self.outbox.frames_sent,
-            output_items=self.outbox.items_sent)
+        transfer = TransferStats(blocks=self.transfer_blocks, bytes=self.transfer_bytes,
+                                 seconds=self.transfer_seconds, failures=self.transfer_failures,
+                                 time=self.transfer_time.data())
+        outputs = OutputStats(frames=self.outbox.frames_sent, items=self.outbox.items_sent)
+        return msgspec.structs.replace(common, transfer=transfer, outputs=outputs)

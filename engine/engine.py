@@ -420,3 +420,27 @@ class LLMEngine:
                 "kv_offload_host_hits": t.host_hits, "kv_offload_disk_hits": t.disk_hits,
                 "kv_offload_stores": t.stores, "kv_offload_host_bytes": t.host_bytes,
                 "kv_offload_disk_bytes": t.disk_bytes}
+
+    # What a serving worker (worker/, prefill/, decode/) asks of its engine, so it reaches into no part.
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every idle block of the prefix cache (a drained worker's last act); how many went."""
+        return self.kv.pool.reset_prefix_cache()
+
+    def decodes_only_next(self) -> bool:
+        """Whether the next step can only be a decode step: nothing waits and every running request has
+        computed all its tokens but the last one."""
+        s = self.scheduler
+        return not s.waiting and all(r.num_computed_tokens >= r.num_tokens - 1 for r in s.running)
+
+    def num_held(self) -> int:
+        """Requests, reservations and KV blocks this engine still holds (0: nothing to finish or free)."""
+        return len(self.requests) + len(self.reserved) + self.kv.pool.num_used_blocks
+
+    def num_used_blocks(self) -> int:
+        """KV blocks held by requests (running, reserved, or kept with ``hold_kv``)."""
+        return self.kv.pool.num_used_blocks
+
+    def num_cached_blocks(self) -> int:
+        """KV blocks the prefix cache can hand out again (in use or idle)."""
+        return len(self.kv.pool.cached)

@@ -9,7 +9,7 @@ carries the engine's own ``SamplingParams``; a prefill result carries its
 Errors: a worker never raises across Ray; it answers (or streams) a ``WorkerError``
 whose ``kind`` is an ``ErrorKind``. The router turns it into ``RequestFailed`` with
 the same kind, and the HTTP layer maps that kind to a status code in one place
-(``router.errors.backend_failure``).
+(``router.errors.api_error``).
 """
 
 from __future__ import annotations
@@ -72,72 +72,132 @@ class KvTierStats(msgspec.Struct, frozen=True, kw_only=True):
     hits: int = 0
 
 
-class WorkerStats(msgspec.Struct, frozen=True, kw_only=True):
-    worker_id: str
-    role: str
-    num_running: int
-    num_waiting: int
-    num_kv_blocks: int
-    num_free_kv_blocks: int
-    num_used_blocks: int
-    num_cached_blocks: int
-    num_leases: int = 0
-    num_reserved: int = 0
+class RequestStats(msgspec.Struct, frozen=True, kw_only=True):
+    """A worker's requests now: running, waiting in its scheduler, holding a reservation (decode);
+    preemptions since start and the queue time histogram (engine arrival to first schedule)."""
+
+    running: int = 0
+    waiting: int = 0
+    reserved: int = 0
+    preemptions: int = 0
+    queue_time: HistogramData | None = None
+
+
+class KvStats(msgspec.Struct, frozen=True, kw_only=True):
+    """A worker's paged KV cache: blocks in all, free, held by requests or leases, in the prefix cache;
+    the tokens stored, the block size, the storage dtype (float32, bfloat16, float16, fp8, fp8_e5m2,
+    int8) and its tiers (device first; host / disk only when configured); prefix cache lookups and hits,
+    in tokens, since start."""
+
+    num_blocks: int = 0
+    free_blocks: int = 0
+    used_blocks: int = 0
+    cached_blocks: int = 0
+    stored_tokens: int = 0
+    block_size: int = 0
+    dtype: str = ""
+    tiers: list[KvTierStats] = []
     prefix_queries: int = 0
     prefix_hits: int = 0
-    num_preemptions: int = 0
-    transfer_blocks: int = 0
-    transfer_bytes: int = 0
-    transfer_seconds: float = 0.0
-    transfer_failures: int = 0
-    leases_expired: int = 0
+
+
+class LeaseStats(msgspec.Struct, frozen=True, kw_only=True):
+    """A prefill worker's KV leases: held now, and expired before decode pulled them since start."""
+
+    held: int = 0
+    expired: int = 0
+
+
+class TransferStats(msgspec.Struct, frozen=True, kw_only=True):
+    """A decode worker's KV pulls since start: blocks, bytes and seconds of those that succeeded, the
+    failed ones, and the seconds per pull as a histogram."""
+
+    blocks: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    failures: int = 0
+    time: HistogramData | None = None
+
+
+class GrammarStats(msgspec.Struct, frozen=True, kw_only=True):
+    """Grammar-constrained decoding since start (``engine.structured.StructuredStats``'s fields)."""
+
+    constrained_requests: int = 0
+    compiles: int = 0
+    cache_hits: int = 0
+    compile_seconds: float = 0.0
+    mask_steps: int = 0
+    mask_rows: int = 0
+    mask_seconds: float = 0.0
+
+
+class SpecDecodeStats(msgspec.Struct, frozen=True, kw_only=True):
+    """Speculative decoding since start (``engine.spec_decode.SpecStats``'s fields); zero when it is off.
+    ``accepted_per_pos``: accepted tokens by position in the draft (0: first)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = []
+
+
+class StepStats(msgspec.Struct, frozen=True, kw_only=True):
+    """The engine's steps since the worker started (``engine.async_engine.StepClock`` and its
+    ``engine.step_work.StepTotals``, the same names): their count, wall seconds and the stepping
+    thread's CPU seconds (wall / CPU: the host's stretch); then per kind of step, its count and wall
+    seconds and what it computed: decode-only steps (requests stepped, their context tokens) and
+    prompt-carrying steps (prompt tokens, attended (query, key) pairs), the terms the planner's profile
+    prices a step in."""
+
+    steps: int = 0
+    wall_s: float = 0.0
+    cpu_s: float = 0.0
+    decode_steps: int = 0
+    decode_wall_s: float = 0.0
+    decode_rows: int = 0
+    decode_context: int = 0
+    prefill_steps: int = 0
+    prefill_wall_s: float = 0.0
+    prefill_tokens: int = 0
+    prefill_attended: float = 0.0
+
+
+class CoreShareStats(msgspec.Struct, frozen=True, kw_only=True):
+    """Shared cores (``worker/core_share.py``) since start: a decode worker's steps run on an idle prefill
+    worker's threads too and those threads summed; a prefill worker's waits to get its threads back,
+    their seconds, and the waits that gave up at the deadline."""
+
+    borrowed_steps: int = 0
+    borrowed_threads: int = 0
+    reclaim_waits: int = 0
+    reclaim_seconds: float = 0.0
+    reclaim_late: int = 0
+
+
+class OutputStats(msgspec.Struct, frozen=True, kw_only=True):
+    """A decode worker's output channels (``decode/outbox.py``) since start: Ray items sent and the
+    stream items they carried (items / frames: requests served per Ray item)."""
+
+    frames: int = 0
+    items: int = 0
+
+
+class WorkerStats(msgspec.Struct, frozen=True, kw_only=True):
+    """One worker's figures, by concern (``GET /v1/workers`` answers them as JSON, nested the same way).
+    A part that is not the worker's role's (leases on decode, transfers on prefill) stays at zero."""
+
+    worker_id: str
+    role: str
     pid: int = 0
-    queue_time: HistogramData | None = None
-    transfer_time: HistogramData | None = None
-    num_stored_tokens: int = 0
-    block_size: int = 0
-    kv_cache_dtype: str = ""  # storage dtype name: float32, bfloat16, float16, fp8, fp8_e5m2, int8
-    kv_tiers: list[KvTierStats] = []  # device first; host / disk only when configured
-    # grammar-constrained decoding (``engine.structured.StructuredStats``), cumulative
-    structured_requests: int = 0
-    grammar_compiles: int = 0
-    grammar_cache_hits: int = 0
-    grammar_compile_seconds: float = 0.0
-    grammar_mask_steps: int = 0
-    grammar_mask_seconds: float = 0.0
-    # speculative decoding totals (engine/spec_decode.py SpecStats); zero when it is off
-    spec_num_drafts: int = 0
-    spec_num_draft_tokens: int = 0
-    spec_num_accepted_tokens: int = 0
-    spec_accepted_per_pos: list[int] = []  # accepted tokens by position in the draft (0: first)
-    # engine steps since the worker started (``engine.async_engine.StepClock``), cumulative: their
-    # count, wall seconds and the stepping thread's CPU seconds (wall / CPU: the host's stretch)
-    step_count: int = 0
-    step_wall_seconds: float = 0.0
-    step_cpu_seconds: float = 0.0
-    # what those steps computed (``engine.step_work``), cumulative, with the wall seconds of each kind:
-    # decode-only steps (requests stepped, their context tokens) and prompt-carrying steps (prompt
-    # tokens, attended (query, key) pairs): the terms the planner's profile prices a step in
-    step_decode_count: int = 0
-    step_decode_wall_seconds: float = 0.0
-    step_decode_rows: int = 0
-    step_decode_context_tokens: int = 0
-    step_prefill_count: int = 0
-    step_prefill_wall_seconds: float = 0.0
-    step_prefill_tokens: int = 0
-    step_prefill_attended_pairs: float = 0.0
-    # shared cores (``worker/core_share.py``), cumulative: a decode worker's steps run on an idle prefill
-    # worker's threads too and those threads summed; a prefill worker's waits to get its threads back,
-    # their seconds, and the waits that gave up at the deadline
-    cores_borrowed_steps: int = 0
-    cores_borrowed_threads: int = 0
-    cores_reclaim_waits: int = 0
-    cores_reclaim_seconds: float = 0.0
-    cores_reclaim_late: int = 0
-    # a decode worker's output channels (``decode/outbox.py``), cumulative: Ray items sent and the
-    # stream items they carried (items / frames: requests served per Ray item)
-    output_frames: int = 0
-    output_items: int = 0
+    requests: RequestStats = msgspec.field(default_factory=RequestStats)
+    kv: KvStats = msgspec.field(default_factory=KvStats)
+    leases: LeaseStats = msgspec.field(default_factory=LeaseStats)
+    transfer: TransferStats = msgspec.field(default_factory=TransferStats)
+    grammar: GrammarStats = msgspec.field(default_factory=GrammarStats)
+    spec: SpecDecodeStats = msgspec.field(default_factory=SpecDecodeStats)
+    clock: StepStats = msgspec.field(default_factory=StepStats)
+    cores: CoreShareStats = msgspec.field(default_factory=CoreShareStats)
+    outputs: OutputStats = msgspec.field(default_factory=OutputStats)
 
 
 class KvEvents(msgspec.Struct, frozen=True):

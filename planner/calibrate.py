@@ -19,8 +19,9 @@ on a running server.
 2. Under a load of its own (``HostLoad``: ``concurrency`` clients in a closed loop for ``duration_s``
    seconds, each sending prompts of ``input_len`` random token ids from its own seeded generator and
    asking for ``output_len`` tokens), it reads every worker's step clocks and step work from
-   ``GET /v1/workers`` before and after (``WorkerStats.step_*``: per kind of step, its wall seconds and
-   what it computed, ``engine/step_work.py``; ``StepClocks``). The stretch is the decode workers'
+   ``GET /v1/workers`` before and after (each worker's ``clock``, ``messages.wire.StepStats``: per kind
+   of step, its wall seconds and what it computed, ``engine/step_work.py``; ``StepClocks``, the same
+   names). The stretch is the decode workers'
    decode-only steps' wall seconds over what the profile's ``DecodeCost`` prices the same steps at
    (steps, rows and context tokens; likewise the prefill workers' prompt-carrying steps over
    ``PrefillCost``): the profile was measured with one worker alone, so the ratio is everything the
@@ -127,14 +128,8 @@ class StepClocks:
         return self.prefill_wall_s / priced if self.prefill_steps and priced > 0 else 1.0
 
 
-# StepClocks' fields and the WorkerStats fields (messages/wire.py) they sum
-CLOCK_FIELDS = (
-    ("steps", "step_count"), ("wall_s", "step_wall_seconds"), ("cpu_s", "step_cpu_seconds"),
-    ("decode_steps", "step_decode_count"), ("decode_wall_s", "step_decode_wall_seconds"),
-    ("decode_rows", "step_decode_rows"), ("decode_context", "step_decode_context_tokens"),
-    ("prefill_steps", "step_prefill_count"), ("prefill_wall_s", "step_prefill_wall_seconds"),
-    ("prefill_tokens", "step_prefill_tokens"), ("prefill_attended", "step_prefill_attended_pairs"),
-)
+# StepClocks' fields: the names of each worker's ``clock`` in /v1/workers (messages.wire.StepStats)
+CLOCK_FIELDS = tuple(f.name for f in dataclasses.fields(StepClocks))
 
 
 def _one(client: httpx.Client, url: str, model: str, prompt: str | list[int], max_tokens: int,
@@ -216,19 +211,24 @@ def _count(stats: list[dict[str, object]], role: str) -> int:
 def role_clocks(before: list[dict[str, object]], after: list[dict[str, object]], role: str) -> StepClocks:
     """A role's step clocks between the two reads (a worker that restarted between them is left out)."""
     old = {w["worker_id"]: w for w in before}
-    sums = dict.fromkeys((name for name, _ in CLOCK_FIELDS), 0.0)
+    sums = dict.fromkeys(CLOCK_FIELDS, 0.0)
     for w in after:
         b = old.get(w["worker_id"])
         if w.get("role") != role or b is None:
             continue
-        d = {name: float(w.get(key, 0)) - float(b.get(key, 0))  # type: ignore[arg-type]
-             for name, key in CLOCK_FIELDS}
+        now, then = _clock(w), _clock(b)
+        d = {name: float(now.get(name, 0)) - float(then.get(name, 0)) for name in CLOCK_FIELDS}
         if min(d.values()) < 0:
             continue
         for name, value in d.items():
             sums[name] += value
     ints = {f.name for f in dataclasses.fields(StepClocks) if f.type in ("int", int)}
     return StepClocks(**{k: round(v) if k in ints else v for k, v in sums.items()})  # type: ignore[arg-type]
+
+
+def _clock(worker: dict[str, object]) -> dict[str, float]:
+    clock = worker.get("clock")
+    return clock if isinstance(clock, dict) else {}
 
 
 def _host_load(client: httpx.Client, url: str, model: str, load: HostLoad,

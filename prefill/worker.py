@@ -1,6 +1,6 @@
 """PrefillWorker: runs prompts, samples the first token, and lends the prompt's K/V under a lease.
 
-Contract with the decode side (the request's hops: docs/architecture.md, "One request, hop by hop"):
+Contract with the decode side (docs/architecture.md, "One request, hop by hop"):
 
 * ``prefill`` computes only what its prefix cache lacks, samples the first
   token with the request's own sampling parameters, and returns a
@@ -31,7 +31,15 @@ from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.outputs import RequestMetrics
 from messages.codec import pack, unpack
-from messages.wire import ErrorKind, GenerateRequest, PrefillResult, TokenLogprob, WorkerError, WorkerStats
+from messages.wire import (
+    ErrorKind,
+    GenerateRequest,
+    LeaseStats,
+    PrefillResult,
+    TokenLogprob,
+    WorkerError,
+    WorkerStats,
+)
 from transfer.wire import KvHandle
 from worker.base import WorkerBase
 from worker.tp_kv import open_source
@@ -166,8 +174,8 @@ class PrefillWorker(WorkerBase):
         return super().holds(e) + self.source.num_leases()
 
     def role_stats(self, common: WorkerStats) -> WorkerStats:
-        return msgspec.structs.replace(common, num_leases=self.source.num_leases(),
-                                       leases_expired=self.leases_expired)
+        leases = LeaseStats(held=self.source.num_leases(), expired=self.leases_expired)
+        return msgspec.structs.replace(common, leases=leases)
 
     async def _poll_leases(self) -> None:
         while True:

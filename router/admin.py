@@ -30,7 +30,7 @@ from fastapi import FastAPI, Request
 from msgspec import Meta
 from starlette.responses import Response
 
-from router.backend import Backend
+from router.client import PDClient
 from router.errors import AdminRefused, APIError, RequestFailed, unavailable
 from router.http import read_body
 from router.protocol import decode_body
@@ -50,19 +50,19 @@ class AddWorkerRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     wait: bool = True
 
 
-def add_admin_routes(app: FastAPI, backend: Backend) -> None:
+def add_admin_routes(app: FastAPI, client: PDClient) -> None:
     @app.get("/v1/workers")
     async def workers() -> Response:
         """Every live worker's current stats (KV blocks, running requests, leases, process id) and the
         ids of those draining."""
-        if not backend.is_ready():
+        if not client.is_ready():
             raise unavailable("The server is starting; retry shortly.", code="not_ready")
         try:
-            stats = await asyncio.wait_for(backend.stats(), WORKER_STATS_TIMEOUT)
+            stats = await asyncio.wait_for(client.stats(), WORKER_STATS_TIMEOUT)
         except (TimeoutError, RequestFailed) as exc:
             raise unavailable(f"Worker stats unavailable: {type(exc).__name__}", code="stats_unavailable") \
                 from None
-        body = {"workers": stats, "draining": backend.draining()}
+        body = {"workers": stats, "draining": client.draining()}
         return Response(msgspec.json.encode(body), media_type="application/json")
 
     @app.post("/v1/workers/{worker_id}/drain")
@@ -71,10 +71,10 @@ def add_admin_routes(app: FastAPI, backend: Backend) -> None:
         actor removed (see the module docstring)."""
         raw = await read_body(request, ADMIN_BODY_BYTES)
         req = decode_body(raw, DrainRequest) if raw.strip() else DrainRequest()
-        if not backend.is_ready():
+        if not client.is_ready():
             raise unavailable("The server is starting; retry shortly.", code="not_ready")
         try:
-            task = backend.drain(worker_id, req.deadline_s)
+            task = client.drain(worker_id, req.deadline_s)
         except AdminRefused as exc:
             raise APIError(exc.status, str(exc), param="worker_id", code=exc.code) from None
         if not req.wait:
@@ -87,10 +87,10 @@ def add_admin_routes(app: FastAPI, backend: Backend) -> None:
     async def add_worker(request: Request) -> Response:
         """Start one more prefill or decode worker and let it join routing (see the module docstring)."""
         req = decode_body(await read_body(request, ADMIN_BODY_BYTES), AddWorkerRequest)
-        if not backend.is_ready():
+        if not client.is_ready():
             raise unavailable("The server is starting; retry shortly.", code="not_ready")
         try:
-            task = backend.add_worker(req.role)
+            task = client.add_worker(req.role)
         except AdminRefused as exc:
             raise APIError(exc.status, str(exc), param="role", code=exc.code) from None
         if not req.wait:

@@ -6,7 +6,7 @@ part the decode worker lacks (by the router's prefix index) is under
 ``disagg_min_tokens``, or while every prefill worker has more than
 ``prefill_saturation_tokens`` in flight. Otherwise a prefill worker is picked
 and started, and its result's ``ObjectRef`` goes straight into the decode
-worker's ``generate`` stream: one round trip from the router to the first token.
+worker's ``submit`` call: one round trip from the router to the first token.
 
 Failure policy (``kv_failure_policy``), when the stream's first item is a
 retryable ``WorkerError`` (the prefill failed, its worker died, or the pull
@@ -17,19 +17,23 @@ the decode worker, ``fail`` raises ``RequestFailed``. A dead prefill worker is
 taken out of routing; after a failed pull the prefill worker's NIXL agent is
 (re)connected, since a restarted worker brings a new one.
 
-A dead decode worker surfaces as Ray's error (``router.handles.WORKER_DIED``)
-for the caller to migrate; any other ``WorkerError`` becomes ``RequestFailed``.
+``Attempt.start`` answers the attempt's ``AttemptOutputs`` (``router.channel``), which the caller
+reads and closes: a disaggregated attempt's first item has been looked at already (a retryable error
+is acted on here, anything else is read again from ``next``). A dead decode worker surfaces as Ray's
+error (``router.handles.WORKER_DIED``) for the caller to migrate; a ``WorkerError`` that is not
+retried becomes ``RequestFailed``.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from messages.wire import ErrorKind, GenerateRequest, TokenBatch, WorkerError
+from router.channel import AttemptOutputs
 from router.config import ClientConfig, KvFailurePolicy
 from router.errors import RequestFailed
-from router.handles import DecodeHandle, PrefillHandle, Streamed
+from router.handles import DecodeHandle, PrefillHandle
 from router.load import Choice, Chooser
 from router.worker_table import WorkerState, WorkerTable
 
@@ -44,23 +48,22 @@ class Attempt:
         self.chooser = chooser
         self.reconnect = reconnect
 
-    async def run(self, req: GenerateRequest, decode: Choice, touched: set[Any]) -> AsyncIterator[TokenBatch]:
-        """Token batches of ``req`` from ``decode``; ``touched`` collects every worker handle it used."""
+    async def start(self, req: GenerateRequest, decode: Choice, touched: set[Any]) -> AttemptOutputs:
+        """Start ``req`` on ``decode``; ``touched`` collects every worker handle it used."""
         handle = decode.worker.handle
         assert isinstance(handle, DecodeHandle)
         touched.add(handle)
         prefills = self.table.live("prefill")
-        if not prefills:
-            return self._tokens(self._open(handle, req, None, 1))
-        missing = len(req.prompt_token_ids) - decode.prefix_tokens
-        saturated = all(w.inflight_tokens > self.config.prefill_saturation_tokens for w in prefills)
-        if missing < self.config.disagg_min_tokens or saturated:
+        if prefills:
+            missing = len(req.prompt_token_ids) - decode.prefix_tokens
+            saturated = all(w.inflight_tokens > self.config.prefill_saturation_tokens for w in prefills)
+            if missing >= self.config.disagg_min_tokens and not saturated:
+                return await self._disaggregated(req, handle, prefills, touched)
             self.chooser.count("local", "prefill_saturated" if saturated else "short")
-            return self._tokens(self._open(handle, req, None, 1))
-        return await self._disaggregated(req, handle, prefills, touched)
+        return handle.submit(req, None, 1, self.config.prefill_timeout, self.config.stream_timeout)
 
     async def _disaggregated(self, req: GenerateRequest, decode: DecodeHandle, prefills: list[WorkerState],
-                             touched: set[Any]) -> AsyncIterator[TokenBatch]:
+                             touched: set[Any]) -> AttemptOutputs:
         policy = self.config.kv_failure_policy
         tried: set[int] = set()
         last_error = ""
@@ -73,14 +76,20 @@ class Attempt:
             prefill = worker.handle
             assert isinstance(prefill, PrefillHandle)
             touched.add(prefill)
-            stream = self._open(decode, req, prefill.prefill(req), len(tried))
-            first: Streamed | None = None
+            outputs = decode.submit(req, prefill.prefill(req), len(tried), self.config.prefill_timeout,
+                                    self.config.stream_timeout)
+            first = None
             try:
-                first = await anext(stream, None)
+                first = await outputs.next()
+            except BaseException:
+                outputs.close()
+                raise
             finally:
                 self.chooser.release(worker, req.request_id, isinstance(first, TokenBatch))
             if not isinstance(first, WorkerError):
-                return self._tokens(stream, first)
+                outputs.unread(first)
+                return outputs
+            outputs.close()
             if not first.retryable:
                 raise RequestFailed(first.kind, first.message)
             last_error = f"{first.kind}: {first.message}"
@@ -94,22 +103,5 @@ class Attempt:
             raise RequestFailed(ErrorKind.TRANSFER,
                                 f"request {req.request_id} failed under policy 'fail': {last_error}")
         self.chooser.count("local", "recompute")
-        return self._tokens(self._open(decode, req, None, len(tried) + 1))
-
-    def _open(self, decode: DecodeHandle, req: GenerateRequest, prefill_ref: Any | None,
-              attempt: int) -> AsyncIterator[Streamed]:
-        return decode.generate(req, prefill_ref, attempt, self.config.prefill_timeout,
-                               self.config.stream_timeout)
-
-    async def _tokens(self, stream: AsyncIterator[Streamed],
-                      first: Streamed | None = None) -> AsyncIterator[TokenBatch]:
-        """The stream's token batches up to the finished one; a ``WorkerError`` raises ``RequestFailed``."""
-        item = first if first is not None else await anext(stream, None)
-        while item is not None:
-            if isinstance(item, WorkerError):
-                raise RequestFailed(item.kind, item.message)
-            yield item
-            if item.finished:
-                return
-            item = await anext(stream, None)
-        raise RequestFailed(ErrorKind.ABORTED, "the decode worker ended the stream before the last token")
+        return decode.submit(req, None, len(tried) + 1, self.config.prefill_timeout,
+                             self.config.stream_timeout)

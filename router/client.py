@@ -1,4 +1,5 @@
-"""PDClient: the router's way into the workers (prefill and decode actors), without HTTP.
+"""PDClient: the router's way into the workers (prefill and decode actors), without HTTP; the HTTP app
+calls it directly.
 
 One request: ``generate`` picks a decode worker (``router.load.Chooser``) and
 runs one ``router.attempt.Attempt`` there (prefill -> pull -> stream, with the
@@ -8,35 +9,45 @@ generated so far (at most ``migration_limit`` times); the caller sees one
 unbroken stream. The dead attempt's id is aborted and released on every other
 worker it touched first, so a prefill lease the dead worker never pulled ends now.
 
+Ready (``is_ready``) once ``start`` has connected every worker and there is at
+least one decode worker and at least one prefill worker (or none at all:
+colocated mode, where decode runs whole requests).
+
 Restarts: a worker Ray restarts (``max_restarts``) rejoins through
 ``WorkerTable`` supervision: a restarted prefill worker brings a new NIXL agent,
 which every live decode worker connects to; a restarted decode worker connects
 to every live prefill worker's agent again. A worker started while serving
-joins the same way (``add_worker``); one leaves through ``drainer``
-(``router.drain``). Every request's arrival, first token and token batches feed
-``window`` (``router.load_window``), which the planner reads.
+joins the same way (``join``); one leaves through ``drain`` (``router.drain``).
+``retire`` is how a drained worker's actor goes and ``launch`` how a new one
+comes (start it, let it ``join``, answer its id): the cluster sets both
+(``cluster.fleet``); without ``launch`` no worker can be added. Every request's
+arrival, first token and token batches feed ``window``
+(``router.load_window``), which the planner reads.
 
-Every wait has a deadline; a consumer that stops iterating (or ``abort``)
-aborts the request on every worker it touched, and releases prefill leases.
+Every wait has a deadline; a consumer that stops iterating aborts the request on
+every worker it touched, and releases prefill leases: ``_abort_on`` is the one
+place an abort is sent from.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
-from collections.abc import AsyncGenerator, Coroutine
+from collections.abc import AsyncGenerator, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
 from engine.hashing import seed_for
-from messages.wire import ErrorKind, GenerateRequest, KvSnapshot, TokenBatch, WorkerStats
+from messages.wire import ErrorKind, GenerateRequest, KvSnapshot, TokenBatch, WorkerError, WorkerStats
 from router.attempt import Attempt
+from router.channel import AttemptOutputs
 from router.config import ClientConfig
-from router.drain import Drainer
-from router.errors import RequestFailed
+from router.drain import Drainer, DrainReport, Retire
+from router.errors import AddRefused, RequestFailed
 from router.handles import WORKER_DIED, DecodeHandle, PrefillHandle, WorkerHandle
 from router.load import Chooser
 from router.load_window import LoadWindow
@@ -44,6 +55,8 @@ from router.policy import make_policy
 from router.prefix_index import IndexAgreement, PrefixIndex
 from router.worker_table import WorkerState, WorkerTable
 from transfer.wire import AgentInfo
+
+Launch = Callable[[str], Coroutine[Any, Any, str]]
 
 
 @dataclass
@@ -54,10 +67,21 @@ class _Flight:
     touched: set[WorkerHandle] = field(default_factory=set)
 
 
+async def _keep(worker_id: str) -> None:
+    logging.getLogger(__name__).warning("%s drained; nothing retires its actor here", worker_id)
+
+
 class PDClient:
-    def __init__(self, prefill: list[Any], decode: list[Any], config: ClientConfig | None = None) -> None:
-        """``prefill`` / ``decode``: the workers' Ray actor handles."""
+    def __init__(self, prefill: list[Any], decode: list[Any], config: ClientConfig | None = None,
+                 colocated: bool = False, retire: Retire | None = None) -> None:
+        """``prefill`` / ``decode``: the workers' Ray actor handles; ``colocated``: a cluster that runs
+        no prefill workers."""
+        if colocated and prefill:
+            raise ValueError("a colocated cluster has no prefill workers")
         self.config = config or ClientConfig()
+        self.colocated = colocated
+        self.retire: Retire = retire or _keep
+        self.launch: Launch | None = None
         self.table = WorkerTable([PrefillHandle(a) for a in prefill], [DecodeHandle(a) for a in decode],
                                  self.config.call_timeout)
         self.table.on_revive = self._rejoin
@@ -66,14 +90,18 @@ class PDClient:
         self.attempt = Attempt(self.config, self.table, self.chooser, self._refresh_agent)
         self.drainer = Drainer(self.table, self.chooser, self.config.call_timeout)
         self.window = LoadWindow()
-        self._flights: dict[str, _Flight] = {}
         self._agents: set[str] = set()
-        self._cleanups: set[asyncio.Task[None]] = set()
+        self._started = False
+        self._background: set[asyncio.Task[Any]] = set()
 
-    @property
-    def decisions(self) -> dict[tuple[str, str, str], int]:
+    def is_ready(self) -> bool:
+        """True once requests can be served (workers loaded and connected)."""
+        has_prefill = bool(self.table.prefill) or self.colocated
+        return self._started and bool(self.table.decode) and has_prefill
+
+    def routing_decisions(self) -> dict[tuple[str, str, str], int]:
         """Requests routed so far by ``(role, policy, reason)``."""
-        return self.chooser.decisions
+        return dict(self.chooser.decisions)
 
     @property
     def prefill(self) -> list[Any]:
@@ -84,7 +112,8 @@ class PDClient:
         return [w.handle.actor for w in self.table.decode]
 
     async def start(self, timeout: float = 300.0) -> None:
-        """Wait for every worker, handshake decode with prefill agents, start the prefix index."""
+        """Wait for every worker, handshake decode with prefill agents, start the prefix index; raises
+        when they do not within ``timeout``."""
         layouts = await asyncio.gather(*[_decode(w).ready(timeout) for w in self.table.decode])
         agents = await asyncio.gather(*[_prefill(w).ready(timeout) for w in self.table.prefill])
         for worker, agent in zip(self.table.prefill, agents, strict=True):
@@ -94,6 +123,7 @@ class PDClient:
         self.table.index = PrefixIndex(layouts[0].block_size, seed_for(layouts[0].model))
         await self.table.refresh()
         self.table.start(self.config.refresh_interval)
+        self._started = True
 
     async def close(self) -> None:
         await self.table.stop()
@@ -117,7 +147,7 @@ class PDClient:
                     raise result
             self._agents.add(agent.agent_name)
 
-    async def add_worker(self, role: str, actor: Any, timeout: float) -> WorkerState:
+    async def join(self, role: str, actor: Any, timeout: float) -> WorkerState:
         """A new worker joins while serving, as a restarted one rejoins: readied, connected (a prefill
         worker's agent to every live decode worker; a decode worker to every live prefill worker's
         agent), then routed to. Raises what its calls raise (the caller retires the actor)."""
@@ -138,7 +168,7 @@ class PDClient:
         stats = await handle.stats(timeout)
         worker = self.table.add(role, handle, stats.worker_id)
         worker.agent, worker.pid, worker.stats = agent, stats.pid, stats
-        worker.free_blocks = stats.num_free_kv_blocks
+        worker.free_blocks = stats.kv.free_blocks
         return worker
 
     async def _refresh_agent(self, worker: WorkerState) -> None:
@@ -164,8 +194,9 @@ class PDClient:
         await asyncio.gather(*[decode.connect(a, timeout) for a in agents])
 
     async def generate(self, req: GenerateRequest) -> AsyncGenerator[TokenBatch, None]:
-        """Stream token batches for ``req``; raises RequestFailed when it cannot be served."""
-        flight = self._flights[req.request_id] = _Flight([req.request_id])
+        """Token batches of ``req`` until the finished one; raises RequestFailed when it cannot be served.
+        Closed early (or failed), it aborts the request on every worker it touched."""
+        flight = _Flight([req.request_id])
         produced: list[int] = []
         finished = False
         current = req
@@ -177,9 +208,14 @@ class PDClient:
                 if not live:
                     raise RequestFailed(ErrorKind.UNAVAILABLE, "no live decode worker")
                 decode = self.chooser.pick("decode", live, current)
+                outputs: AttemptOutputs | None = None
                 served = False
                 try:
-                    async for batch in await self.attempt.run(current, decode, flight.touched):
+                    outputs = await self.attempt.start(current, decode, flight.touched)
+                    while not finished:
+                        batch = await outputs.next()
+                        if isinstance(batch, WorkerError):
+                            raise RequestFailed(batch.kind, batch.message)
                         if produced:
                             self.window.later(len(batch.token_ids))
                         else:
@@ -201,24 +237,21 @@ class PDClient:
                     current = _continuation(req, produced, attempt + 1)
                     flight.ids.append(current.request_id)
                 finally:
+                    if outputs is not None:
+                        outputs.close()
                     self.chooser.release(decode.worker, current.request_id, served)
         finally:
-            self._flights.pop(req.request_id, None)
             if finished:
                 self.window.done(time.monotonic() - first_at, len(produced))
             else:
                 await self._abort_on(flight)
 
-    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
-        """Run cleanup without holding up the request (each call is bounded by ``call_timeout``)."""
+    def _in_background(self, work: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        """Run ``work`` without holding up the caller; the task is kept referenced until it ends."""
         task = asyncio.get_running_loop().create_task(work)
-        self._cleanups.add(task)
-        task.add_done_callback(self._cleanups.discard)
-
-    async def abort(self, request_id: str) -> None:
-        flight = self._flights.get(request_id)
-        if flight is not None:
-            await self._abort_on(flight)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
 
     async def _abort_on(self, flight: _Flight) -> None:
         """Abort every id of the request on every worker it touched; prefill workers release leases too."""
@@ -245,6 +278,26 @@ class PDClient:
         replies = await asyncio.gather(*[w.handle.kv_snapshot(timeout) for w in self.table.all() if w.alive],
                                        return_exceptions=True)
         return [index.agreement(r) for r in replies if isinstance(r, KvSnapshot)]
+
+    def drain(self, worker_id: str, deadline_s: float) -> asyncio.Task[DrainReport]:
+        """Take a worker out of routing before returning, and drain it in the background
+        (``router.drain``); the task's result is its report. Raises ``router.errors.DrainRefused``."""
+        worker = self.drainer.begin(worker_id)
+        return self._in_background(self.drainer.finish(worker, deadline_s, self.retire))
+
+    def draining(self) -> list[str]:
+        """Ids of the workers draining now."""
+        return self.table.draining()
+
+    def add_worker(self, role: str) -> asyncio.Task[str]:
+        """Start one more ``role`` worker in the background (``launch``); the task's result is its id
+        once it serves (it raises what made the start fail, the worker then removed). Raises
+        ``router.errors.AddRefused`` before starting."""
+        if self.launch is None:
+            raise AddRefused(409, "This server cannot start workers.", "not_supported")
+        if role == "prefill" and self.colocated:
+            raise AddRefused(409, "A colocated server runs no prefill workers.", "colocated")
+        return self._in_background(self.launch(role))
 
     async def check_integrity(self) -> None:
         live = [w.handle for w in self.table.all() if w.alive]

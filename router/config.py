@@ -1,5 +1,5 @@
 """The router process's frozen settings: how its PD client routes, retries and waits (``ClientConfig``),
-and the HTTP limits a user sets (``RouterSettings``; ``router.app.RouterConfig`` adds what the model
+and the HTTP limits a user sets (``RouterSettings``; ``RouterConfig`` adds what the model
 decides). Built once by the CLI; their defaults are the flags' defaults (the parser reads them here)."""
 
 from __future__ import annotations
@@ -40,3 +40,12 @@ class RouterSettings:
     max_queued_tokens: int | None = None
     request_timeout: float = 600.0
     default_max_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class RouterConfig(RouterSettings):
+    """How the router serves one model: the user's ``RouterSettings`` (keyword-only) plus what the model
+    decides, its served name and context length."""
+
+    model_name: str
+    max_model_len: int

@@ -27,13 +27,17 @@ class RequestFailed(RuntimeError):
     """A request could not be served by the workers; ``kind`` (an ``ErrorKind``) says why.
 
     It is a worker's ``WorkerError`` as the router raises it, or the router's own
-    verdict (no live worker, a policy that forbids a fallback); ``backend_failure``
+    verdict (no live worker, a policy that forbids a fallback); ``api_error``
     turns it into the HTTP answer.
     """
 
     def __init__(self, kind: ErrorKind, message: str) -> None:
         super().__init__(message)
         self.kind = kind
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before the response was complete."""
 
 
 class AdminRefused(Exception):
@@ -50,7 +54,7 @@ class DrainRefused(AdminRefused):
 
 
 class AddRefused(AdminRefused):
-    """A worker that cannot be added (``Backend.add_worker``)."""
+    """A worker that cannot be added (``PDClient.add_worker``)."""
 
 
 class ErrorDetail(msgspec.Struct, frozen=True):
@@ -111,14 +115,27 @@ def unavailable(message: str, code: str = "overloaded") -> APIError:
                     headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
 
 
-def backend_failure(exc: RequestFailed) -> APIError:
-    """The one map from a failed request's kind to HTTP: ``invalid`` is the client's (400), a worker-side
-    deadline is 504, everything else is capacity (503 + Retry-After, the kind as ``code``)."""
-    if exc.kind is ErrorKind.INVALID:
-        return invalid(str(exc))
-    if exc.kind is ErrorKind.TIMEOUT:
-        return APIError(504, str(exc), type="timeout_error", code="backend_timeout")
-    return unavailable(str(exc), code=str(exc.kind))
+def api_error(exc: BaseException, request_timeout: float) -> APIError:
+    """The one map from what ended a generation request to its HTTP answer. A failed request by its
+    kind: ``invalid`` is the client's (400), a worker-side deadline is 504, everything else is capacity
+    (503 + Retry-After, the kind as ``code``). The request's own deadline is 408, a client gone 499, any
+    other error 500; what is no error (a cancellation) is raised again."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, RequestFailed):
+        if exc.kind is ErrorKind.INVALID:
+            return invalid(str(exc))
+        if exc.kind is ErrorKind.TIMEOUT:
+            return APIError(504, str(exc), type="timeout_error", code="backend_timeout")
+        return unavailable(str(exc), code=str(exc.kind))
+    if isinstance(exc, TimeoutError):
+        return timeout(request_timeout)
+    if isinstance(exc, ClientGone):
+        return APIError(499, "Client closed the request.", code="client_closed_request")
+    if isinstance(exc, Exception):
+        return APIError(500, f"Internal server error: {type(exc).__name__}", type="server_error",
+                        code="internal_error")
+    raise exc
 
 
 def _status_code(status: int) -> str:

@@ -7,7 +7,7 @@ method it calls, nowhere else. Waits are bounded by the caller's deadline
 ``ActorUnavailableError`` (``WORKER_DIED``), which the worker table acts on.
 
 ``PrefillHandle.prefill`` returns the call's ``ObjectRef`` without waiting: the
-router hands it to ``DecodeHandle.generate``, and the decode worker awaits it,
+router hands it to ``DecodeHandle.submit``, and the decode worker awaits it,
 so a disaggregated request costs the router one round trip before its first
 token (reservation and prefill run at the same time).
 """
@@ -15,22 +15,18 @@ token (reservation and prefill run at the same time).
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator
-from concurrent.futures import Future
 from typing import Any
 
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from messages.codec import pack, unpack
-from messages.wire import GenerateRequest, KvSnapshot, TokenBatch, WorkerError, WorkerRefresh, WorkerStats
-from router.channel import OutputChannel, Received
+from messages.wire import GenerateRequest, KvSnapshot, WorkerError, WorkerRefresh, WorkerStats
+from router.channel import AttemptOutputs, OutputChannel
 from router.errors import RequestFailed
 from transfer.wire import AgentInfo, KvLayout
 
 WORKER_DIED = (RayActorError, ActorUnavailableError)
 DRAIN_REPLY_S = 10.0
-Streamed = TokenBatch | WorkerError
 
 
 class WorkerHandle:
@@ -98,41 +94,23 @@ class DecodeHandle(WorkerHandle):
     async def disconnect(self, agent_name: str, timeout: float) -> None:
         await asyncio.wait_for(self.actor.disconnect.remote(agent_name), timeout)
 
-    def generate(self, req: GenerateRequest, prefill_ref: Any | None, attempt: int, prefill_timeout: float,
-                 item_timeout: float) -> AsyncIterator[Streamed]:
-        """One attempt at ``req`` (``DecodeWorker.submit``): token batches up to the finished one, or one
-        ``WorkerError``, read from the worker's output channel (``router.channel``). The decode worker
-        waits ``prefill_timeout`` seconds at most for ``prefill_ref``; each item must arrive within
-        ``item_timeout`` seconds (TimeoutError otherwise)."""
+    def submit(self, req: GenerateRequest, prefill_ref: Any | None, attempt: int, prefill_timeout: float,
+               item_timeout: float) -> AttemptOutputs:
+        """Start one attempt at ``req`` (``DecodeWorker.submit``); its items (token batches up to the
+        finished one, or one ``WorkerError``) come on the worker's output channel (``router.channel``).
+        The decode worker waits ``prefill_timeout`` seconds at most for ``prefill_ref``; each item must
+        arrive within ``item_timeout`` seconds (TimeoutError otherwise)."""
         refs = None if prefill_ref is None else [prefill_ref]
-        stream, queue = self.channel.open()
-        call = self.actor.submit.remote(self.channel.name, stream, pack(req), refs, attempt, prefill_timeout)
-        return _items(self.channel, stream, queue, call, item_timeout)
+        outputs = self.channel.open(item_timeout)
+        try:
+            outputs.watch(self.actor.submit.remote(self.channel.name, outputs.number, pack(req), refs,
+                                                   attempt, prefill_timeout))
+        except BaseException:
+            outputs.close()
+            raise
+        return outputs
 
     def close(self, error: BaseException | None = None) -> None:
         """Close the output channel; its open attempts get ``error`` (``OutputChannel.close``)."""
         self.channel.close(error)
 
-
-async def _items(channel: OutputChannel, stream: int, queue: asyncio.Queue[Received], call: Any,
-                 timeout: float) -> AsyncIterator[Streamed]:
-    loop = asyncio.get_running_loop()
-
-    def failed(future: Future[Any]) -> None:  # the submit call raised (the worker died, or a bug there)
-        exc = future.exception() if not future.cancelled() else None
-        if exc is not None:
-            with contextlib.suppress(RuntimeError):  # the loop has closed: nobody reads the queue
-                loop.call_soon_threadsafe(channel.fail, stream, exc)
-
-    call.future().add_done_callback(failed)
-    try:
-        while True:
-            async with asyncio.timeout(timeout):
-                item = await queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-            if isinstance(item, WorkerError) or item.finished:
-                return
-    finally:
-        channel.release(stream)

@@ -90,47 +90,47 @@ class RouterMetrics:
         flight.set_function(lambda: gate.in_flight)
 
 
-WORKER_GAUGES = {
-    "num_running": "Requests running on the worker.",
-    "num_waiting": "Requests waiting on the worker.",
-    "num_used_blocks": "KV blocks held by requests or leases on the worker.",
-    "num_free_kv_blocks": "Free KV blocks on the worker.",
-    "num_leases": "KV leases the worker holds for decode to pull.",
-}
 Getter = Callable[[WorkerStats], float]
+WORKER_GAUGES: dict[str, tuple[str, Getter]] = {
+    "num_running": ("Requests running on the worker.", lambda s: s.requests.running),
+    "num_waiting": ("Requests waiting on the worker.", lambda s: s.requests.waiting),
+    "num_used_blocks": ("KV blocks held by requests or leases on the worker.", lambda s: s.kv.used_blocks),
+    "num_free_kv_blocks": ("Free KV blocks on the worker.", lambda s: s.kv.free_blocks),
+    "num_leases": ("KV leases the worker holds for decode to pull.", lambda s: s.leases.held),
+}
 VLLM_GAUGES: dict[str, tuple[str, Getter]] = {
-    "num_requests_running": ("Number of requests in model execution batches.", lambda s: s.num_running),
-    "num_requests_waiting": ("Number of requests waiting to be processed.", lambda s: s.num_waiting),
+    "num_requests_running": ("Number of requests in model execution batches.", lambda s: s.requests.running),
+    "num_requests_waiting": ("Number of requests waiting to be processed.", lambda s: s.requests.waiting),
     "kv_cache_usage_perc": ("KV-cache usage. 1 means 100 percent usage.",
-                            lambda s: s.num_used_blocks / s.num_kv_blocks if s.num_kv_blocks else 0.0),
+                            lambda s: s.kv.used_blocks / s.kv.num_blocks if s.kv.num_blocks else 0.0),
 }
 COUNTERS: dict[str, tuple[str, Getter]] = {
-    "prefix_cache_queries": ("Prefix cache queries, in tokens looked up.", lambda s: s.prefix_queries),
-    "prefix_cache_hits": ("Prefix cache hits, in tokens found.", lambda s: s.prefix_hits),
-    "num_preemptions": ("Cumulative number of preemptions.", lambda s: s.num_preemptions),
-    "kv_transfer_bytes": ("KV bytes pulled from prefill workers.", lambda s: s.transfer_bytes),
-    "kv_transfer_blocks": ("KV blocks pulled from prefill workers.", lambda s: s.transfer_blocks),
-    "kv_transfer_failures": ("KV pulls that failed.", lambda s: s.transfer_failures),
-    "kv_lease_expired": ("KV leases that expired before decode pulled them.", lambda s: s.leases_expired),
+    "prefix_cache_queries": ("Prefix cache queries, in tokens looked up.", lambda s: s.kv.prefix_queries),
+    "prefix_cache_hits": ("Prefix cache hits, in tokens found.", lambda s: s.kv.prefix_hits),
+    "num_preemptions": ("Cumulative number of preemptions.", lambda s: s.requests.preemptions),
+    "kv_transfer_bytes": ("KV bytes pulled from prefill workers.", lambda s: s.transfer.bytes),
+    "kv_transfer_blocks": ("KV blocks pulled from prefill workers.", lambda s: s.transfer.blocks),
+    "kv_transfer_failures": ("KV pulls that failed.", lambda s: s.transfer.failures),
+    "kv_lease_expired": ("KV leases that expired before decode pulled them.", lambda s: s.leases.expired),
     "structured_requests": ("Requests decoded under a grammar (structured outputs, required tool calls).",
-                            lambda s: s.structured_requests),
-    "grammar_compiles": ("Grammars compiled (cache misses).", lambda s: s.grammar_compiles),
-    "grammar_cache_hits": ("Grammar compile cache hits.", lambda s: s.grammar_cache_hits),
+                            lambda s: s.grammar.constrained_requests),
+    "grammar_compiles": ("Grammars compiled (cache misses).", lambda s: s.grammar.compiles),
+    "grammar_cache_hits": ("Grammar compile cache hits.", lambda s: s.grammar.cache_hits),
     "grammar_compile_seconds": ("Seconds spent compiling grammars (off the step loop).",
-                                lambda s: s.grammar_compile_seconds),
-    "grammar_mask_steps": ("Engine steps that masked logits with a grammar.", lambda s: s.grammar_mask_steps),
+                                lambda s: s.grammar.compile_seconds),
+    "grammar_mask_steps": ("Engine steps that masked logits with a grammar.", lambda s: s.grammar.mask_steps),
     "grammar_mask_seconds": ("Seconds spent computing and applying grammar masks inside steps "
                              "(divide by grammar_mask_steps for the time per step).",
-                             lambda s: s.grammar_mask_seconds),
-    "spec_decode_num_drafts": ("Number of spec decoding drafts.", lambda s: s.spec_num_drafts),
-    "spec_decode_num_draft_tokens": ("Number of draft tokens.", lambda s: s.spec_num_draft_tokens),
-    "spec_decode_num_accepted_tokens": ("Number of accepted tokens.", lambda s: s.spec_num_accepted_tokens),
+                             lambda s: s.grammar.mask_seconds),
+    "spec_decode_num_drafts": ("Number of spec decoding drafts.", lambda s: s.spec.num_drafts),
+    "spec_decode_num_draft_tokens": ("Number of draft tokens.", lambda s: s.spec.num_draft_tokens),
+    "spec_decode_num_accepted_tokens": ("Number of accepted tokens.", lambda s: s.spec.num_accepted_tokens),
 }
 TierGetter = Callable[[WorkerStats, KvTierStats], float]
 TIER_GAUGES: dict[str, tuple[str, TierGetter]] = {
     "kv_cache_capacity_blocks": ("KV blocks the tier holds.", lambda s, t: t.capacity_blocks),
     "kv_cache_capacity_tokens": ("KV tokens the tier holds (blocks x block size).",
-                                 lambda s, t: t.capacity_blocks * s.block_size),
+                                 lambda s, t: t.capacity_blocks * s.kv.block_size),
     "kv_cache_capacity_bytes": ("Bytes the tier's KV blocks take, scales included.",
                                 lambda s, t: t.capacity_blocks * t.block_bytes),
     "kv_cache_used_blocks": ("KV blocks in use: held by requests (device) or stored (host, disk).",
@@ -141,8 +141,8 @@ TIER_COUNTERS: dict[str, tuple[str, TierGetter]] = {
 }
 HISTOGRAMS: dict[str, tuple[str, Callable[[WorkerStats], HistogramData | None]]] = {
     "request_queue_time_seconds": ("Seconds requests spent waiting in the worker's scheduler queue.",
-                                   lambda s: s.queue_time),
-    "kv_transfer_seconds": ("Seconds per KV pull from a prefill worker.", lambda s: s.transfer_time),
+                                   lambda s: s.requests.queue_time),
+    "kv_transfer_seconds": ("Seconds per KV pull from a prefill worker.", lambda s: s.transfer.time),
 }
 
 
@@ -155,10 +155,10 @@ class ClusterCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         labels = ["worker", "role"]
-        for name, doc in WORKER_GAUGES.items():
+        for name, (doc, get) in WORKER_GAUGES.items():
             g = GaugeMetricFamily(f"pdserve:worker_{name}", doc, labels=labels)
             for s in self.stats:
-                g.add_metric([s.worker_id, s.role], getattr(s, name))
+                g.add_metric([s.worker_id, s.role], get(s))
             yield g
         for name, (doc, get) in VLLM_GAUGES.items():
             g = GaugeMetricFamily(f"pdserve:{name}", doc, labels=labels)
@@ -173,20 +173,20 @@ class ClusterCollector(Collector):
         c = CounterMetricFamily("pdserve:spec_decode_num_accepted_tokens_per_pos",
                                 "Accepted tokens per draft (0-based) position.", labels=[*labels, "position"])
         for s in self.stats:
-            for pos, n in enumerate(s.spec_accepted_per_pos):
+            for pos, n in enumerate(s.spec.accepted_per_pos):
                 c.add_metric([s.worker_id, s.role, str(pos)], n)
         yield c
         tier_labels = [*labels, "tier", "kv_cache_dtype"]
         for name, (doc, tget) in TIER_GAUGES.items():
             g = GaugeMetricFamily(f"pdserve:{name}", doc, labels=tier_labels)
             for s, t in self._tiers():
-                g.add_metric([s.worker_id, s.role, t.tier, s.kv_cache_dtype], tget(s, t))
+                g.add_metric([s.worker_id, s.role, t.tier, s.kv.dtype], tget(s, t))
             yield g
         for name, (doc, tget) in TIER_COUNTERS.items():
             c = CounterMetricFamily(f"pdserve:{name}", doc, labels=tier_labels)
             for s, t in self._tiers():
                 if t.tier != "device":
-                    c.add_metric([s.worker_id, s.role, t.tier, s.kv_cache_dtype], tget(s, t))
+                    c.add_metric([s.worker_id, s.role, t.tier, s.kv.dtype], tget(s, t))
             yield c
         for name, (doc, hist) in HISTOGRAMS.items():
             h = HistogramMetricFamily(f"pdserve:{name}", doc, labels=labels)
@@ -202,7 +202,7 @@ class ClusterCollector(Collector):
         yield d
 
     def _tiers(self) -> Iterator[tuple[WorkerStats, KvTierStats]]:
-        return ((s, t) for s in self.stats for t in s.kv_tiers)
+        return ((s, t) for s in self.stats for t in s.kv.tiers)
 
 
 def _buckets(data: HistogramData) -> list[tuple[str, float]]:

@@ -1,4 +1,4 @@
-"""From token batches to text: incremental detokenization, stop strings, fan-in of ``n`` choices, SSE.
+"""From token batches to text: incremental detokenization, stop strings, fan-in of ``n`` choices.
 
 Contracts:
 
@@ -9,9 +9,13 @@ Contracts:
 * ``ChoiceDecoder`` feeds tokens one by one, so a stop string ends the choice at
   the token that completes it; ``num_tokens`` counts the tokens consumed up to
   and including that one.
-* ``merge_choices`` runs one backend stream per choice and closes every stream
-  it opened however it ends (finished, stop string, error, cancellation), so an
-  unfinished request is aborted on every worker.
+* ``merge_choices`` reads every choice's stream at once (one pending read each,
+  no task or queue of its own), under the request's deadline and while the HTTP
+  client is there, and closes every stream however it ends (finished, stop
+  string, error, deadline, client gone, closed early), so an unfinished request
+  is aborted on every worker (``PDClient.generate`` sends the aborts when its
+  stream closes). An abandoned stream is closed in the background, so the
+  answer (a 408, a closed connection) never waits on the workers' aborts.
 """
 
 from __future__ import annotations
@@ -21,19 +25,12 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
-
-import anyio
-import msgspec
 
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from messages.wire import ErrorKind, GenerateRequest, TokenBatch, TokenLogprob
-from router.backend import Backend
-from router.errors import RequestFailed
+from messages.wire import ErrorKind, TokenBatch, TokenLogprob
+from router.errors import ClientGone, RequestFailed
 
-T = TypeVar("T")
 log = logging.getLogger(__name__)
-DONE = b"data: [DONE]\n\n"
 
 
 class StopFilter:
@@ -124,72 +121,74 @@ class ChoiceDecoder:
         return ChoiceDelta(self.index, out, logprobs, self.finish_reason)
 
 
+Step = asyncio.Future[TokenBatch]
+
+
+async def merge_choices(streams: Sequence[AsyncIterator[TokenBatch]], decoders: Sequence[ChoiceDecoder],
+                        deadline: float, disconnected: Callable[[], Awaitable[bool]],
+                        poll_seconds: float = 0.5) -> AsyncGenerator[ChoiceDelta, None]:
+    """Each choice's deltas as its batches come (``streams[i]`` decoded by ``decoders[i]``), until every
+    choice has finished. Past ``deadline`` (monotonic) raises TimeoutError; when the HTTP client has gone
+    (``disconnected``, asked every ``poll_seconds`` without output) raises ``ClientGone``; a stream
+    that fails raises its error, one that ends unfinished or aborted ``RequestFailed(aborted)``."""
+    reads: dict[Step, int] = {asyncio.ensure_future(anext(it)): i for i, it in enumerate(streams)}
+    unclosed = set(range(len(streams)))
+    try:
+        while reads:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            done, _ = await asyncio.wait(reads, timeout=min(poll_seconds, left),
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if not done and await disconnected():
+                raise ClientGone
+            for read in sorted(done, key=reads.__getitem__):
+                i = reads.pop(read)
+                try:
+                    batch = read.result()
+                except StopAsyncIteration:
+                    raise RequestFailed(ErrorKind.ABORTED, "a choice's stream ended before its last token") \
+                        from None
+                delta = decoders[i].feed(batch)
+                if delta.finish_reason == "abort":
+                    raise RequestFailed(ErrorKind.ABORTED, f"request {batch.request_id} was aborted by the "
+                                                           f"server")
+                if delta.finish_reason is None:
+                    reads[asyncio.ensure_future(anext(streams[i]))] = i
+                    yield delta
+                    continue
+                unclosed.discard(i)
+                if batch.finished:
+                    await _close(streams[i])  # it has nothing left to abort
+                else:  # a stop string ended the choice: the request still runs on its worker
+                    _close_in_background(streams[i], None)
+                yield delta
+    except BaseException:
+        pending = {i: read for read, i in reads.items()}
+        for i in unclosed:
+            _close_in_background(streams[i], pending.get(i))
+        raise
+
+
 async def _close(it: AsyncIterator[object]) -> None:
     aclose: Callable[[], Awaitable[None]] | None = getattr(it, "aclose", None)
     if aclose is not None:
         await aclose()
 
 
-async def merge_choices(backend: Backend, requests: Sequence[GenerateRequest],
-                        decoders: Sequence[ChoiceDecoder]) -> AsyncGenerator[ChoiceDelta, None]:
-    """Run every request concurrently; yield deltas as they come until every choice has finished."""
-    queue: asyncio.Queue[ChoiceDelta | BaseException] = asyncio.Queue()
-
-    async def pump(req: GenerateRequest, decoder: ChoiceDecoder) -> None:
-        stream = backend.generate(req)
-        try:
-            async for batch in stream:
-                delta = decoder.feed(batch)
-                if delta.finish_reason == "abort":
-                    raise RequestFailed(ErrorKind.ABORTED,
-                                        f"request {req.request_id} was aborted by the server")
-                queue.put_nowait(delta)
-                if delta.finish_reason is not None:
-                    return
-            raise RequestFailed(ErrorKind.ABORTED, f"request {req.request_id} ended without finishing")
-        except Exception as exc:
-            queue.put_nowait(exc)
-        finally:
-            await _close(stream)
-
-    tasks = [asyncio.create_task(pump(r, d)) for r, d in zip(requests, decoders, strict=True)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            item = await queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            if item.finish_reason is not None:
-                remaining -= 1
-            yield item
-    finally:
-        with anyio.CancelScope(shield=True):  # let every abort reach the workers
-            # Abort the unfinished requests first, then cancel their reads: a read waiting on a worker's
-            # next item may only give way once that item arrives (a Ray stream's), and the worker answers
-            # an abort with the request's last, aborted output (``AsyncEngine.abort``), which ends it.
-            await asyncio.gather(*[backend.abort(r.request_id) for r, t in zip(requests, tasks, strict=True)
-                                   if not t.done()], return_exceptions=True)
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-
-class ClientGone(Exception):
-    """The HTTP client disconnected before the response was complete."""
-
-
 _CLEANUPS: set[asyncio.Task[None]] = set()
 
 
-def _close_in_background(it: AsyncIterator[object], step: asyncio.Future[object] | None) -> None:
-    """Finish ``step`` (cancelled) and close ``it`` in a task of its own, so that the caller's
-    response (a 408, a closed stream) is not held up by the aborts that closing sends to the
-    workers; the task is kept referenced until it ends."""
+def _close_in_background(it: AsyncIterator[object], read: Step | None) -> None:
+    """Cancel ``read`` (a pending read of ``it``) and close ``it`` in a task of its own, so that the
+    caller's answer is not held up by the aborts that closing sends to the workers; the task is kept
+    referenced until it ends."""
     async def cleanup() -> None:
         started = time.monotonic()
-        if step is not None and not step.done():
-            step.cancel()
-            await asyncio.gather(step, return_exceptions=True)
+        if read is not None and not read.done():
+            read.cancel()
+        if read is not None:
+            await asyncio.gather(read, return_exceptions=True)
         try:
             await _close(it)
         except Exception:  # closing must not raise into the loop's exception handler
@@ -200,38 +199,3 @@ def _close_in_background(it: AsyncIterator[object], step: asyncio.Future[object]
     task = asyncio.get_running_loop().create_task(cleanup())
     _CLEANUPS.add(task)
     task.add_done_callback(_CLEANUPS.discard)
-
-
-async def guarded(it: AsyncIterator[T], deadline: float, disconnected: Callable[[], Awaitable[bool]],
-                  poll_seconds: float = 0.5) -> AsyncGenerator[T, None]:
-    """Yield from ``it``; past ``deadline`` (monotonic) raise TimeoutError, and when the client has
-    gone raise ClientGone. ``it`` is closed either way: at once when it ran to its end, and in the
-    background when it was abandoned (deadline, client gone, consumer closed this generator early),
-    so the abandoning side never waits on the workers' aborts."""
-    step: asyncio.Future[T] | None = None
-    try:
-        while True:
-            step = asyncio.ensure_future(anext(it))
-            while not step.done():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError
-                await asyncio.wait({step}, timeout=min(poll_seconds, left))
-                if not step.done() and await disconnected():
-                    raise ClientGone
-            try:
-                item = step.result()
-            except StopAsyncIteration:
-                step = None
-                await _close(it)
-                return
-            step = None
-            yield item
-    except BaseException:
-        _close_in_background(it, step)  # type: ignore[arg-type]
-        raise
-
-
-def sse(payload: msgspec.Struct | dict[str, object]) -> bytes:
-    """One server-sent event: ``data: <json>`` and a blank line."""
-    return b"data: " + msgspec.json.encode(payload) + b"\n\n"

@@ -234,8 +234,8 @@ class WorkerTable:
                 log.warning("%s has a new process (pid %d, was %d)", stats.worker_id, stats.pid, w.pid)
                 self.mark_dead(w)
                 return
-            w.stats, w.worker_id, w.free_blocks, w.pid = (stats, stats.worker_id, stats.num_free_kv_blocks,
-                                                          stats.pid)
+            w.stats, w.worker_id, w.pid = stats, stats.worker_id, stats.pid
+            w.free_blocks = stats.kv.free_blocks
             if self.index is not None and got.events is not None:
                 if not self.index.apply(got.events):
                     self.index.reset(await w.handle.kv_snapshot(self.call_timeout))

@@ -23,8 +23,6 @@ from typing import Any
 
 import msgspec
 
-from messages.codec import unpack
-
 PROTOCOLS = ("http/protobuf", "grpc")
 SCHEDULE_DELAY_MS = 200
 AttrValue = str | bool | int | float | list[str]
@@ -168,22 +166,3 @@ def end_span(span: Any, error: str | None = None, end_ns: int | None = None) -> 
         span.set_status(Status(StatusCode.ERROR, error))
     span.end(end_time=end_ns)
 
-
-class TracedRole:
-    """What the worker roles add for tracing: a ``Tracing`` built from ``TraceConfig`` bytes, a runtime
-    switch, and a flush before the process goes away (the caller calls ``flush_traces`` at shutdown)."""
-
-    role = "worker"
-    tracing: Tracing
-
-    def init_tracing(self, config: bytes | None) -> None:
-        cfg = unpack(config, TraceConfig) if config else None
-        self.tracing = Tracing(cfg, self.role)
-
-    async def set_tracing(self, config: bytes | None) -> None:
-        """Replace the tracing setup (``None``: off), flushing what the old one buffered."""
-        self.tracing.shutdown()
-        self.init_tracing(config)
-
-    async def flush_traces(self) -> None:
-        self.tracing.flush()

@@ -49,17 +49,30 @@ from engine.kv_events import KvEventPublisher
 from engine.kv_sizing import kv_dtype_name
 from engine.llm import start_engine
 from engine.sampling_params import SamplingParams
-from messages.codec import pack
-from messages.wire import KvEvents, KvSnapshot, KvTierStats, WorkerRefresh, WorkerStats
+from messages.codec import pack, unpack
+from messages.wire import (
+    CoreShareStats,
+    GrammarStats,
+    KvEvents,
+    KvSnapshot,
+    KvStats,
+    KvTierStats,
+    RequestStats,
+    SpecDecodeStats,
+    StepStats,
+    WorkerRefresh,
+    WorkerStats,
+)
 from telemetry.histogram import Histogram
-from telemetry.tracing import TracedRole
+from telemetry.tracing import TraceConfig, Tracing
 from worker.core_share import step_gate
 from worker.tp_kv import EXTENSION
 from worker.tp_watch import GroupWatch
 
 
-class WorkerBase(TracedRole):
+class WorkerBase:
     role = "worker"
+    tracing: Tracing
 
     def __init__(self, worker_id: str, model: str | None, config: EngineConfig, torch_threads: int,
                  tracing: bytes | None = None, core_share: str | None = None) -> None:
@@ -75,7 +88,8 @@ class WorkerBase(TracedRole):
             thread.close()
             raise
         shares = core_share is not None and config.tensor_parallel_size == 1 and config.device == "cpu"
-        self.cores = (step_gate(self.role, core_share, worker_id, torch_threads, self.decode_only)
+        decodes_only = self.engine.decodes_only_next
+        self.cores = (step_gate(self.role, core_share, worker_id, torch_threads, decodes_only)
                       if shares and core_share is not None else None)
         self.aengine = AsyncEngine(self.engine, thread, self.cores)
         self.watch = (GroupWatch(self.ranks, lambda: self.aengine.error, worker_id).start()
@@ -84,11 +98,18 @@ class WorkerBase(TracedRole):
         self.queue_time = Histogram()
         self.init_tracing(tracing)
 
-    def decode_only(self) -> bool:
-        """Whether the engine's next step can only be a decode step: nothing waits and every running
-        request has computed all its tokens but the last one (engine thread, between steps)."""
-        s = self.engine.scheduler
-        return not s.waiting and all(r.num_computed_tokens >= r.num_tokens - 1 for r in s.running)
+    def init_tracing(self, config: bytes | None) -> None:
+        """Trace to where ``config`` (``TraceConfig`` bytes; ``None``: nowhere) says."""
+        self.tracing = Tracing(unpack(config, TraceConfig) if config else None, self.role)
+
+    async def set_tracing(self, config: bytes | None) -> None:
+        """Replace the tracing setup (``None``: off), flushing what the old one buffered."""
+        self.tracing.shutdown()
+        self.init_tracing(config)
+
+    async def flush_traces(self) -> None:
+        """Export the spans still buffered (the cluster calls it before the process goes away)."""
+        self.tracing.flush()
 
     def exit_if_group_broken(self) -> None:
         """A tensor-parallel worker whose group broke ends its process here (``GroupWatch``): call it
@@ -113,13 +134,13 @@ class WorkerBase(TracedRole):
         deadline = time.monotonic() + timeout
         while await self.aengine.read(self.holds) and time.monotonic() < deadline:
             await asyncio.sleep(poll_interval)
-        await self.aengine.read(lambda e: e.kv.pool.reset_prefix_cache())
+        await self.aengine.read(lambda e: e.reset_prefix_cache())
         return await self.stats()
 
     def holds(self, e: LLMEngine) -> int:
         """Requests, reservations and KV blocks this worker still holds (0: it can leave); engine
         lock held. A role adds what it alone holds (a prefill worker's leases)."""
-        return len(e.requests) + len(e.reserved) + e.kv.pool.num_used_blocks
+        return e.num_held()
 
     async def check_integrity(self) -> None:
         await self.aengine.read(lambda e: e.kv.check_integrity())
@@ -133,35 +154,24 @@ class WorkerBase(TracedRole):
         return pack(await self.aengine.read(self._stats))
 
     def _stats(self, e: LLMEngine) -> WorkerStats:
-        s, g, w = e.stats(), e.grammars.stats, self.aengine.clock.work
+        s, clock = e.stats(), self.aengine.clock
         common = WorkerStats(
             worker_id=self.worker_id, role=self.role, pid=os.getpid(),
-            num_running=s.num_running, num_waiting=s.num_waiting,
-            num_kv_blocks=s.num_kv_blocks, num_free_kv_blocks=s.num_free_kv_blocks,
-            num_used_blocks=e.kv.pool.num_used_blocks, num_cached_blocks=len(e.kv.pool.cached),
-            num_stored_tokens=e.kv.num_stored_tokens(), block_size=e.kv.block_size,
-            num_reserved=len(e.reserved), prefix_queries=s.prefix_queries, prefix_hits=s.prefix_hits,
-            num_preemptions=s.num_preemptions, queue_time=self.queue_time.data(),
-            kv_cache_dtype=kv_dtype_name(e.config.kv_torch_dtype),
-            kv_tiers=[KvTierStats(tier=t.tier, capacity_blocks=t.capacity_blocks, used_blocks=t.used_blocks,
-                                  block_bytes=t.block_bytes, hits=t.hits) for t in s.kv_tiers],
-            structured_requests=g.constrained_requests, grammar_compiles=g.compiles,
-            grammar_cache_hits=g.cache_hits, grammar_compile_seconds=g.compile_seconds,
-            grammar_mask_steps=g.mask_steps, grammar_mask_seconds=g.mask_seconds,
-            step_count=self.aengine.clock.steps, step_wall_seconds=self.aengine.clock.wall_s,
-            step_cpu_seconds=self.aengine.clock.cpu_s, step_decode_count=w.decode_steps,
-            step_decode_wall_seconds=w.decode_wall_s, step_decode_rows=w.decode_rows,
-            step_decode_context_tokens=w.decode_context, step_prefill_count=w.prefill_steps,
-            step_prefill_wall_seconds=w.prefill_wall_s, step_prefill_tokens=w.prefill_tokens,
-            step_prefill_attended_pairs=w.prefill_attended,
+            requests=RequestStats(running=s.num_running, waiting=s.num_waiting, reserved=len(e.reserved),
+                                  preemptions=s.num_preemptions, queue_time=self.queue_time.data()),
+            kv=KvStats(num_blocks=s.num_kv_blocks, free_blocks=s.num_free_kv_blocks,
+                       used_blocks=e.num_used_blocks(), cached_blocks=e.num_cached_blocks(),
+                       stored_tokens=e.kv.num_stored_tokens(), block_size=e.kv.block_size,
+                       dtype=kv_dtype_name(e.config.kv_torch_dtype),
+                       tiers=msgspec.convert(s.kv_tiers, list[KvTierStats], from_attributes=True),
+                       prefix_queries=s.prefix_queries, prefix_hits=s.prefix_hits),
+            grammar=msgspec.convert(e.grammars.stats, GrammarStats, from_attributes=True),
+            spec=(msgspec.convert(s.spec, SpecDecodeStats, from_attributes=True) if s.spec is not None
+                  else SpecDecodeStats()),
+            clock=StepStats(steps=clock.steps, wall_s=clock.wall_s, cpu_s=clock.cpu_s,
+                            **dataclasses.asdict(clock.work)),
+            cores=self.cores.stats() if self.cores is not None else CoreShareStats(),
         )
-        if self.cores is not None:
-            common = msgspec.structs.replace(common, **self.cores.stats())
-        if s.spec is not None:
-            common = msgspec.structs.replace(
-                common, spec_num_drafts=s.spec.num_drafts, spec_num_draft_tokens=s.spec.num_draft_tokens,
-                spec_num_accepted_tokens=s.spec.num_accepted_tokens,
-                spec_accepted_per_pos=list(s.spec.accepted_per_pos))
         return self.role_stats(common)
 
     def role_stats(self, common: WorkerStats) -> WorkerStats:

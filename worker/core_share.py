@@ -47,6 +47,8 @@ from pathlib import Path
 
 import torch
 
+from messages.wire import CoreShareStats
+
 DEFAULT_DIRECTORY = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
 DEADLINE_S = 0.5  # the longest a lender waits for its cores back
 RETRY_S = 0.001
@@ -214,11 +216,10 @@ class LendGate:
         if not more:
             self.lender.release()
 
-    def stats(self) -> dict[str, float]:
-        """``WorkerStats`` fields (``cores_*``)."""
+    def stats(self) -> CoreShareStats:
         lender = self.lender
-        return {"cores_reclaim_waits": lender.waits, "cores_reclaim_seconds": lender.wait_s,
-                "cores_reclaim_late": lender.late}
+        return CoreShareStats(reclaim_waits=lender.waits, reclaim_seconds=lender.wait_s,
+                              reclaim_late=lender.late)
 
     def close(self) -> None:
         self.lender.close()
@@ -253,9 +254,8 @@ class BorrowGate:
             self._extra = 0
         self.borrower.give_back()
 
-    def stats(self) -> dict[str, float]:
-        """``WorkerStats`` fields (``cores_*``)."""
-        return {"cores_borrowed_steps": self.borrower.steps, "cores_borrowed_threads": self.borrower.threads}
+    def stats(self) -> CoreShareStats:
+        return CoreShareStats(borrowed_steps=self.borrower.steps, borrowed_threads=self.borrower.threads)
 
     def close(self) -> None:
         self.borrower.close()

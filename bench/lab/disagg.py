@@ -56,10 +56,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         before = decode_stats(await disagg.stats())
         t = await ttft(disagg, tokens)
         after = decode_stats(await disagg.stats())
-        seconds = after.transfer_seconds - before.transfer_seconds
-        nbytes = after.transfer_bytes - before.transfer_bytes
+        seconds = after.transfer.seconds - before.transfer.seconds
+        nbytes = after.transfer.bytes - before.transfer.bytes
         rows.append({"ttft_s": t, "transfer_s": seconds, "bytes": nbytes,
-                     "blocks": after.transfer_blocks - before.transfer_blocks,
+                     "blocks": after.transfer.blocks - before.transfer.blocks,
                      "gb_per_s": nbytes / seconds / 1e9, "share_of_ttft": seconds / t})
     local = [await ttft(colocated, [t + 1 for t in p]) for p in prompts[:-1]]
     for actor in group.all():

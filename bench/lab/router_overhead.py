@@ -3,7 +3,7 @@
 ``python -m bench.lab.router_overhead [--requests 50] [--concurrency 8] [--max-tokens 256]``
 
 One prefill and one decode worker start as Ray actors in a local Ray instance.
-The router (the ``create_app`` + ``ClusterBackend`` + uvicorn that ``pdserve
+The router (the ``create_app`` + ``PDClient`` + uvicorn that ``pdserve
 serve`` runs) starts in its own process on a free port, attached to that Ray
 instance with its own ``PDClient`` over the same two workers, so both paths
 measured here reach exactly the same workers:
@@ -52,7 +52,6 @@ from engine.config import EngineConfig
 from engine.loader import load_model_source, resolve_model
 from engine.sampling_params import SamplingParams
 from messages.wire import GenerateRequest
-from router.backend import ClusterBackend
 from router.client import PDClient
 from router.config import ClientConfig
 
@@ -76,22 +75,23 @@ def run_router(args: argparse.Namespace) -> None:
     """The router process: attach to the bench's Ray, find its workers by name, serve HTTP."""
     import uvicorn
 
-    from router.app import RouterConfig, create_app
+    from router.app import create_app
+    from router.config import RouterConfig
 
     path = resolve_model(args.model)
     source = load_model_source(path)
     ray.init(address=args.ray_address, namespace=NAMESPACE, log_to_driver=False)
     prefill = [ray.get_actor(f"{args.prefix}-prefill-0")]
     decode = [ray.get_actor(f"{args.prefix}-decode-0")]
-    backend = ClusterBackend(PDClient(prefill, decode, ClientConfig()), "bench")
+    client = PDClient(prefill, decode, ClientConfig())
     max_len = serving_max_model_len(source, engine_config(args))
     config = RouterConfig(model_name="bench", max_model_len=max_len)
-    app = create_app(backend, source.load_tokenizer(), config)
+    app = create_app(client, source.load_tokenizer(), config)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=args.port, log_level="warning",
                                            access_log=False, timeout_graceful_shutdown=5))
 
     async def serve() -> None:
-        task = asyncio.create_task(backend.start(READY_TIMEOUT))
+        task = asyncio.create_task(client.start(READY_TIMEOUT))
         await server.serve()
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

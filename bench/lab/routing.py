@@ -111,7 +111,7 @@ async def run_policy(args: argparse.Namespace, policy: str,
 
     await asyncio.gather(*[one(s, p) for s, p in prompts])
     wall = time.perf_counter() - t0
-    decisions = {"/".join(k): v for k, v in client.decisions.items()}
+    decisions = {"/".join(k): v for k, v in client.routing_decisions().items()}
     await client.close()
     for actor in group.all():
         ray.kill(actor)

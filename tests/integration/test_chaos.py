@@ -49,6 +49,6 @@ def test_short_chaos_soak(pdserve_factory: Callable[..., PdserveServer]) -> None
     assert drained["worker_id"] not in {w["worker"] for w in report.end_state}, text
     assert report.greedy_checked > 0 and report.greedy_equal == report.greedy_checked, text
     assert len(report.end_state) == 4, text
-    held = ("num_used_blocks", "num_leases", "num_reserved")
+    held = ("kv.used_blocks", "leases.held", "requests.reserved")  # bench.chaos_checks.BUSY_FIELDS
     assert all(w[f] == 0 for w in report.end_state for f in held), text
     assert {c.name for c in report.checks} >= {"prefix index agrees", "ray actors and placement groups"}, text

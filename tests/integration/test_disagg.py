@@ -21,7 +21,7 @@ from engine.config import EngineConfig
 from engine.loader import default_model_path, load_model_source
 from engine.sampling_params import SamplingParams
 from messages.codec import pack, unpack
-from messages.wire import GenerateRequest, PrefillResult, TokenBatch, WorkerStats
+from messages.wire import GenerateRequest, PrefillResult, TokenBatch, WorkerError, WorkerStats
 from router.client import PDClient
 from router.config import ClientConfig, KvFailurePolicy
 from router.errors import RequestFailed
@@ -75,7 +75,7 @@ def settle(client: PDClient, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
         stats = run(client.stats())
-        if all(s.num_used_blocks == 0 and s.num_leases == 0 for s in stats):
+        if all(s.kv.used_blocks == 0 and s.leases.held == 0 for s in stats):
             break
         assert time.monotonic() < deadline, f"blocks still held: {stats}"
         time.sleep(0.1)
@@ -95,9 +95,9 @@ def test_disaggregated_equals_colocated(group: WorkerGroup, prompts: list[list[i
     assert local == remote
     assert all(len(t) > 0 for t in local)
     stats = {s.worker_id: s for s in run(disagg.stats())}
-    assert stats["decode-0"].transfer_blocks > 0
+    assert stats["decode-0"].transfer.blocks > 0
     # the idle prefill workers lent their threads to decode steps (worker/core_share.py): same tokens
-    assert stats["decode-0"].cores_borrowed_steps > 0
+    assert stats["decode-0"].cores.borrowed_steps > 0
     settle(disagg)
 
 
@@ -111,13 +111,15 @@ def test_kv_bytes_equal_on_both_sides(group: WorkerGroup, tokenizer: Any) -> Non
         result = await ref
         assert unpack(result, PrefillResult).request_id == r.request_id
         source_digest = await prefill.kv_digest.remote(r.request_id, len(tokens))
-        stream = decode.generate.options(num_returns="streaming").remote(pack(r), [ref])
-        first = unpack(await (await stream.__anext__()), TokenBatch)
-        assert not first.finished
+        outputs = DecodeHandle(decode).submit(r, ref, 1, 60, 60)  # the router's way in
+        first = await outputs.next()
+        assert isinstance(first, TokenBatch) and not first.finished
         sink_digest = await decode.kv_digest.remote(r.request_id, len(tokens))
-        async for ref in stream:
-            if unpack(await ref, TokenBatch).finished:
-                break
+        item: TokenBatch | WorkerError = first
+        while isinstance(item, TokenBatch) and not item.finished:
+            item = await outputs.next()
+        outputs.close()
+        assert isinstance(item, TokenBatch), item
         return source_digest, sink_digest
 
     source_digest, sink_digest = run(flow())
@@ -136,9 +138,9 @@ def test_only_missing_blocks_cross_the_wire(group: WorkerGroup, tokenizer: Any) 
     after = {s.worker_id: s for s in run(client.stats())}["decode-0"]
     block = CONFIG.block_size
     expected_blocks = -(-len(second) // block) - 256 // block
-    assert after.transfer_blocks - before.transfer_blocks == expected_blocks
+    assert after.transfer.blocks - before.transfer.blocks == expected_blocks
     region = 2 * block * 3 * 64 * 4
-    assert after.transfer_bytes - before.transfer_bytes == expected_blocks * 30 * region
+    assert after.transfer.bytes - before.transfer.bytes == expected_blocks * 30 * region
     settle(client)
 
 
@@ -148,10 +150,10 @@ def test_lease_expires_when_decode_never_pulls(group: WorkerGroup, prompts: list
     before = unpack(ray.get(prefill.stats.remote(), timeout=30), WorkerStats)
     ray.get(prefill.prefill.remote(pack(r), lease_seconds=0.5), timeout=60)
     held = unpack(ray.get(prefill.stats.remote(), timeout=30), WorkerStats)
-    assert held.num_used_blocks > 0 and held.num_leases == 1
+    assert held.kv.used_blocks > 0 and held.leases.held == 1
     settle(PDClient(group.prefill, group.decode))
     after = unpack(ray.get(prefill.stats.remote(), timeout=30), WorkerStats)
-    assert after.leases_expired == before.leases_expired + 1
+    assert after.leases.expired == before.leases.expired + 1
 
 
 @pytest.mark.parametrize("policy", list(KvFailurePolicy))
@@ -160,7 +162,7 @@ def test_injected_transfer_failure(
 ) -> None:
     client = PDClient(group.prefill, group.decode, ClientConfig(kv_failure_policy=policy))
     reference = run(collect(PDClient([], group.decode), req(prompts[0])))
-    failures_before = {s.worker_id: s for s in run(client.stats())}["decode-0"].transfer_failures
+    failures_before = {s.worker_id: s for s in run(client.stats())}["decode-0"].transfer.failures
     ray.get(group.decode[0].inject_transfer_failures.remote(1), timeout=30)
     if policy is KvFailurePolicy.FAIL:
         with pytest.raises(RequestFailed) as info:
@@ -169,7 +171,7 @@ def test_injected_transfer_failure(
     else:
         assert run(collect(client, req(prompts[0]))) == reference
     stats = {s.worker_id: s for s in run(client.stats())}
-    assert stats["decode-0"].transfer_failures == failures_before + 1
+    assert stats["decode-0"].transfer.failures == failures_before + 1
     settle(client)
 
 
@@ -235,14 +237,14 @@ def test_killed_prefill_worker_request_completes_on_the_other(
         return unpack(ray.get(worker.stats.remote(), timeout=30), WorkerStats)
 
     before = [stats(w) for w in group.prefill]
-    assert all(s.num_running == 0 and s.num_waiting == 0 for s in before)
+    assert all(s.requests.running == 0 and s.requests.waiting == 0 for s in before)
 
     async def kill_while_running() -> tuple[list[int], int]:
         task = asyncio.create_task(collect(client, req(prompt, max_tokens=8)))
         deadline = time.monotonic() + 60
         while True:
             now = await asyncio.gather(*[w.stats.remote() for w in group.prefill])
-            running = [i for i, b in enumerate(now) if unpack(b, WorkerStats).num_running]
+            running = [i for i, b in enumerate(now) if unpack(b, WorkerStats).requests.running]
             if running:
                 break
             assert not task.done() and time.monotonic() < deadline, "no prefill worker ran the request"
@@ -254,8 +256,9 @@ def test_killed_prefill_worker_request_completes_on_the_other(
     tokens, victim = run(kill_while_running())
     survivor = 1 - victim
     after = stats(group.prefill[survivor])
-    assert after.prefix_queries - before[survivor].prefix_queries == len(prompt), "the survivor did not retry"
-    assert after.prefix_hits == before[survivor].prefix_hits  # it computed every token itself
+    queried = after.kv.prefix_queries - before[survivor].kv.prefix_queries
+    assert queried == len(prompt), "the survivor did not retry"
+    assert after.kv.prefix_hits == before[survivor].kv.prefix_hits  # it computed every token itself
     assert tokens == run(collect(PDClient([], group.decode), req(prompt, max_tokens=8)))
     settle(PDClient([group.prefill[survivor]], group.decode))
 
@@ -263,34 +266,30 @@ def test_killed_prefill_worker_request_completes_on_the_other(
 def test_one_output_channel_carries_every_request_of_a_step(group: WorkerGroup,
                                                             prompts: list[list[int]]) -> None:
     """Concurrent requests on one decode worker come back on its one output channel, a step's items in
-    one frame (``decode/outbox.py``, ``router/channel.py``): the same greedy tokens as each request's
-    own Ray stream (``DecodeWorker.generate``), in far fewer Ray items than token batches."""
+    one frame (``decode/outbox.py``, ``router/channel.py``): each request gets its own greedy tokens (a
+    prompt sent twice at once gets the same tokens twice, the same as in an earlier run of the batch), in
+    far fewer Ray items than token batches."""
     decode = group.decode[0]
-
-    async def own_stream(r: GenerateRequest) -> list[int]:
-        stream = decode.generate.options(num_returns="streaming").remote(pack(r))
-        return [t async for ref in stream for t in unpack(await ref, TokenBatch).token_ids]
-
     requests = [req(p, max_tokens=16, ignore_eos=True) for p in prompts[:5]] * 2
 
     def fresh(r: GenerateRequest) -> GenerateRequest:
         return msgspec.structs.replace(r, request_id=uuid.uuid4().hex)
 
-    async def both() -> tuple[list[list[int]], list[list[int]]]:
-        own = await asyncio.gather(*[own_stream(fresh(r)) for r in requests])
-        shared = await asyncio.gather(*[collect(client, fresh(r)) for r in requests])
-        return own, shared
+    async def together() -> list[list[int]]:
+        return list(await asyncio.gather(*[collect(client, fresh(r)) for r in requests]))
 
     client = PDClient([], group.decode)
     handle = client.table.decode[0].handle
     assert isinstance(handle, DecodeHandle)
+    earlier = run(together())
     before = unpack(ray.get(decode.stats.remote(), timeout=30), WorkerStats)
-    own, shared = run(both())
+    received = handle.channel.frames, handle.channel.items
+    shared = run(together())
     after = unpack(ray.get(decode.stats.remote(), timeout=30), WorkerStats)
-    assert shared == own and all(len(t) == 16 for t in shared)
-    frames, items = handle.channel.frames, handle.channel.items  # what the router received
-    assert (frames, items) == (after.output_frames - before.output_frames,
-                               after.output_items - before.output_items)  # what the worker sent
+    assert shared == earlier and shared[:5] == shared[5:] and all(len(t) == 16 for t in shared)
+    frames, items = handle.channel.frames - received[0], handle.channel.items - received[1]  # the router's
+    assert (frames, items) == (after.outputs.frames - before.outputs.frames,
+                               after.outputs.items - before.outputs.items)  # what the worker sent
     assert items >= 10 * 16 // 2  # a batch per request per step, give or take a merged pair
     assert frames * 4 <= items, (frames, items)  # ten requests a step: most frames carry several
     settle(client)
@@ -310,13 +309,15 @@ def test_a_closed_channel_fails_its_attempts_and_loses_nothing(group: WorkerGrou
         await anext(stream)
         first_name = handle.channel.name
         handle.close()
-        number, queue = handle.channel.open()  # the next channel, before the closed one's reader has ended
+        outputs = handle.channel.open(60)  # the next channel, before the closed one's reader has ended
         with pytest.raises(RuntimeError, match="closed"):
             async with asyncio.timeout(10):
                 async for _ in stream:
                     pass
-        assert queue.empty()  # the closed channel's end failed its own attempts only
-        handle.channel.release(number)
+        with pytest.raises(TimeoutError):  # the closed channel's end failed its own attempts only
+            async with asyncio.timeout(0.5):
+                await outputs.next()
+        outputs.close()
         return first_name, await collect(client, req(prompts[0], max_tokens=4))
 
     first_name, tokens = run(flow())

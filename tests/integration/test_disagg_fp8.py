@@ -16,8 +16,9 @@ from engine.config import EngineConfig
 from engine.loader import default_model_path, load_model_source
 from engine.sampling_params import SamplingParams
 from messages.codec import pack, unpack
-from messages.wire import GenerateRequest, PrefillResult, TokenBatch
+from messages.wire import GenerateRequest, PrefillResult, TokenBatch, WorkerError
 from router.client import PDClient
+from router.handles import DecodeHandle
 
 MODEL = str(default_model_path())
 CONFIG = EngineConfig(dtype="float32", kv_cache_dtype="fp8", max_num_batched_tokens=512,
@@ -53,10 +54,10 @@ def test_disaggregated_fp8_equals_colocated_fp8(group: WorkerGroup) -> None:
     colocated = PDClient([], group.decode)
     disagg = PDClient(group.prefill, group.decode)
     local = [run(collect(colocated, req(p))) for p in prompts]
-    before = {s.worker_id: s for s in run(disagg.stats())}["decode-0"].transfer_blocks
+    before = {s.worker_id: s for s in run(disagg.stats())}["decode-0"].transfer.blocks
     remote = [run(collect(disagg, req(p))) for p in prompts]
     stats = {s.worker_id: s for s in run(disagg.stats())}["decode-0"]
-    assert stats.transfer_blocks > before  # the KV really crossed the wire
+    assert stats.transfer.blocks > before  # the KV really crossed the wire
     assert remote == local and all(len(t) == 16 for t in local)
 
     # the codes and the per-block scales arrive byte for byte (the digest covers both); only the
@@ -72,12 +73,15 @@ def test_disaggregated_fp8_equals_colocated_fp8(group: WorkerGroup) -> None:
         result = await ref
         assert unpack(result, PrefillResult).request_id == r.request_id
         source_digest = await prefill.kv_digest.remote(r.request_id, full)
-        stream = decode.generate.options(num_returns="streaming").remote(pack(r), [ref])
-        assert not unpack(await (await stream.__anext__()), TokenBatch).finished
+        outputs = DecodeHandle(decode).submit(r, ref, 1, 60, 60)  # the router's way in
+        first = await outputs.next()
+        assert isinstance(first, TokenBatch) and not first.finished
         sink_digest = await decode.kv_digest.remote(r.request_id, full)
-        async for ref in stream:
-            if unpack(await ref, TokenBatch).finished:
-                break
+        item: TokenBatch | WorkerError = first
+        while isinstance(item, TokenBatch) and not item.finished:
+            item = await outputs.next()
+        outputs.close()
+        assert isinstance(item, TokenBatch), item
         return source_digest, sink_digest
 
     source_digest, sink_digest = run(flow())
@@ -88,14 +92,13 @@ def test_metrics_report_fp8_device_and_host_tiers(group: WorkerGroup) -> None:
     """GET /metrics on the router app over these workers: capacities per tier, labelled fp8."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from router.app import RouterConfig, create_app
-    from router.backend import ClusterBackend
+    from router.app import create_app
+    from router.config import RouterConfig
 
     async def scrape() -> str:
         client = PDClient(group.prefill, group.decode)
-        backend = ClusterBackend(client, "m")
-        await backend.start()
-        app = create_app(backend, load_model_source(MODEL).load_tokenizer(), RouterConfig("m", 2048))
+        await client.start()
+        app = create_app(client, load_model_source(MODEL).load_tokenizer(), RouterConfig("m", 2048))
         try:
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r") as http:
                 resp = await http.get("/metrics")
@@ -106,7 +109,7 @@ def test_metrics_report_fp8_device_and_host_tiers(group: WorkerGroup) -> None:
 
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for f in text_string_to_metric_families(run(scrape())) for s in f.samples}
-    worker_tiers = {s.worker_id: {t.tier: t for t in s.kv_tiers}
+    worker_tiers = {s.worker_id: {t.tier: t for t in s.kv.tiers}
                     for s in run(PDClient(group.prefill, group.decode).stats())}
 
     def get(name: str, worker: str, **labels: str) -> float:

@@ -40,7 +40,9 @@ MODEL = "tiny"
 MAX_TOKENS = 32
 CLIENTS = 2
 PROMPTS = [f"Describe the harbour of city number {i} in a few sentences." for i in range(2)]
-HELD = ("num_used_blocks", "num_running", "num_waiting", "num_reserved", "num_leases", "num_cached_blocks")
+# what a worker still holds: (part, figure) of its WorkerStats as JSON; the cached blocks last
+HELD = (("kv", "used_blocks"), ("requests", "running"), ("requests", "waiting"), ("requests", "reserved"),
+        ("leases", "held"), ("kv", "cached_blocks"))
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +97,7 @@ def test_decode_worker_drained_under_load(server: PdserveServer, load: Load) -> 
     assert not thread.is_alive() and reply["status"] == 200, reply
     report = reply["body"]
     assert (report["worker_id"], report["moved"]) == (victim, 0), report
-    assert {k: report["final"][k] for k in HELD} == dict.fromkeys(HELD, 0), report["final"]
+    assert {(a, b): report["final"][a][b] for a, b in HELD} == dict.fromkeys(HELD, 0), report["final"]
     assert victim not in [w["worker_id"] for w in workers(server, AUTH)["workers"]]
     wait_for("requests sent after the drain began", lambda: len(load.since(marked)) >= 4, 120)
     load.close()
@@ -108,7 +110,7 @@ def test_decode_worker_drained_under_load(server: PdserveServer, load: Load) -> 
     assert sorted(w["worker_id"] for w in workers(server, AUTH)["workers"]) == ["decode-1", "prefill-0"]
 
     def idle() -> bool:  # the KV the load held elsewhere is freed too (leases once their pulls are noted)
-        return all(w[k] == 0 for w in workers(server, AUTH)["workers"] for k in HELD[:5])
+        return all(w[a][b] == 0 for w in workers(server, AUTH)["workers"] for a, b in HELD[:5])
 
     wait_for("every lease, reservation and used block freed", idle, 30, server)
 

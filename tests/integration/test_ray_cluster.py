@@ -239,7 +239,7 @@ def test_job_places_prefill_and_decode_on_their_nodes(ray_cluster: RayCluster, j
     stats = httpx.get(f"{job.url}/v1/workers", timeout=10).json()["workers"]
     assert {w["pid"] for w in stats} == {a["pid"] for a in actors}  # the router talks to those actors
     plan = make_plan(read_model_config(default_model_path), dtype="float32", kv_cache_memory=64 * 1024**2)
-    assert [w["num_kv_blocks"] for w in stats] == [plan.num_kv_blocks] * 2  # pdserve plan == the engines
+    assert [w["kv"]["num_blocks"] for w in stats] == [plan.num_kv_blocks] * 2  # pdserve plan == the engines
     assert sum(g["state"] == "CREATED" for g in state["groups"]) == 2  # one placement group per worker
 
 

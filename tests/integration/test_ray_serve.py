@@ -107,7 +107,7 @@ def test_stream_arrives_while_generating(client: openai.OpenAI, serve_url: str) 
     assert first.choices[0].delta.content
     rows = httpx.get(f"{serve_url}/v1/workers", timeout=30).json()["workers"]
     decode = [w for w in rows if w["role"] == "decode"]
-    assert [w["num_running"] for w in decode] == [1], rows
+    assert [w["requests"]["running"] for w in decode] == [1], rows
     rest = [c for c in chunks if c.choices]
     assert rest[-1].choices[0].finish_reason == "length"
 

@@ -34,7 +34,8 @@ CHAT = "/v1/chat/completions"
 HEADER = "x-pdserve-decode-worker"
 MIGRATED_TOKENS = 64
 STORM = 20  # concurrent streams, each abandoned after its third event
-BUSY_FIELDS = ("num_used_blocks", "num_running", "num_leases", "num_reserved")
+# what a worker still holds: (part, figure) of its /v1/workers entry (messages.wire.WorkerStats)
+BUSY_FIELDS = (("kv", "used_blocks"), ("requests", "running"), ("leases", "held"), ("requests", "reserved"))
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +55,7 @@ def wait_drained(server: PdserveServer, num_workers: int, timeout: float = 60.0)
     deadline = time.monotonic() + timeout
     while True:
         stats = workers(server)
-        busy = {w["worker_id"]: {f: w[f] for f in BUSY_FIELDS if w[f]} for w in stats}
+        busy = {w["worker_id"]: {f"{a}.{b}": w[a][b] for a, b in BUSY_FIELDS if w[a][b]} for w in stats}
         if len(stats) == num_workers and not any(busy.values()):
             return stats
         assert time.monotonic() < deadline, busy
@@ -87,7 +88,7 @@ def test_workers_endpoint(server: PdserveServer) -> None:
     stats = wait_drained(server, 3)
     assert sorted((w["role"], w["worker_id"]) for w in stats) == [
         ("decode", "decode-0"), ("decode", "decode-1"), ("prefill", "prefill-0")]
-    assert all(w["pid"] > 0 and w["num_kv_blocks"] > 0 for w in stats)
+    assert all(w["pid"] > 0 and w["kv"]["num_blocks"] > 0 for w in stats)
     assert "/v1/workers" in httpx.get(f"{server.url}/openapi.json", headers=AUTH, timeout=10).json()["paths"]
 
 
@@ -174,7 +175,7 @@ def test_decode_worker_killed_mid_stream_migrates(migration: Migration) -> None:
     assert migration.usage["completion_tokens"] == MIGRATED_TOKENS
     assert migration.text == migration.expected
     # the continuation ran on the survivor
-    assert migration.survivor_after["prefix_queries"] > migration.survivor["prefix_queries"]
+    assert migration.survivor_after["kv"]["prefix_queries"] > migration.survivor["kv"]["prefix_queries"]
 
 
 def wait_rejoined(server: PdserveServer, worker_id: str, old_pid: int) -> dict[str, Any]:
@@ -207,8 +208,9 @@ def test_killed_workers_restart_and_serve(server: PdserveServer, migration: Migr
     for _ in range(2):
         serves_normally(server)
     after = {w["worker_id"]: w for w in wait_drained(server, 3)}
-    assert after["prefill-0"]["prefix_queries"] >= 1  # the fresh process computed prompts
-    pulled = sum(after[d]["transfer_blocks"] - before[d]["transfer_blocks"] for d in ("decode-0", "decode-1"))
+    assert after["prefill-0"]["kv"]["prefix_queries"] >= 1  # the fresh process computed prompts
+    pulled = sum(after[d]["transfer"]["blocks"] - before[d]["transfer"]["blocks"]
+                 for d in ("decode-0", "decode-1"))
     assert pulled > 0
 
 
@@ -229,8 +231,8 @@ def test_decode_killed_before_its_pull_leaves_no_lease(server: PdserveServer) ->
             while True:
                 resp = await http.get(f"{server.url}/v1/workers")  # 503 while a long step holds a worker
                 stats = {w["worker_id"]: w for w in resp.json()["workers"]} if resp.status_code == 200 else {}
-                holding = [w for w in stats.values() if w["role"] == "decode" and w["num_reserved"]]
-                if holding and stats["prefill-0"]["num_running"]:
+                holding = [w for w in stats.values() if w["role"] == "decode" and w["requests"]["reserved"]]
+                if holding and stats["prefill-0"]["requests"]["running"]:
                     break
                 assert not task.done() and time.monotonic() < deadline, "the prefill was never seen running"
                 await asyncio.sleep(0.02)
@@ -244,9 +246,9 @@ def test_decode_killed_before_its_pull_leaves_no_lease(server: PdserveServer) ->
     deadline = time.monotonic() + 5  # well inside the 30 s lease
     while True:
         prefill = next(w for w in workers(server) if w["worker_id"] == "prefill-0")
-        if prefill["num_leases"] == 0 and prefill["num_used_blocks"] == 0:
+        if prefill["leases"]["held"] == 0 and prefill["kv"]["used_blocks"] == 0:
             break
         assert time.monotonic() < deadline, f"the dead attempt's lease is still held: {prefill}"
         time.sleep(0.1)
-    assert prefill["leases_expired"] == before["prefill-0"]["leases_expired"]
+    assert prefill["leases"]["expired"] == before["prefill-0"]["leases"]["expired"]
     assert victim in ("decode-0", "decode-1")

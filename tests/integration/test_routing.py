@@ -74,7 +74,7 @@ def test_prefix_routing_follows_the_cached_prefix(group: WorkerGroup, tokenizer:
                 later = await collect(client, req(prefix + tokenizer.encode(" " + q)))
                 assert later[-1].worker_id == holder
                 assert later[-1].cached_tokens >= 192
-        assert client.decisions[("decode", "prefix", "prefix_hit")] >= 6
+        assert client.routing_decisions()[("decode", "prefix", "prefix_hit")] >= 6
         await settle_index(client)
         await client.close()
 
@@ -95,7 +95,7 @@ def test_requests_of_a_prefix_in_flight_follow_it_and_reuse_it(group: WorkerGrou
         first, second = await asyncio.gather(*[collect(client, r) for r in pair])
         assert first[-1].worker_id == second[-1].worker_id
         assert sorted([first[0].cached_tokens, second[0].cached_tokens]) == [0, 384]
-        assert client.decisions[("decode", "prefix", "prefix_hit")] >= 1
+        assert client.routing_decisions()[("decode", "prefix", "prefix_hit")] >= 1
         await settle_index(client)
         assert not any(w.pending for w in client.table.all())  # replaced by the real KV events
         await client.close()
@@ -110,11 +110,11 @@ def test_conditional_disaggregation_keeps_short_prompts_on_decode(
         config = ClientConfig(routing="round-robin", disagg_min_tokens=10_000)
         client = PDClient(group.prefill, group.decode, config)
         await client.start()
-        before = sum(s.transfer_blocks for s in await client.stats())
+        before = sum(s.transfer.blocks for s in await client.stats())
         out = await collect(client, req(tokenizer.encode("The tide tables say"), max_tokens=6))
         assert sum(len(b.token_ids) for b in out) == 6
-        assert sum(s.transfer_blocks for s in await client.stats()) == before
-        assert client.decisions[("local", "round-robin", "short")] == 1
+        assert sum(s.transfer.blocks for s in await client.stats()) == before
+        assert client.routing_decisions()[("local", "round-robin", "short")] == 1
         await client.close()
 
     asyncio.run(scenario())
@@ -142,7 +142,7 @@ def test_decode_worker_killed_mid_stream_migrates(group: WorkerGroup, tokenizer:
         deadline = time.monotonic() + 20
         while True:
             stats = [await w.handle.stats(30) for w in survivors]
-            if all(s.num_used_blocks == 0 for s in stats):
+            if all(s.kv.used_blocks == 0 for s in stats):
                 break
             assert time.monotonic() < deadline, stats
             await asyncio.sleep(0.1)

@@ -33,7 +33,8 @@ QUOTE = ("Copy the following text exactly, word for word:\n\nThe committee appro
 CODE = ("Rename the variable `items` to `values` in this code and return the whole code:\n\n```python\n"
         "def total(items):\n    result = 0\n    for x in items:\n        result += x\n    return result\n```")
 STORM = 8
-BUSY_FIELDS = ("num_used_blocks", "num_running", "num_leases", "num_reserved")
+# what a worker still holds: (part, figure) of its /v1/workers entry (messages.wire.WorkerStats)
+BUSY_FIELDS = (("kv", "used_blocks"), ("requests", "running"), ("leases", "held"), ("requests", "reserved"))
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +105,7 @@ def wait_drained(server: PdserveServer, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
         stats = httpx.get(f"{server.url}/v1/workers", timeout=10).json()["workers"]
-        busy = {w["worker_id"]: {f: w[f] for f in BUSY_FIELDS if w[f]} for w in stats}
+        busy = {w["worker_id"]: {f"{a}.{b}": w[a][b] for a, b in BUSY_FIELDS if w[a][b]} for w in stats}
         if len(stats) == 2 and not any(busy.values()):
             return
         assert time.monotonic() < deadline, busy

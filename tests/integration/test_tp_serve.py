@@ -85,7 +85,7 @@ def test_tp2_decode_over_http_equals_tp1(server: PdserveServer, model: Path) -> 
             seen.add(resp.headers[HEADER])
     assert seen == {"decode-0", "decode-1"}
     stats = workers(server)
-    assert stats["decode-0"]["transfer_blocks"] > 0  # disaggregated: prefill TP=1 -> decode TP=2
+    assert stats["decode-0"]["transfer"]["blocks"] > 0  # disaggregated: prefill TP=1 -> decode TP=2
     for worker in ("decode-0", "decode-1"):
         assert len(rank_pids(stats[worker]["pid"])) == 1
     assert rank_pids(stats["prefill-0"]["pid"]) == []

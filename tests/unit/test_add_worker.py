@@ -1,4 +1,4 @@
-"""``ClusterBackend.add_worker``: refusals before anything starts, and the task's result (no Ray: the
+"""``PDClient.add_worker``: refusals before anything starts, and the task's result (no Ray: the
 client's handles wrap plain objects; the cluster's ``launch`` hook is a plain coroutine here)."""
 
 from __future__ import annotations
@@ -7,14 +7,12 @@ import asyncio
 
 import pytest
 
-from router.backend import ClusterBackend
 from router.client import PDClient
 from router.errors import AddRefused
 
 
-def backend(colocated: bool) -> ClusterBackend:
-    client = PDClient([] if colocated else [object()], [object()])
-    return ClusterBackend(client, "m", colocated=colocated)
+def backend(colocated: bool) -> PDClient:
+    return PDClient([] if colocated else [object()], [object()], colocated=colocated)
 
 
 def test_add_worker_is_refused_without_a_launcher_and_for_prefill_when_colocated() -> None:
@@ -48,7 +46,7 @@ def test_a_failed_start_reaches_the_caller() -> None:
         b.launch = launch
         with pytest.raises(TimeoutError, match="decode did not join"):
             await b.add_worker("decode")
-        assert not b._joins  # forgotten once done
+        assert not b._background  # forgotten once done
 
     asyncio.run(run())
 

@@ -162,8 +162,8 @@ def test_metrics_parsing_accepts_either_names() -> None:
                "pdserve:num_requests_running 1 1700000000\n")
     assert metrics_sample(parse_prometheus(renamed)) == {"kv_usage": 0.4, "queue_depth": 2.0, "running": 1.0}
     assert metrics_sample(parse_prometheus("other_metric 1\n")) == {}
-    w = workers_sample({"workers": [{"num_used_blocks": 4, "block_size": 16, "num_stored_tokens": 60},
-                                    {"num_used_blocks": 0, "block_size": 16, "num_stored_tokens": 0}]})
+    w = workers_sample({"workers": [{"kv": {"used_blocks": 4, "block_size": 16, "stored_tokens": 60}},
+                                    {"kv": {"used_blocks": 0, "block_size": 16, "stored_tokens": 0}}]})
     assert w == {"kv_stored_tokens": 60.0, "kv_token_slots": 64.0, "kv_utilisation": 60 / 64}
 
 

@@ -4,8 +4,10 @@ wall over CPU and CPU over priced steps (hand-computed cases)."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
+from messages.wire import StepStats, WorkerStats
 from planner.calibrate import (
     CONTENTION_RANGE,
     HostLoad,
@@ -104,11 +106,13 @@ def test_decode_steps_priced_at_their_mean_batch_on_a_table() -> None:
 
 def test_step_clocks_summed_per_role_between_two_reads() -> None:
     def w(worker_id: str, role: str, steps: int, wall: float, cpu: float, rows: int = 0) -> dict[str, object]:
-        return {"worker_id": worker_id, "role": role, "step_count": steps, "step_wall_seconds": wall,
-                "step_cpu_seconds": cpu, "step_decode_count": steps, "step_decode_wall_seconds": wall,
-                "step_decode_rows": rows, "step_decode_context_tokens": 100 * rows,
-                "step_prefill_count": 0, "step_prefill_wall_seconds": 0.0, "step_prefill_tokens": 0,
-                "step_prefill_attended_pairs": 0.0}
+        """A worker's /v1/workers entry, as the router writes it."""
+        clock = StepStats(steps=steps, wall_s=wall, cpu_s=cpu, decode_steps=steps, decode_wall_s=wall,
+                          decode_rows=rows, decode_context=100 * rows)
+        entry = msgspec.json.decode(msgspec.json.encode(WorkerStats(worker_id=worker_id, role=role,
+                                                                     clock=clock)))
+        assert isinstance(entry, dict)
+        return entry
 
     before = [w("p0", "prefill", 10, 1.0, 1.0), w("d0", "decode", 5, 0.5, 0.5, 9),
               w("d1", "decode", 7, 9.0, 8.0, 4)]

@@ -2,7 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from cli.main import UsageError, main, parse_size
+from cli.engine_args import parse_size
+from cli.main import UsageError, main
 
 GENERATE_FLAGS = (
     "--model", "--dtype", "--device", "--block-size", "--kv-cache-memory", "--num-kv-blocks",

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from messages.wire import CoreShareStats
 from worker.core_share import (
     BorrowGate,
     CoreBorrower,
@@ -144,8 +145,8 @@ def test_gates_lend_when_idle_and_borrow_only_for_decode_only_steps(tmp_path: Pa
         borrow.before_step()
         assert torch.get_num_threads() == 2
         borrow.after_step(False)
-        assert borrow.stats() == {"cores_borrowed_steps": 2, "cores_borrowed_threads": 2}
-        assert lend.stats()["cores_reclaim_late"] == 0
+        assert borrow.stats() == CoreShareStats(borrowed_steps=2, borrowed_threads=2)
+        assert lend.stats().reclaim_late == 0
     finally:
         torch.set_num_threads(threads)
         lend.close()

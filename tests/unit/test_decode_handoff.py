@@ -21,9 +21,10 @@ from typing import Any
 from decode.worker import DecodeWorker
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
-from messages.codec import pack, unpack
-from messages.wire import GenerateRequest, TokenBatch, WorkerError
+from messages.codec import pack
+from messages.wire import GenerateRequest, TokenBatch
 from prefill.worker import PrefillWorker
+from tests.unit.decode_attempts import attempt_items
 
 STEP_S = 0.1
 PULL_S = 0.02  # a pull between processes takes polls; one in this process can end at once
@@ -56,8 +57,7 @@ def test_a_prefilled_request_joins_at_the_next_step_boundary(tiny_model_dir: Pat
 
     async def consume(gen: Any) -> list[int]:
         tokens: list[int] = []
-        async for data in gen:
-            item = unpack(data, TokenBatch | WorkerError)
+        async for item in gen:
             assert isinstance(item, TokenBatch), item
             tokens.extend(item.token_ids)
         return tokens
@@ -65,15 +65,14 @@ def test_a_prefilled_request_joins_at_the_next_step_boundary(tiny_model_dir: Pat
     async def main() -> tuple[float, float, list[int]]:
         await decode.ready()
         assert await decode.connect(await prefill.ready()) == b""
-        other = asyncio.create_task(consume(decode.generate(pack(busy), None)))
+        other = asyncio.create_task(consume(attempt_items(decode, busy)))
         result = await prefill.prefill(pack(req))  # computed before the decode side asks for it
         answer: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         first_at: list[float] = []
         tokens: list[int] = []
 
         async def late() -> None:
-            async for data in decode.generate(pack(req), [answer]):
-                item = unpack(data, TokenBatch | WorkerError)
+            async for item in attempt_items(decode, req, [answer]):
                 assert isinstance(item, TokenBatch), item
                 if not first_at:
                     first_at.append(time.monotonic())

@@ -161,14 +161,19 @@ def test_removed_decode_worker_moves_its_open_requests_on() -> None:
     d0, d1 = t.decode
     d0.worker_id = "decode-0"
 
-    async def main() -> tuple[object, object]:
+    async def main() -> tuple[BaseException, BaseException]:
         assert isinstance(d0.handle, DecodeHandle) and isinstance(d1.handle, DecodeHandle)
-        _, left = d0.handle.channel.open()
-        _, shut = d1.handle.channel.open()
+        left = d0.handle.channel.open(5)
+        shut = d1.handle.channel.open(5)
         await asyncio.sleep(0)  # the readers start
         t.remove(d0)
         d1.handle.close()  # the router shutting down: a plain error is enough there
-        return await asyncio.wait_for(left.get(), 5), await asyncio.wait_for(shut.get(), 5)
+        errors = []
+        for outputs in (left, shut):
+            with pytest.raises(Exception) as caught:
+                await outputs.next()
+            errors.append(caught.value)
+        return errors[0], errors[1]
 
     left, shut = asyncio.run(main())
     assert isinstance(left, WORKER_DIED) and "decode-0 left the cluster" in str(left), repr(left)

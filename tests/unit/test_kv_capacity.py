@@ -15,7 +15,7 @@ from cli.main import main
 from cli.plan import make_plan, read_model_config
 from engine import LLM
 from engine.kv_sizing import KV_CACHE_DTYPES, KvTier, kv_dtype_name
-from messages.wire import KvTierStats, WorkerStats
+from messages.wire import KvStats, KvTierStats, RequestStats, WorkerStats
 from router.metrics import worker_metrics
 from tests.unit.test_kv_offload import PARAMS, SHARED, evict_shared
 
@@ -91,12 +91,12 @@ def worker_stats(llm: LLM, worker_id: str) -> WorkerStats:
     """What a worker's ``stats`` sends for this engine's KV (same fields as prefill/decode workers)."""
     e = llm.engine
     s = e.stats()
-    return WorkerStats(worker_id=worker_id, role="decode", num_running=s.num_running,
-                       num_waiting=s.num_waiting, num_kv_blocks=s.num_kv_blocks,
-                       num_free_kv_blocks=s.num_free_kv_blocks, num_used_blocks=e.kv.pool.num_used_blocks,
-                       num_cached_blocks=0, block_size=e.kv.block_size,
-                       kv_cache_dtype=kv_dtype_name(e.config.kv_torch_dtype),
-                       kv_tiers=[KvTierStats(**dataclasses.asdict(t)) for t in s.kv_tiers])
+    kv = KvStats(num_blocks=s.num_kv_blocks, free_blocks=s.num_free_kv_blocks,
+                 used_blocks=e.num_used_blocks(), block_size=e.kv.block_size,
+                 dtype=kv_dtype_name(e.config.kv_torch_dtype),
+                 tiers=[KvTierStats(**dataclasses.asdict(t)) for t in s.kv_tiers])
+    return WorkerStats(worker_id=worker_id, role="decode",
+                       requests=RequestStats(running=s.num_running, waiting=s.num_waiting), kv=kv)
 
 
 def test_metrics_per_tier_and_dtype(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -10,18 +10,17 @@ package. Edges are of three kinds:
 - ``type_checking``: inside an ``if TYPE_CHECKING:`` block;
 - ``function``: inside a function or method body (run later, when called).
 
-Forbidden pairs: every kind counts. A type-only or lazy import is still a dependency of the code (the
-importer is written against the other layer's names), and a lazy import is still loaded in the process
-that runs it; laziness is no licence to cross a layer.
-
-Circles: only ``module`` edges count. They are the ones that execute while the importer's module is half
-initialised; a ``TYPE_CHECKING`` import never runs, and an import inside a function runs after every
-module involved has finished loading, which is the accepted way to break a circle.
+Every kind counts, for the forbidden pairs and for circles alike. A type-only or lazy import is still a
+dependency of the code (the importer is written against the other module's names), and a lazy import is
+still loaded in the process that runs it: laziness is no licence to cross a layer, and an import moved
+into a function to dodge a circle leaves the circle in the design (two modules that need each other are
+one idea, or share a third module both import).
 """
 
 from __future__ import annotations
 
 import ast
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
@@ -43,7 +42,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "transfer": ("transfer", "messages.codec"),
     # histogram data is a part of WorkerStats
     "messages": ("messages", "engine.sampling_params", "transfer.wire", "telemetry.histogram"),
-    "telemetry": ("telemetry", "messages.codec"),
+    "telemetry": ("telemetry",),
     "worker": WORKER_SIDE,
     "prefill": ("prefill", *WORKER_SIDE),
     "decode": ("decode", *WORKER_SIDE),
@@ -94,7 +93,8 @@ IN_PROCESS_BENCHMARKS: dict[str, tuple[str, ...]] = {
 # here that no longer exists fails ``test_known_violations_are_still_present`` (delete it from this set).
 KNOWN_VIOLATIONS: frozenset[tuple[str, str]] = frozenset()
 
-
+# Import edges that close a circle in the tree today, left out of the circle check until the change that
+# cuts the circle; like KNOWN_VIOLATIONS, an edge listed here that no longer exists fails a test.
 @dataclass(frozen=True)
 class Edge:
     importer: str
@@ -224,13 +224,20 @@ def test_import_walk_sees_every_kind() -> None:
     assert kinds[("decode.worker", "worker.base")] == "module"
 
 
-def test_no_import_circle() -> None:
+def import_graph() -> dict[str, set[str]]:
+    """Every module and what it imports, every kind of import (module level, lazy, type-only)."""
     graph: dict[str, set[str]] = {m: set() for m in project_modules()}
     for edge in edges():
-        if edge.kind == "module":
-            graph[edge.importer].add(edge.imported)
-    cycle = find_cycle(graph)
-    assert cycle is None, "import circle among module-level imports: " + " -> ".join(cycle or [])
+        graph[edge.importer].add(edge.imported)
+    return graph
+
+
+def test_no_import_circle() -> None:
+    cycle = find_cycle(import_graph())
+    where = {(e.importer, e.imported): f"{e.kind} import, {e.path.relative_to(ROOT)}:{e.line}"
+             for e in edges()}
+    steps = [f"{a} -> {b} ({where[(a, b)]})" for a, b in itertools.pairwise(cycle or [])]
+    assert cycle is None, "import circle (lazy and type-only imports count):\n" + "\n".join(steps)
 
 
 def test_find_cycle_finds_one() -> None:

@@ -5,14 +5,13 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from messages.wire import KvTierStats, WorkerStats
+from messages.wire import KvStats, KvTierStats, RequestStats, TransferStats, WorkerStats
 from router.admission import AdmissionGate
 from router.metrics import RouterMetrics, worker_metrics
 from telemetry.histogram import Histogram
@@ -26,14 +25,15 @@ def exposed_names() -> set[str]:
     """Sample names of the router's registry plus the cluster families built from two workers' stats."""
     hist = Histogram()
     hist.observe(0.02)
-    base: dict[str, Any] = {"num_running": 1, "num_waiting": 0, "num_kv_blocks": 10, "num_free_kv_blocks": 6,
-            "num_used_blocks": 4, "num_cached_blocks": 0}
+    requests = RequestStats(running=1, queue_time=hist.data())
     tiers = [KvTierStats(tier="device", capacity_blocks=10, used_blocks=4, block_bytes=64),
              KvTierStats(tier="host", capacity_blocks=20, used_blocks=3, block_bytes=64, hits=2)]
-    stats = [WorkerStats(worker_id="prefill-0", role="prefill", queue_time=hist.data(), **base),
-             WorkerStats(worker_id="decode-0", role="decode", queue_time=hist.data(),
-                         transfer_time=hist.data(), kv_cache_dtype="fp8", block_size=16, kv_tiers=tiers,
-                         **base)]
+    stats = [WorkerStats(worker_id="prefill-0", role="prefill", requests=requests,
+                         kv=KvStats(num_blocks=10, free_blocks=6, used_blocks=4)),
+             WorkerStats(worker_id="decode-0", role="decode", requests=requests,
+                         transfer=TransferStats(time=hist.data()),
+                         kv=KvStats(num_blocks=10, free_blocks=6, used_blocks=4, dtype="fp8", block_size=16,
+                                    tiers=tiers))]
     text = generate_latest(RouterMetrics(AdmissionGate(8), "m").registry)
     text += worker_metrics(stats, {("decode", "prefix", "short"): 2})
     names = set()
@@ -69,9 +69,8 @@ def test_worker_histogram_buckets_are_cumulative() -> None:
     hist = Histogram((0.1, 1.0))
     for v in (0.05, 0.5, 0.5, 3.0):
         hist.observe(v)
-    stats = WorkerStats(worker_id="d", role="decode", num_running=0, num_waiting=0, num_kv_blocks=1,
-                        num_free_kv_blocks=1, num_used_blocks=0, num_cached_blocks=0,
-                        transfer_time=hist.data())
+    stats = WorkerStats(worker_id="d", role="decode", kv=KvStats(num_blocks=1, free_blocks=1),
+                        transfer=TransferStats(time=hist.data()))
     fams = {f.name: f for f in text_string_to_metric_families(worker_metrics([stats]).decode())}
     buckets = {s.labels["le"]: s.value for s in fams["pdserve:kv_transfer_seconds"].samples
                if s.name.endswith("_bucket")}

@@ -39,10 +39,10 @@ def test_release_and_abort_end_the_lease(tiny_model_dir: Path) -> None:
         return seen
 
     held, released, held2, aborted, later = asyncio.run(main())
-    assert (held.num_leases, held2.num_leases) == (1, 1)
-    assert held.num_used_blocks == 3
+    assert (held.leases.held, held2.leases.held) == (1, 1)
+    assert held.kv.used_blocks == 3
     for s in (released, aborted, later):
-        assert (s.num_leases, s.num_used_blocks, s.leases_expired) == (0, 0, 0)
+        assert (s.leases.held, s.kv.used_blocks, s.leases.expired) == (0, 0, 0)
 
 
 def test_abort_after_the_last_step_takes_no_lease(tiny_model_dir: Path) -> None:
@@ -75,7 +75,7 @@ def test_abort_after_the_last_step_takes_no_lease(tiny_model_dir: Path) -> None:
     answer, stats = asyncio.run(main())
     assert aborted == ["late"]
     assert isinstance(answer, WorkerError) and answer.kind is ErrorKind.ABORTED, answer
-    assert (stats.num_leases, stats.num_used_blocks) == (0, 0)
+    assert (stats.leases.held, stats.kv.used_blocks) == (0, 0)
 
 
 def test_lease_poller_sleeps_without_leases_and_wakes_for_a_new_one(tiny_model_dir: Path) -> None:
@@ -106,6 +106,6 @@ def test_lease_poller_sleeps_without_leases_and_wakes_for_a_new_one(tiny_model_d
 
     idle_polls, held, later = asyncio.run(main())
     assert idle_polls <= 1  # one pass at start-up, then asleep (every 10 ms would be ~30)
-    assert (held.num_leases, held.num_used_blocks) == (1, 3)
-    assert (later.num_leases, later.num_used_blocks, later.leases_expired) == (0, 0, 1)
+    assert (held.leases.held, held.kv.used_blocks) == (1, 3)
+    assert (later.leases.held, later.kv.used_blocks, later.leases.expired) == (0, 0, 1)
     assert polls[0] >= 10  # polled every 10 ms while the lease was held

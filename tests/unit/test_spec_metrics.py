@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from messages.wire import WorkerStats
+from messages.wire import KvStats, SpecDecodeStats, WorkerStats
 from router.metrics import worker_metrics
 
 
 def test_spec_counters_and_per_position_acceptance() -> None:
-    stats = WorkerStats(worker_id="decode-0", role="decode", num_running=0, num_waiting=0, num_kv_blocks=8,
-                        num_free_kv_blocks=8, num_used_blocks=0, num_cached_blocks=0, spec_num_drafts=5,
-                        spec_num_draft_tokens=18, spec_num_accepted_tokens=7,
-                        spec_accepted_per_pos=[4, 2, 1, 0])
+    spec = SpecDecodeStats(num_drafts=5, num_draft_tokens=18, num_accepted_tokens=7,
+                           accepted_per_pos=[4, 2, 1, 0])
+    stats = WorkerStats(worker_id="decode-0", role="decode", kv=KvStats(num_blocks=8, free_blocks=8),
+                        spec=spec)
     samples = {(s.name, s.labels.get("position")): s.value
                for f in text_string_to_metric_families(worker_metrics([stats]).decode()) for s in f.samples
                if s.name.startswith("pdserve:spec_decode")}

@@ -21,7 +21,8 @@ from decode.worker import DecodeWorker
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from messages.codec import pack, unpack
-from messages.wire import GenerateRequest, TokenBatch, WorkerError, WorkerStats
+from messages.wire import GenerateRequest, TokenBatch, WorkerStats
+from tests.unit.decode_attempts import attempt_items
 
 
 def _instrument(worker: DecodeWorker, steps: list[int] | None = None) -> list[str]:
@@ -72,8 +73,7 @@ def test_stats_in_a_tight_loop_never_read_the_engine_mid_step(tiny_model_dir: Pa
 
     async def consume(req: GenerateRequest) -> int:
         n = 0
-        async for data in worker.generate(pack(req), None):
-            item = unpack(data, TokenBatch | WorkerError)
+        async for item in attempt_items(worker, req):
             assert isinstance(item, TokenBatch), item
             n += len(item.token_ids)
         return n
@@ -99,14 +99,14 @@ def test_stats_in_a_tight_loop_never_read_the_engine_mid_step(tiny_model_dir: Pa
     assert calls >= 20, calls
     assert errors == []
     assert touched == [], f"{len(touched)} engine reads during a step, e.g. {touched[:3]}"
-    assert final.num_used_blocks == 0 and final.num_running == 0
+    assert final.kv.used_blocks == 0 and final.requests.running == 0
     # the step clocks (AsyncEngine.clock): every step counted; its 2 ms sleep is wall time, not CPU
-    assert final.step_count == len(steps) >= 48
-    assert final.step_wall_seconds - final.step_cpu_seconds >= 0.002 * len(steps)
-    assert final.step_cpu_seconds > 0
+    assert final.clock.steps == len(steps) >= 48
+    assert final.clock.wall_s - final.clock.cpu_s >= 0.002 * len(steps)
+    assert final.clock.cpu_s > 0
     # what the steps computed (engine/step_work.py), in WorkerStats: every step is one kind or the other,
     # and every token is computed once: 16 prompts of 40, then 47 of each request's 48 outputs
-    assert final.step_decode_count + final.step_prefill_count == final.step_count
-    assert final.step_prefill_tokens + final.step_decode_rows == 16 * 40 + 16 * 47
-    assert final.step_decode_wall_seconds + final.step_prefill_wall_seconds == pytest.approx(
-        final.step_wall_seconds)
+    assert final.clock.decode_steps + final.clock.prefill_steps == final.clock.steps
+    assert final.clock.prefill_tokens + final.clock.decode_rows == 16 * 40 + 16 * 47
+    assert final.clock.decode_wall_s + final.clock.prefill_wall_s == pytest.approx(
+        final.clock.wall_s)
