@@ -14,9 +14,15 @@ output to the routed experts'. Each expert present in the step computes its prod
 tokens, in ascending expert order, and adds ``weight * output`` into each token's row (the order
 transformers adds them in). On CPU the products are the model's prepared products (packed for the
 native kernel); on CUDA the fused kernel (``kernels/moe.py``).
+
+``on_route`` (None by default, which costs one attribute test per forward): a callable given, once per
+forward, the list of every expert's token count in that forward (the counts the forward groups by), so
+a benchmark can count the experts a step reads.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -92,6 +98,7 @@ class MoE(Prepared):
         self.correction = (weight(experts, dtype=torch.float32, device=dev) if moe.correction_bias else None)
         self.shared = (GatedMLP(ctx, moe.shared_intermediate_size // ctx.shard.size)
                        if moe.shared_intermediate_size else None)
+        self.on_route: Callable[[list[int]], None] | None = None
         self.prepare_linears("plain")
 
     def _build_linears(self, kernel: LinearKernel) -> None:
@@ -134,6 +141,8 @@ class MoE(Prepared):
         flat = ids.flatten()
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.moe.num_experts).tolist()
+        if self.on_route is not None:
+            self.on_route(counts)
         flat_weights = weights.flatten()
         start = 0
         for expert, count in enumerate(counts):

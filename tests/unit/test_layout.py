@@ -80,6 +80,8 @@ IN_PROCESS_BENCHMARKS: dict[str, tuple[str, ...]] = {
     "bench.lab.sim_validation": ("planner",),  # a run's step clocks priced with a profile, after the run
     "bench.lab.step_ops": ("engine", "kernels"),
     "bench.lab.step_profile": ("engine", "kernels"),
+    "bench.lab.moe_step": ("engine",),
+    "bench.lab.moe_models": ("engine.loader",),  # the cache folder the models are saved under
     "bench.lab.gpu": ("engine", "kernels", "transfer", "messages.codec"),
     "bench.lab.transfer": ("transfer", "messages.codec"),
     "bench.lab.tp_transfer": ("engine", "worker.tp_kv", "transfer"),
