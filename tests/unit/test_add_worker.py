@@ -1,5 +1,5 @@
 """``ClusterBackend.add_worker``: refusals before anything starts, and the task's result (no Ray: the
-client's handles wrap plain objects; the cluster's ``launch`` hook is a plain coroutine here)."""
+client's handles wrap fake actors; the cluster's ``launch`` hook is a plain coroutine here)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ import pytest
 from router.backend import ClusterBackend
 from router.client import PDClient
 from router.errors import AddRefused
+from tests.fakes import FakeActor
 
 
 def backend(colocated: bool) -> ClusterBackend:
-    client = PDClient([] if colocated else [object()], [object()])
+    client = PDClient([] if colocated else [FakeActor()], [FakeActor()])
     return ClusterBackend(client, "m", colocated=colocated)
 
 
