@@ -31,7 +31,7 @@ Contract
   none is; always every millisecond with ``always_in_flight``, for a tensor-parallel
   rank whose leases live on rank 0) and keeps the notifications for ``poll``; NIXL's own
   busy-spinning progress thread is off unless ``progress_thread=True`` (see
-  ``transfer/agent.py``).
+  ``transfer/agent.py``); ``pump_clock`` is its clock (the linger of a new lease's kick).
 - Single-threaded: call every method from one thread (the worker's event loop).
 """
 
@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -109,6 +110,7 @@ class KvSource:
         progress_thread: bool = False,
         scales: torch.Tensor | None = None,
         always_in_flight: bool = False,
+        pump_clock: Callable[[], float] = time.monotonic,
     ) -> None:
         check_tensor(kv_cache, layout, scales)
         self.layout = layout
@@ -121,7 +123,7 @@ class KvSource:
         self._reg = self._agent.register_memory(tensors, backends=[backend])
         self._leases: dict[str, float] = {}
         self._pump = ProgressPump(self._agent, agent_name, PROGRESS_INTERVAL_S,
-                                  busy=lambda: always_in_flight or bool(self._leases))
+                                  busy=lambda: always_in_flight or bool(self._leases), clock=pump_clock)
         mem_type, device_id = tensor_placement(kv_cache)
         self._info = AgentInfo(
             wire_version=WIRE_VERSION,
