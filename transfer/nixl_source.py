@@ -41,7 +41,6 @@ import logging
 import time
 from collections.abc import Callable
 
-import numpy as np
 import torch
 from nixl._api import nixl_agent
 
@@ -71,25 +70,6 @@ def check_tensor(kv_cache: torch.Tensor, layout: KvLayout, scales: torch.Tensor 
         raise ValueError(f"KV cache element size {kv_cache.element_size()} != layout {layout.element_size}")
     if not kv_cache.is_contiguous():
         raise ValueError("KV cache tensor must be contiguous")
-
-
-def region_table(base_addr: int, layout: KvLayout, device_id: int, scales_addr: int = 0) -> np.ndarray:
-    """Nx3 ``(address, length, device)`` rows for every (layer, block) region, layer-major.
-
-    With scale regions, the ``num_layers * num_blocks`` scale regions follow the K/V
-    regions in the same order (row ``count + i`` is the scales of K/V row ``i``).
-    """
-    count = layout.num_layers * layout.num_blocks
-    parts = 2 if layout.scale_region_bytes else 1
-    table = np.empty((parts * count, 3), dtype=np.uint64)
-    index = np.arange(count, dtype=np.uint64)
-    table[:count, 0] = base_addr + index * np.uint64(layout.region_bytes)
-    table[:count, 1] = layout.region_bytes
-    if parts == 2:
-        table[count:, 0] = scales_addr + index * np.uint64(layout.scale_region_bytes)
-        table[count:, 1] = layout.scale_region_bytes
-    table[:, 2] = device_id
-    return table
 
 
 def tensor_placement(kv_cache: torch.Tensor) -> tuple[str, int]:

@@ -22,8 +22,9 @@ from engine.engine import LLMEngine
 from engine.llm import start_engine
 from engine.tp_ranks import RankProcesses
 from tests.integration.test_tensor_parallel import NEW_TOKENS, prompts, save
+from transfer.descriptors import merged_descriptor_count
 from transfer.errors import IncompatibleKvError
-from transfer.nixl_sink import KvSink, merged_descriptor_count
+from transfer.nixl_sink import KvSink
 from transfer.nixl_source import KvSource
 from transfer.wire import AgentInfo, KvHandle
 from worker.tp_kv import EXTENSION, GroupSink, group_block_bytes, open_sink, open_source
