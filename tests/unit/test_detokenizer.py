@@ -15,7 +15,6 @@ import json
 import random
 from collections.abc import Sequence
 
-import pytest
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import decoders, normalizers, pre_tokenizers
 from tokenizers.models import BPE, WordLevel
@@ -59,16 +58,6 @@ def word_level() -> Tokenizer:
     raw = RustTokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
     raw.pre_tokenizer = pre_tokenizers.Whitespace()
     return Tokenizer(PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="[UNK]", bos_token="<s>"))
-
-
-@pytest.fixture(scope="module")
-def default_tokenizer() -> Tokenizer:
-    from engine.loader import default_model_path, load_model_source
-
-    path = default_model_path()
-    if not path.is_file():
-        pytest.skip("default model not fetched")
-    return load_model_source(path).load_tokenizer()
 
 
 def pieces(tokenizer: Tokenizer, ids: list[int], skip: bool, batch: int = 1) -> list[str]:

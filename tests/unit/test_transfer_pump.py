@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -42,11 +43,17 @@ def pump_threads(name: str) -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == f"nixl-progress-{name}"]
 
 
+def counted_pump(name: str, idle: float, clock: FakeClock, busy: Callable[[], bool] | None = None
+                 ) -> tuple[Counting, ProgressPump]:
+    """A pump at the fast cadence ``FAST_S`` and ``idle``, over a real UCX agent whose progresses count."""
+    counter = Counting(new_agent(f"pump-{name}", "UCX", progress_thread=False))
+    return counter, ProgressPump(counter, name, FAST_S, keep_notifs=False, busy=busy, idle_interval=idle,
+                                 linger=LINGER_S, clock=clock)
+
+
 def test_a_kick_makes_the_cadence_fast_for_the_linger() -> None:
     clock = FakeClock()
-    counter = Counting(new_agent("pump-kick", "UCX", progress_thread=False))
-    pump = ProgressPump(counter, "kick", FAST_S, keep_notifs=False, idle_interval=IDLE_S, linger=LINGER_S,
-                        clock=clock)
+    _, pump = counted_pump("kick", IDLE_S, clock)
     try:
         assert not pump.in_flight() and pump.next_wait() == IDLE_S
         pump.kick()
@@ -61,9 +68,7 @@ def test_a_kick_makes_the_cadence_fast_for_the_linger() -> None:
 
 def test_a_kick_wakes_an_idle_pump_at_once() -> None:
     clock = FakeClock()
-    counter = Counting(new_agent("pump-wake", "UCX", progress_thread=False))
-    pump = ProgressPump(counter, "wake", FAST_S, keep_notifs=False, idle_interval=MINUTE, linger=LINGER_S,
-                        clock=clock)
+    counter, pump = counted_pump("wake", MINUTE, clock)
     try:
         before = counter.calls  # the thread waits a minute before its first progress
         pump.kick()
@@ -76,9 +81,7 @@ def test_a_kick_wakes_an_idle_pump_at_once() -> None:
 
 def test_busy_predicate_keeps_it_fast_and_stop_does_not_wait_for_the_idle_tick() -> None:
     busy = [True]
-    counter = Counting(new_agent("pump-busy", "UCX", progress_thread=False))
-    pump = ProgressPump(counter, "busy", FAST_S, keep_notifs=False, busy=lambda: busy[0],
-                        idle_interval=MINUTE, linger=LINGER_S, clock=FakeClock())
+    counter, pump = counted_pump("busy", MINUTE, FakeClock(), busy=lambda: busy[0])
     assert pump.next_wait() == FAST_S
     wait_until(lambda: counter.calls >= 10, WAIT_S, "progress at the fast cadence while busy")
     busy[0] = False
