@@ -1,7 +1,9 @@
-"""Chained block hashes: the one prefix-hashing function of the project.
+"""Chained block hashes: the one prefix-hashing function of the project; and the one prefix cost.
 
 The engine's prefix cache and the router's prefix index both import this module,
-so a block hash means the same thing on every worker and in the router.
+so a block hash means the same thing on every worker and in the router. The
+router's prefix-aware policy and the planner's simulator both weigh a worker's
+cached prefix with ``prefix_cost``, so the simulator routes as the router does.
 
 A block is ``block_size`` consecutive token ids starting at a multiple of
 ``block_size``; only full blocks get a hash. The hash of block ``i`` covers its
@@ -60,3 +62,15 @@ def group_hash(block_hash: int, group: int) -> int:
         return block_hash
     data = struct.pack("<QQ", block_hash, group)
     return int.from_bytes(hashlib.blake2b(data, digest_size=8, person=b"pdserve-kvgroup").digest(), "little")
+
+
+CACHE_WEIGHT = 2.0  # a prompt token a worker lacks weighs as this many tokens of its load
+
+
+def prefix_cost(load_tokens: int, shared_load_tokens: int, prompt_tokens: int, prefix_tokens: int,
+                weight: float = CACHE_WEIGHT) -> float:
+    """The work, in tokens, a request adds to a worker holding ``prefix_tokens`` of its prompt: the
+    tokens queued and running there less those computing this request's own prefix
+    (``shared_load_tokens``: done once, and waited for wherever the request goes), plus ``weight``
+    for each prompt token the worker lacks. Lower is better; ties go to the lower worker index."""
+    return max(load_tokens - shared_load_tokens, 0) + weight * max(prompt_tokens - prefix_tokens, 0)

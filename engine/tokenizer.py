@@ -16,6 +16,8 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from tokenizers import Tokenizer as RustTokenizer  # noqa: E402
+from tokenizers.decoders import DecodeStream  # noqa: E402
 from transformers import PreTrainedTokenizerBase  # noqa: E402
 
 # tokenizer_config.json classes that are transformers' tokenizers-library backend itself: loaded by that
@@ -40,6 +42,7 @@ def _tokenizer_class(folder: Path) -> type[PreTrainedTokenizerBase]:
     return AutoTokenizer  # type: ignore[return-value]  # its from_pretrained answers an instance
 
 _REPLACEMENT_CHAR = "\ufffd"
+_INVALID_PREFIX = "Invalid prefix"  # DecodeStream's error when new ids change text it already gave out
 
 
 def _save_atomically(hf: PreTrainedTokenizerBase, folder: Path) -> None:
@@ -140,21 +143,49 @@ class Tokenizer:
         return self.encode(self.render_chat(messages, add_generation_prompt, tools))
 
 
+def _stream_backend(tokenizer: Tokenizer) -> RustTokenizer | None:
+    """The tokenizers-library tokenizer that ``tokenizer.decode`` hands the ids to unchanged, so that a
+    ``DecodeStream`` over it gives that decode's text; None where the text comes another way (a
+    ``Tokenizer`` subclass decoding its own way, a slow Python tokenizer, a transformers class overriding
+    its backend's decode)."""
+    if type(tokenizer).decode is not Tokenizer.decode:
+        return None
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    hf = tokenizer.hf
+    if not isinstance(hf, TokenizersBackend) or type(hf).decode is not PreTrainedTokenizerBase.decode \
+            or type(hf)._decode is not TokenizersBackend._decode:
+        return None
+    backend: RustTokenizer = hf.backend_tokenizer
+    return backend
+
+
 class IncrementalDetokenizer:
     """Turns a request's token stream into text pieces as characters complete.
 
     ``feed`` returns only text that is final: a character whose UTF-8 bytes are
     split across tokens is held back until its last byte arrives, so no U+FFFD is
     emitted mid-character. ``"".join(pieces) + flush()`` equals
-    ``tokenizer.decode(all_ids)``.
+    ``tokenizer.decode(all_ids)``; ``flush`` ends the stream.
+
+    The pieces are the tokenizers library's ``DecodeStream``'s where it decodes as
+    ``Tokenizer.decode`` does (``_stream_backend``): the same window over the ids as
+    below, run in Rust. The window is kept here too, in Python (``_pending``), for
+    what ``DecodeStream`` does not do: ``flush`` (it has no way to give up the held
+    bytes), tokenizers it cannot stand in for, and a stream it refuses to go on with
+    (it raises "invalid prefix" when decoding more ids changes text already given
+    out, as a byte-fallback tokenizer does after bytes that are no valid UTF-8):
+    from that token on the window here goes on, as it always has.
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
         self._ids: list[int] = []
-        self._prefix_offset = 0
-        self._read_offset = 0
+        self._prefix_offset = 0  # ids before this one only give the window its context
+        self._read_offset = 0  # the text of the ids before this one was given out
+        self._backend = _stream_backend(tokenizer)
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens) if self._backend else None
 
     @property
     def token_ids(self) -> list[int]:
@@ -171,19 +202,30 @@ class IncrementalDetokenizer:
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
 
+    def _step(self, new_ids: Sequence[int]) -> str:
+        if self._stream is not None and self._backend is not None:
+            try:
+                return self._stream.step(self._backend, list(new_ids)) or ""
+            except Exception as exc:  # the library raises a bare Exception
+                if not str(exc).startswith(_INVALID_PREFIX):
+                    raise
+                self._stream = None
+        piece = self._pending()
+        return "" if piece.endswith(_REPLACEMENT_CHAR) else piece
+
     def feed(self, new_ids: Sequence[int]) -> str:
         """Add token ids; return the text they completed (possibly empty)."""
         self._ids.extend(new_ids)
         if self._read_offset == len(self._ids):
             return ""
-        piece = self._pending()
-        if not piece or piece.endswith(_REPLACEMENT_CHAR):
-            return ""
-        self._advance()
+        piece = self._step(new_ids)
+        if piece:
+            self._advance()
         return piece
 
     def flush(self) -> str:
         """Return whatever is held back (at the end of a request), even if incomplete."""
+        self._stream = None
         if self._read_offset == len(self._ids):
             return ""
         piece = self._pending()

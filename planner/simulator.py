@@ -3,8 +3,9 @@
 One request, as the serving code runs it (``docs/architecture.md``, "One request, hop by hop"):
 
 1. it arrives at the router, which picks a decode and then a prefill worker with the prefix-aware
-   policy (``router/policy.py``: least ``load - shared + 2 x missing`` tokens, ties to the lowest
-   index) and charges them (prefill: the prompt tokens it lacks; decode: those plus the output);
+   policy at its default weights (``router/policy.py``; both take ``engine/hashing.py:prefix_cost``:
+   least ``load - shared + 2 x missing`` tokens, ties to the lowest index) and charges them (prefill:
+   the prompt tokens it lacks; decode: those plus the output);
 2. after ``Profile.request_overhead_s`` (HTTP, router, Ray calls) it enters the prefill worker's queue
    (``planner/sim_workers.py`` for the engines);
 3. when its prompt is done, the decode worker pulls the blocks it lacks (``TransferCost``; a decode
@@ -45,12 +46,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.hashing import prefix_cost
 from planner.profile import Profile
 from planner.results import Percentiles, SimResult
 from planner.sim_workers import DecodeSim, PrefillSim, PrefixLru, Req
 
 ARRIVE, ENQUEUE, PREFILL_END, PULLED, DECODE_END = range(5)
-CACHE_WEIGHT = 2.0  # router.policy.PrefixAware.cache_weight (transfer_weight 1.0)
 ITL_POINTS = 4  # points kept per decode segment for the ITL percentiles
 
 
@@ -104,11 +105,11 @@ class _Role:
         """The policy's choice and the prefix tokens it holds for ``r``."""
         hit = r.hit_tokens(block_size)
         base = self.least_loaded()
-        best, best_key, best_held = base, (base.load + CACHE_WEIGHT * r.n_in, base.index), 0
+        best, best_key, best_held = base, (prefix_cost(base.load, 0, r.n_in, 0), base.index), 0
         for index in self.holders.get(r.prefix, ()) if hit else ():
             w = self.workers[index]
             shared = min(hit, w.load) if self.inflight.get((index, r.prefix)) else 0
-            key = (max(w.load - shared, 0) + CACHE_WEIGHT * (r.n_in - hit), index)
+            key = (prefix_cost(w.load, shared, r.n_in, hit), index)
             if key < best_key:
                 best, best_key, best_held = w, key, hit
         return best, best_held

@@ -24,6 +24,7 @@ import dataclasses
 import logging
 import time
 import uuid
+from collections.abc import Callable
 
 import msgspec
 
@@ -56,13 +57,14 @@ class PrefillWorker(WorkerBase):
     def __init__(self, worker_id: str, model: str | None, engine_config: bytes,
                  lease_seconds: float = 30.0, torch_threads: int = 1, poll_interval: float = 0.01,
                  request_timeout: float = 300.0, tracing: bytes | None = None,
-                 core_share: str | None = None) -> None:
+                 core_share: str | None = None, lease_clock: Callable[[], float] = time.time) -> None:
         # speculation is decoding's business: a prefill worker emits one token per request
         config = dataclasses.replace(unpack(engine_config, EngineConfig), speculative_config=None)
         super().__init__(worker_id, model, config, torch_threads, tracing, core_share)
         # one agent per tensor-parallel rank; leases live on rank 0's (``worker/tp_kv.py``)
         self.source, self.agent = open_source(self.engine, f"{worker_id}-{uuid.uuid4().hex[:8]}")
         self.lease_seconds = lease_seconds
+        self.lease_clock = lease_clock  # lease deadlines: wall-clock seconds, as the decode side reads them
         self.poll_interval = poll_interval
         self.request_timeout = request_timeout
         self.leases_expired = 0
@@ -120,7 +122,7 @@ class PrefillWorker(WorkerBase):
         finally:
             self._computing.discard(rid)
             self._dropped.discard(rid)
-        deadline = time.time() + (self.lease_seconds if lease_seconds is None else lease_seconds)
+        deadline = self.lease_clock() + (self.lease_seconds if lease_seconds is None else lease_seconds)
         handle = KvHandle(
             request_id=rid,
             agent_name=self.agent.agent_name,
@@ -190,7 +192,7 @@ class PrefillWorker(WorkerBase):
                 await self._leased.wait()
 
     async def _poll_once(self) -> None:
-        released, expired = self.source.poll()
+        released, expired = self.source.poll(self.lease_clock())
         self.leases_expired += len(expired)
         ended = released + expired
         if ended:

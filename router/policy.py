@@ -21,6 +21,8 @@ import itertools
 from dataclasses import dataclass
 from typing import Protocol
 
+from engine.hashing import CACHE_WEIGHT, prefix_cost
+
 POLICIES = ("prefix", "round-robin", "least-loaded")
 
 
@@ -72,14 +74,15 @@ class LeastLoaded:
 class PrefixAware:
     name = "prefix"
 
-    def __init__(self, transfer_weight: float = 1.0, cache_weight: float = 2.0) -> None:
+    def __init__(self, transfer_weight: float = 1.0, cache_weight: float = CACHE_WEIGHT) -> None:
         self.transfer_weight = transfer_weight
         self.cache_weight = cache_weight
 
     def cost(self, role: str, c: Candidate, prompt_tokens: int) -> float:
-        missing = max(prompt_tokens - c.prefix_tokens, 0)
+        """``engine/hashing.py:prefix_cost``, a decode worker's missing tokens weighted by
+        ``transfer_weight`` too."""
         weight = self.cache_weight * (1.0 if role == "prefill" else self.transfer_weight)
-        return max(c.load_tokens - c.shared_load_tokens, 0) + weight * missing
+        return prefix_cost(c.load_tokens, c.shared_load_tokens, prompt_tokens, c.prefix_tokens, weight)
 
     def pick(self, role: str, candidates: list[Candidate], prompt_tokens: int,
              need_blocks: int) -> tuple[Candidate, str]:

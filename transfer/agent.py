@@ -15,8 +15,9 @@ transfers in flight, and every ``idle_interval`` seconds (``IDLE_INTERVAL_S``)
 otherwise, so an idle or computing worker does not wake a thousand times a second on
 a core the model needs. "In flight" is ``busy()`` (the source: a lease is held, a sink may READ any moment)
 or a ``kick()`` less than ``linger`` seconds ago (the sink: it posted a READ or sent a
-notification, which completes only while it progresses). ``kick`` also wakes the
-thread at once.
+notification, which completes only while it progresses), by the pump's ``clock``
+(``time.monotonic``); ``next_wait()`` is the pause before the next progress. ``kick`` also
+wakes the thread at once.
 
 Read threads (sink side, UCX only): on a CPU-only host UCX moves a READ's bytes with
 cma (``process_vm_readv``), one kernel copy per descriptor on the thread that posts
@@ -88,8 +89,9 @@ class ProgressPump:
 
     def __init__(self, agent: nixl_agent, name: str, interval: float, keep_notifs: bool = True, *,
                  busy: Callable[[], bool] | None = None, idle_interval: float = IDLE_INTERVAL_S,
-                 linger: float = LINGER_S) -> None:
+                 linger: float = LINGER_S, clock: Callable[[], float] = time.monotonic) -> None:
         self._agent = agent
+        self._clock = clock
         self._interval = interval
         self._idle_interval = max(interval, idle_interval)
         self._busy = busy
@@ -112,11 +114,15 @@ class ProgressPump:
 
     def kick(self) -> None:
         """Progress every ``interval`` for the next ``linger`` seconds, starting now."""
-        self._busy_until = time.monotonic() + self._linger
+        self._busy_until = self._clock() + self._linger
         self._wake.set()
 
     def in_flight(self) -> bool:
-        return time.monotonic() < self._busy_until or (self._busy is not None and self._busy())
+        return self._clock() < self._busy_until or (self._busy is not None and self._busy())
+
+    def next_wait(self) -> float:
+        """Seconds the thread waits before its next progress (unless kicked): the cadence."""
+        return self._interval if self.in_flight() else self._idle_interval
 
     def stop(self) -> None:
         self._stop.set()
@@ -125,7 +131,7 @@ class ProgressPump:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._wake.wait(self._interval if self.in_flight() else self._idle_interval)
+            self._wake.wait(self.next_wait())
             self._wake.clear()
             if self._stop.is_set():
                 return

@@ -31,7 +31,7 @@ Contract
   none is; always every millisecond with ``always_in_flight``, for a tensor-parallel
   rank whose leases live on rank 0) and keeps the notifications for ``poll``; NIXL's own
   busy-spinning progress thread is off unless ``progress_thread=True`` (see
-  ``transfer/agent.py``).
+  ``transfer/agent.py``); ``pump_clock`` is its clock (the linger of a new lease's kick).
 - Single-threaded: call every method from one thread (the worker's event loop).
 """
 
@@ -39,8 +39,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
-import numpy as np
 import torch
 from nixl._api import nixl_agent
 
@@ -72,25 +72,6 @@ def check_tensor(kv_cache: torch.Tensor, layout: KvLayout, scales: torch.Tensor 
         raise ValueError("KV cache tensor must be contiguous")
 
 
-def region_table(base_addr: int, layout: KvLayout, device_id: int, scales_addr: int = 0) -> np.ndarray:
-    """Nx3 ``(address, length, device)`` rows for every (layer, block) region, layer-major.
-
-    With scale regions, the ``num_layers * num_blocks`` scale regions follow the K/V
-    regions in the same order (row ``count + i`` is the scales of K/V row ``i``).
-    """
-    count = layout.num_layers * layout.num_blocks
-    parts = 2 if layout.scale_region_bytes else 1
-    table = np.empty((parts * count, 3), dtype=np.uint64)
-    index = np.arange(count, dtype=np.uint64)
-    table[:count, 0] = base_addr + index * np.uint64(layout.region_bytes)
-    table[:count, 1] = layout.region_bytes
-    if parts == 2:
-        table[count:, 0] = scales_addr + index * np.uint64(layout.scale_region_bytes)
-        table[count:, 1] = layout.scale_region_bytes
-    table[:, 2] = device_id
-    return table
-
-
 def tensor_placement(kv_cache: torch.Tensor) -> tuple[str, int]:
     """NIXL memory type and device id of a tensor."""
     return ("VRAM", kv_cache.get_device()) if kv_cache.is_cuda else ("DRAM", 0)
@@ -109,6 +90,7 @@ class KvSource:
         progress_thread: bool = False,
         scales: torch.Tensor | None = None,
         always_in_flight: bool = False,
+        pump_clock: Callable[[], float] = time.monotonic,
     ) -> None:
         check_tensor(kv_cache, layout, scales)
         self.layout = layout
@@ -121,7 +103,7 @@ class KvSource:
         self._reg = self._agent.register_memory(tensors, backends=[backend])
         self._leases: dict[str, float] = {}
         self._pump = ProgressPump(self._agent, agent_name, PROGRESS_INTERVAL_S,
-                                  busy=lambda: always_in_flight or bool(self._leases))
+                                  busy=lambda: always_in_flight or bool(self._leases), clock=pump_clock)
         mem_type, device_id = tensor_placement(kv_cache)
         self._info = AgentInfo(
             wire_version=WIRE_VERSION,

@@ -31,8 +31,12 @@ They cross processes through ``messages.codec.pack`` / ``unpack``, like every me
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import msgspec
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 WIRE_VERSION: int = 3
 

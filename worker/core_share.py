@@ -99,9 +99,11 @@ class CoreLender:
     """A prefill worker's side: see the module docstring."""
 
     def __init__(self, key: str, name: str, threads: int, directory: str = DEFAULT_DIRECTORY,
-                 deadline_s: float = DEADLINE_S) -> None:
+                 deadline_s: float = DEADLINE_S, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
         self.path = Path(directory) / f"{key}.{name}.cores"
         self.deadline_s = deadline_s
+        self._clock, self._sleep = clock, sleep  # the retry loop's (``claim``)
         remove_stale(directory)
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         os.pwrite(self._fd, b"\0" + struct.pack("<ii", threads, os.getpid()), 0)
@@ -117,17 +119,17 @@ class CoreLender:
             self.held = True
             return
         os.pwrite(self._fd, b"\1", 0)
-        start = time.monotonic()
+        start = self._clock()
         self.waits += 1
         try:
             while not _try_lock(self._fd):
-                if time.monotonic() - start > self.deadline_s:
+                if self._clock() - start > self.deadline_s:
                     self.late += 1
                     return
-                time.sleep(RETRY_S)
+                self._sleep(RETRY_S)
             self.held = True
         finally:
-            self.wait_s += time.monotonic() - start
+            self.wait_s += self._clock() - start
             os.pwrite(self._fd, b"\0", 0)
 
     def release(self) -> None:

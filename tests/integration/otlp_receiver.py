@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import gzip
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -16,6 +15,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+
+from tests.waiting import wait_until
 
 
 @dataclass
@@ -90,12 +91,7 @@ class OtlpReceiver:
             return [s for s in self.spans if s.trace_id == trace_id]
 
     def wait(self, done: Callable[[], bool], timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not done():
-            if time.monotonic() > deadline:
-                names = sorted({s.name for s in self.spans})
-                raise AssertionError(f"spans did not arrive within {timeout} s; have {names}")
-            time.sleep(0.1)
+        wait_until(done, timeout, "the spans awaited", 0.1, lambda: sorted({s.name for s in self.spans}))
 
     def close(self) -> None:
         self._server.shutdown()

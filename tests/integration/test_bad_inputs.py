@@ -17,6 +17,8 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
+from tests.waiting import wait_until
+
 if TYPE_CHECKING:
     from tests.integration.conftest import PdserveServer
 
@@ -32,11 +34,13 @@ MSGS = [{"role": "user", "content": "Say hi."}]
 BAD = "invalid_request_error"
 
 
+FLAGS = ("--api-key", KEY, "--served-model-name", MODEL, "--max-request-bytes", "64K", "--max-model-len",
+         str(MAX_MODEL_LEN), "--max-queued-requests", "3", "--request-timeout", "6")
+
+
 @pytest.fixture(scope="module")
 def server(pdserve_factory: Callable[..., PdserveServer]) -> PdserveServer:
-    return pdserve_factory("--api-key", KEY, "--served-model-name", MODEL, "--max-request-bytes", "64K",
-                           "--max-model-len", str(MAX_MODEL_LEN), "--max-queued-requests", "3",
-                           "--request-timeout", "6", own_ray=True)  # its local Ray: see the last test
+    return pdserve_factory(*FLAGS)
 
 
 def chat(**kw: Any) -> bytes:
@@ -145,20 +149,22 @@ def wait_idle(server: PdserveServer, timeout: float = 20.0) -> None:
     names = ("pdserve:router_in_flight_requests", "pdserve:router_queued_requests",
              "pdserve:router_queued_prompt_tokens", "pdserve:worker_num_running",
              "pdserve:worker_num_used_blocks", "pdserve:worker_num_leases")
-    deadline = time.monotonic() + timeout
-    while any(metric(server, n) for n in names):
-        assert time.monotonic() < deadline, ({n: metric(server, n) for n in names}, server.log_tail())
-        time.sleep(0.2)
+
+    def busy() -> dict[str, float]:
+        return {n: value for n in names if (value := metric(server, n))}
+
+    wait_until(lambda: not busy(), timeout, "the server idle", 0.2, lambda: (busy(), server.log_tail()))
 
 
 def test_request_timeout_is_408_and_aborts(server: PdserveServer) -> None:
+    """900 tokens take far longer than the 6 s ``--request-timeout``: a 408, not a 200, shows the request
+    was cut there (never before it), and the idle server afterwards that it was aborted everywhere."""
     start = time.monotonic()
     resp = httpx.post(f"{server.url}{COMP}", headers=AUTH, timeout=60,
                       content=comp(max_tokens=900, ignore_eos=True))
     assert resp.status_code == 408, resp.text
     assert resp.json()["error"]["code"] == "request_timeout"
-    elapsed = time.monotonic() - start
-    assert elapsed < 10, f"408 took {elapsed:.1f} s\n{server.log_tail()}"
+    assert time.monotonic() - start >= 6
     wait_idle(server)
 
 
@@ -219,9 +225,12 @@ def test_still_serving_after_everything(server: PdserveServer) -> None:
     assert 'status="500"' not in text
 
 
-def test_signal_to_the_whole_process_group_still_stops_within_a_deadline(server: PdserveServer) -> None:
+def test_signal_to_the_whole_process_group_still_stops_within_a_deadline(
+        pdserve_factory: Callable[..., PdserveServer]) -> None:
     """Ctrl-C in a terminal, or `timeout`, signals the whole group: the local raylet dies with the
-    server, and the shutdown must not wait forever on Ray calls that can no longer be answered."""
+    server, and the shutdown must not wait forever on Ray calls that can no longer be answered. A server
+    of its own, with its own local Ray, as ``pdserve serve`` on a laptop: the module's server stays up."""
+    server = pdserve_factory(*FLAGS, own_ray=True)
     os.killpg(server.process.pid, signal.SIGTERM)
     try:
         code = server.process.wait(60)

@@ -28,6 +28,7 @@ from router.errors import RequestFailed
 from router.handles import DecodeHandle
 from telemetry.tracing import TraceConfig
 from tests.integration.otlp_receiver import OtlpReceiver
+from tests.waiting import wait_until
 
 MODEL = str(default_model_path())
 CONFIG = EngineConfig(dtype="float32", max_num_batched_tokens=512, kv_cache_memory=256 * 2**20,
@@ -72,13 +73,13 @@ async def collect(client: PDClient, r: GenerateRequest) -> list[int]:
 
 def settle(client: PDClient, timeout: float = 20.0) -> None:
     """Wait until no worker holds a used block, then check every pool's invariants."""
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = run(client.stats())
-        if all(s.kv.used_blocks == 0 and s.leases.held == 0 for s in stats):
-            break
-        assert time.monotonic() < deadline, f"blocks still held: {stats}"
-        time.sleep(0.1)
+    seen: list[WorkerStats] = []
+
+    def free() -> bool:
+        seen[:] = run(client.stats())
+        return all(s.kv.used_blocks == 0 and s.leases.held == 0 for s in seen)
+
+    wait_until(free, timeout, "no block held", 0.1, lambda: seen)
     run(client.check_integrity())
 
 

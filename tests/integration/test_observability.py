@@ -10,7 +10,6 @@ import os
 import secrets
 import shutil
 import subprocess
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,6 +18,7 @@ import pytest
 
 from tests.integration.conftest import _free_port
 from tests.integration.otlp_receiver import OtlpReceiver, Span
+from tests.waiting import wait_until
 
 if TYPE_CHECKING:
     from tests.integration.conftest import PdserveServer
@@ -128,20 +128,18 @@ def test_prometheus_scrapes_ttft(server: PdserveServer, tmp_path: Path) -> None:
         chat(server, f"Count to {i + 3}.", 4)
     proc, url = _prometheus(server, tmp_path)
     try:
-        deadline = time.monotonic() + 60
-        value = None
-        while value is None:
+        def ttft_p50() -> str | None:
             assert proc.poll() is None, (tmp_path / "prometheus.log").read_text()[-2000:]
-            assert time.monotonic() < deadline, "Prometheus never answered a TTFT p50"
             try:
                 resp = httpx.get(f"{url}/api/v1/query", params={"query": TTFT_P50}, timeout=5)
-                # while it starts, Prometheus answers in plain text ("Service Unavailable")
-                result = resp.json()["data"]["result"] if resp.status_code == 200 else []
-                if result and result[0]["value"][1] not in ("NaN", "+Inf"):
-                    value = float(result[0]["value"][1])
             except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+                return None
+            # while it starts, Prometheus answers in plain text ("Service Unavailable")
+            result = resp.json()["data"]["result"] if resp.status_code == 200 else []
+            answer = result[0]["value"][1] if result else None
+            return None if answer in ("NaN", "+Inf") else answer
+
+        value = float(wait_until(ttft_p50, 60, "Prometheus answering a TTFT p50", interval=0.5))
         assert 0 < value < 120
         up = httpx.get(f"{url}/api/v1/query", params={"query": "pdserve:kv_cache_usage_perc"}, timeout=5)
         roles = {r["metric"]["role"] for r in up.json()["data"]["result"]}
@@ -151,7 +149,10 @@ def test_prometheus_scrapes_ttft(server: PdserveServer, tmp_path: Path) -> None:
         proc.wait(20)
 
 
-def scrape(server: PdserveServer) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def scrape(server: PdserveServer) -> Samples:
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(f"{server.url}/metrics", timeout=10).text
@@ -159,7 +160,7 @@ def scrape(server: PdserveServer) -> dict[tuple[str, frozenset[tuple[str, str]]]
             for f in text_string_to_metric_families(text) for s in f.samples}
 
 
-def total(samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str) -> float:
+def total(samples: Samples, name: str, **labels: str) -> float:
     want = set(labels.items())
     return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)
 
@@ -167,8 +168,20 @@ def total(samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: st
 def test_vllm_named_metrics_count_one_request(server: PdserveServer) -> None:
     before = scrape(server)
     usage = chat(server, STORY * 3 + "Which wind?", 5)["usage"]
-    time.sleep(0.5)  # the client's worker stats refresh every 0.1 s
-    after = scrape(server)
+
+    def settled() -> Samples | None:
+        """A scrape once the workers' stats, which the router refreshes every 0.1 s, show the request
+        done: its transfer and its prefill queue time counted, nothing running, no decode block held."""
+        now = scrape(server)
+        done = (total(now, "pdserve:kv_transfer_seconds_count", role="decode")
+                > total(before, "pdserve:kv_transfer_seconds_count", role="decode")
+                and total(now, "pdserve:request_queue_time_seconds_count", role="prefill")
+                > total(before, "pdserve:request_queue_time_seconds_count", role="prefill")
+                and total(now, "pdserve:num_requests_running") == 0
+                and total(now, "pdserve:kv_cache_usage_perc", role="decode") == 0)
+        return now if done else None
+
+    after = wait_until(settled, 30, "the workers' stats showing the request done")
 
     def delta(name: str, **labels: str) -> float:
         return total(after, name, **labels) - total(before, name, **labels)
@@ -184,6 +197,4 @@ def test_vllm_named_metrics_count_one_request(server: PdserveServer) -> None:
     assert delta("pdserve:kv_transfer_seconds_count", role="decode") == 1
     assert delta("pdserve:request_queue_time_seconds_count", role="prefill") == 1
     assert delta("pdserve:routing_decisions_total", role="prefill", policy="prefix") == 1
-    assert total(after, "pdserve:num_requests_running") == 0
-    assert total(after, "pdserve:kv_cache_usage_perc", role="decode") == 0
     assert total(after, "pdserve:kv_transfer_failures_total") == 0

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine import LLM, SamplingParams
 from tests.integration.test_engine_vs_hf import CHATS, RAW
+from tests.waiting import wait_until
 
 if TYPE_CHECKING:
     from tests.integration.conftest import PdserveServer
@@ -102,14 +102,16 @@ def metric(server: PdserveServer, name: str, **labels: str) -> float:
 
 
 def wait_drained(server: PdserveServer, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = httpx.get(f"{server.url}/v1/workers", timeout=10).json()["workers"]
-        busy = {w["worker_id"]: {f"{a}.{b}": w[a][b] for a, b in BUSY_FIELDS if w[a][b]} for w in stats}
-        if len(stats) == 2 and not any(busy.values()):
-            return
-        assert time.monotonic() < deadline, busy
-        time.sleep(0.2)
+    seen: list[dict[str, Any]] = []
+
+    def drained() -> bool:
+        seen[:] = httpx.get(f"{server.url}/v1/workers", timeout=10).json()["workers"]
+        return len(seen) == 2 and not any(w[a][b] for w in seen for a, b in BUSY_FIELDS)
+
+    def busy() -> dict[str, dict[str, Any]]:
+        return {w["worker_id"]: {f"{a}.{b}": w[a][b] for a, b in BUSY_FIELDS if w[a][b]} for w in seen}
+
+    wait_until(drained, timeout, "two workers holding nothing", 0.2, busy)
 
 
 def complete(server: PdserveServer, prompt: str, **extra: Any) -> dict[str, Any]:

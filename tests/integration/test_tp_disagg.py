@@ -22,8 +22,10 @@ from engine.engine import LLMEngine
 from engine.llm import start_engine
 from engine.tp_ranks import RankProcesses
 from tests.integration.test_tensor_parallel import NEW_TOKENS, prompts, save
+from tests.waiting import wait_until
+from transfer.descriptors import merged_descriptor_count
 from transfer.errors import IncompatibleKvError
-from transfer.nixl_sink import KvSink, merged_descriptor_count
+from transfer.nixl_sink import KvSink
 from transfer.nixl_source import KvSource
 from transfer.wire import AgentInfo, KvHandle
 from worker.tp_kv import EXTENSION, GroupSink, group_block_bytes, open_sink, open_source
@@ -148,12 +150,14 @@ def run_one(prefill: Side, decode: Side, ids: list[int]) -> tuple[list[int], int
         assert data == want, f"decode rank {rank} of {decode.size} differs from prefill TP={prefill.size}"
 
     # the done notification ends the lease on prefill rank 0, and prefill frees the blocks
-    end = time.monotonic() + WAIT_S
     released: list[str] = []
-    while rid not in released and time.monotonic() < end:
-        released += prefill.source.poll()[0]
-        time.sleep(0.01)
-    assert rid in released
+    source = prefill.source
+
+    def lease_ended() -> bool:
+        released.extend(source.poll()[0])
+        return rid in released
+
+    wait_until(lease_ended, WAIT_S, f"the done notification of {rid}", 0.01)
     assert pe.release_kv(rid) == n and pe.kv.pool.num_used_blocks == 0
 
     out = de.start_prefilled(rid, first)

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from messages.codec import pack, unpack
+from tests.waiting import wait_until
 from transfer.errors import IncompatibleKvError, TransferError
 from transfer.wire import WIRE_VERSION, AgentInfo, KvHandle, KvLayout
 
@@ -91,13 +92,16 @@ class SourcePeer:
             request_id, self.info.agent_name, list(range(10)), 40, self.info.compat_hash, deadline
         )
 
-    def wait_released(self, request_id: str) -> None:
-        end = time.monotonic() + WAIT_S
-        while time.monotonic() < end:
-            if request_id in self.call(Command("poll")).released:
-                return
-            time.sleep(0.01)
-        raise TimeoutError(f"source never reported {request_id} released")
+    def wait_released(self, *request_ids: str) -> None:
+        """Until the source reported every one of ``request_ids`` released (one poll may report several)."""
+        released: set[str] = set()
+
+        def all_released() -> bool:
+            released.update(self.call(Command("poll")).released)
+            return released >= set(request_ids)
+
+        wait_until(all_released, WAIT_S, f"the source reporting {request_ids} released", 0.01,
+                   lambda: sorted(released))
 
 
 @pytest.fixture(scope="module")
@@ -319,12 +323,7 @@ def test_a_rank_with_other_heads_reads_through_staging_in_chunks(source: SourceP
             assert torch.equal(kv[:, local], want[:, remote])
             assert got.bytes == len(local) * SRC_LAYOUT.num_layers * layout.region_bytes
             assert got.staged_bytes == len(local) * per_block  # both source heads read, one kept
-        released: set[str] = set()  # one poll may report both
-        end = time.monotonic() + WAIT_S
-        while released < {rid for rid, _, _ in reads} and time.monotonic() < end:
-            released.update(source.call(Command("poll")).released)
-            time.sleep(0.01)
-        assert released == {rid for rid, _, _ in reads}
+        source.wait_released(*(rid for rid, _, _ in reads))
         # [9, 2, 3] [4, 5, 6] [7]: 2 + 1 + 1 runs of consecutive source blocks, one descriptor per layer
         assert stats[0].descriptors == 4 * SRC_LAYOUT.num_layers
         assert stats[1].descriptors == SRC_LAYOUT.num_layers

@@ -11,6 +11,8 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from engine.tokenizer import Tokenizer
+
 TINY_VOCAB = 256
 UNIT_TIMEOUT_S = 120  # unit tests are CPU-only and short; the suite-wide limit (pyproject) is for Ray ones
 
@@ -67,3 +69,14 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     Prompts are passed as token id lists; the model never emits EOS on its own (none is set).
     """
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer() -> Tokenizer:
+    """The built-in model's tokenizer (skips the test when the model was not fetched)."""
+    from engine.loader import default_model_path, load_model_source
+
+    path = default_model_path()
+    if not path.is_file():
+        pytest.skip("default model not fetched")
+    return load_model_source(path).load_tokenizer()

@@ -9,7 +9,6 @@ streams of a disconnect storm held their closing for 117 s that way, until their
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 
 from engine.async_engine import AsyncEngine
@@ -24,7 +23,7 @@ def test_abort_ends_the_stream_with_the_abort_output(tiny_model_dir: Path) -> No
     params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
     got: list[str | None] = []
 
-    async def main() -> float:
+    async def main() -> None:
         def add(e: LLMEngine) -> None:
             e.add_request(list(range(1, 9)), params, request_id="r")
             aengine.open_stream("r")
@@ -39,15 +38,11 @@ def test_abort_ends_the_stream_with_the_abort_output(tiny_model_dir: Path) -> No
                         asyncio.ensure_future(aengine.abort("r"))))
 
         aborts: list[asyncio.Future[object]] = []
-        start = time.monotonic()
-        await asyncio.wait_for(consume(), 30)
-        took = time.monotonic() - start
+        await asyncio.wait_for(consume(), 30)  # well before the stream's own 60 s timeout could end it
         assert await aborts[0] is not None
         assert await aengine.abort("r") is None  # gone: nothing to end twice
         await aengine.stop()
-        return took
 
-    took = asyncio.run(main())
+    asyncio.run(main())
     assert got[-1] == "abort" and all(r is None for r in got[:-1])
-    assert took < 25  # the stream's 60 s timeout was not what ended it
     assert engine.kv.pool.num_used_blocks == 0

@@ -13,13 +13,16 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.sampling_params import SamplingParams
 
 
-def test_a_finished_request_reads_the_engine_before_the_next_step(tiny_model_dir: Path) -> None:
+def test_a_finished_request_reads_the_engine_before_the_next_step(tiny_model_dir: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     config = EngineConfig(num_kv_blocks=64, block_size=16, max_num_seqs=8, max_num_batched_tokens=32)
     engine = LLMEngine(str(tiny_model_dir), config)
     events: list[str] = []
@@ -29,7 +32,7 @@ def test_a_finished_request_reads_the_engine_before_the_next_step(tiny_model_dir
         events.append("step")
         return real_step()
 
-    engine.step = step  # type: ignore[method-assign]
+    monkeypatch.setattr(engine, "step", step)
     aengine = AsyncEngine(engine)
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 

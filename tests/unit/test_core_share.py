@@ -8,15 +8,15 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from messages.wire import CoreShareStats
+from tests.fakes import FakeClock
 from worker.core_share import (
+    RETRY_S,
     BorrowGate,
     CoreBorrower,
     CoreLender,
@@ -49,38 +49,36 @@ def test_an_idle_lenders_threads_go_to_one_borrower_for_one_step(tmp_path: Path)
 
 
 def test_a_lender_waits_for_the_borrowers_step_and_nobody_borrows_meanwhile(tmp_path: Path) -> None:
-    lender = CoreLender(KEY, "prefill-0", 1, str(tmp_path))
+    """The lender's retry loop runs on a ``FakeClock``, in this thread: each retry's sleep is 0.1 s of the
+    borrower's step, so the wait is the same on any machine."""
+    clock = FakeClock()
+    lender = CoreLender(KEY, "prefill-0", 1, str(tmp_path), clock=clock, sleep=lambda _: clock.sleep(0.1))
     borrower, other = CoreBorrower(KEY, str(tmp_path)), CoreBorrower(KEY, str(tmp_path))
     assert borrower.borrow() == 1
     seen: list[int] = []
 
-    def step_then_give_back() -> None:
-        time.sleep(0.1)
-        seen.append(other.borrow())  # the lender's wish is set: no one takes its cores again
-        time.sleep(0.1)
-        borrower.give_back()
+    def borrowers_step() -> None:  # one retry: another borrower tries; the next: the step ends
+        if not seen:
+            seen.append(other.borrow())  # the lender's wish is set: no one takes its cores again
+        else:
+            borrower.give_back()
 
-    t = threading.Thread(target=step_then_give_back)
-    t.start()
-    start = time.monotonic()
+    clock.on_sleep = borrowers_step
     lender.claim()
-    waited = time.monotonic() - start
-    t.join()
-    assert lender.held and 0.15 < waited < 1.0
-    assert seen == [0]
-    assert lender.waits == 1 and lender.late == 0 and lender.wait_s >= 0.15
+    assert lender.held and seen == [0] and clock.sleeps == [0.1, 0.1]
+    assert lender.waits == 1 and lender.late == 0 and lender.wait_s == pytest.approx(0.2)
     assert borrower.borrow() == 0  # held by the lender now
     lender.close()
 
 
 def test_a_lender_computes_anyway_past_its_deadline(tmp_path: Path) -> None:
-    lender = CoreLender(KEY, "prefill-0", 1, str(tmp_path), deadline_s=0.1)
+    clock = FakeClock()
+    lender = CoreLender(KEY, "prefill-0", 1, str(tmp_path), deadline_s=0.1, clock=clock, sleep=clock.sleep)
     stuck = CoreBorrower(KEY, str(tmp_path))
     assert stuck.borrow() == 1  # and never gives back
-    start = time.monotonic()
     lender.claim()
-    assert time.monotonic() - start < 0.5
     assert not lender.held and lender.late == 1
+    assert lender.wait_s == pytest.approx(0.1 + RETRY_S) and set(clock.sleeps) == {RETRY_S}
     stuck.give_back()
     lender.claim()
     assert lender.held

@@ -18,10 +18,11 @@ from router.load import Chooser
 from router.load_window import LoadWindow, Served
 from router.policy import LeastLoaded
 from router.worker_table import WorkerState, WorkerTable
+from tests.fakes import FakeActor, SilentStream
 
 
 def table() -> WorkerTable:
-    t = WorkerTable([PrefillHandle(object())], [DecodeHandle(object()), DecodeHandle(object())], 1.0)
+    t = WorkerTable([PrefillHandle(FakeActor())], [DecodeHandle(FakeActor()), DecodeHandle(FakeActor())], 1.0)
     for w, name in zip(t.all(), ("prefill-0", "decode-0", "decode-1"), strict=True):
         w.worker_id = name
     return t
@@ -53,7 +54,7 @@ def test_draining_worker_leaves_routing_at_once_and_is_never_revived() -> None:
     async def die() -> tuple[int, int]:  # within a loop, where revival tasks can start
         t.mark_dead(d1)  # its process died while draining: no revival
         draining_revivals = len(t._revivals)
-        other = WorkerTable([], [DecodeHandle(object())], 1.0)
+        other = WorkerTable([], [DecodeHandle(FakeActor())], 1.0)
         other.on_revive = revive
         other.mark_dead(other.decode[0])  # a worker not draining is waited for
         serving_revivals = len(other._revivals)
@@ -86,7 +87,7 @@ def test_drain_refusals() -> None:
 def test_added_workers_get_fresh_indexes() -> None:
     t = table()
     t.remove(t.decode[1])
-    added = t.add("decode", DecodeHandle(object()), "decode-2")
+    added = t.add("decode", DecodeHandle(FakeActor()), "decode-2")
     assert [(w.worker_id, w.index) for w in t.decode] == [("decode-0", 0), ("decode-2", 2)]
     assert t.find("decode-2") is added and t.live("decode")[-1] is added
 
@@ -132,32 +133,20 @@ def test_slo_and_planner_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert ServeConfig(num_decode=2, planner=options).planner.bounds(1, 2) == (1, 1, 2, 4)
 
 
-class _Silent:
-    """A decode actor's ``outputs`` stream that never yields (the worker is busy): enough for a channel."""
-
-    def options(self, **_: object) -> _Silent:
-        return self
-
-    def remote(self, _channel: str) -> _Silent:
-        return self
-
-    def __aiter__(self) -> _Silent:
-        return self
-
-    async def __anext__(self) -> object:
-        await asyncio.Event().wait()
-        raise StopAsyncIteration
+def busy() -> FakeActor:
+    """A decode actor whose output stream never yields (the worker is busy): enough for a channel."""
+    return FakeActor(outputs=SilentStream())
 
 
-class _Actor:
-    outputs = _Silent()
-
-
-def test_removed_decode_worker_moves_its_open_requests_on() -> None:
+def test_removed_decode_worker_moves_its_open_requests_on(monkeypatch: pytest.MonkeyPatch) -> None:
     """A drain past its deadline removes a worker that still streams: those attempts get Ray's "worker
     died" error (the client migrates them, as after a death), not a bare error that fails them. Found
-    by the chaos soak: such requests ended in a 500 ("output channel closed")."""
-    t = WorkerTable([], [DecodeHandle(_Actor()), DecodeHandle(_Actor())], 1.0)
+    by the chaos soak: such requests ended in a 500 ("output channel closed"). Both channels cancel
+    their worker's end (``ray.cancel``, recorded here: on a fake stream it would start a local Ray)."""
+    cancelled: list[object] = []
+    monkeypatch.setattr("router.channel.ray.cancel", cancelled.append)
+    actors = [busy(), busy()]
+    t = WorkerTable([], [DecodeHandle(a) for a in actors], 1.0)
     d0, d1 = t.decode
     d0.worker_id = "decode-0"
 
@@ -178,3 +167,4 @@ def test_removed_decode_worker_moves_its_open_requests_on() -> None:
     left, shut = asyncio.run(main())
     assert isinstance(left, WORKER_DIED) and "decode-0 left the cluster" in str(left), repr(left)
     assert isinstance(shut, RuntimeError) and not isinstance(shut, WORKER_DIED), repr(shut)
+    assert cancelled == [a.replies["outputs"] for a in actors]

@@ -13,6 +13,7 @@ import contextvars
 import threading
 from pathlib import Path
 
+import pytest
 import torch
 
 from engine.async_engine import AsyncEngine, EngineThread
@@ -24,7 +25,8 @@ from engine.sampling_params import SamplingParams
 TAG: contextvars.ContextVar[str] = contextvars.ContextVar("TAG", default="unset")
 
 
-def test_every_engine_call_runs_on_the_engine_thread(tiny_model_dir: Path) -> None:
+def test_every_engine_call_runs_on_the_engine_thread(tiny_model_dir: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     seen: dict[str, set[int]] = {"build": set(), "step": set(), "read": set(), "mutate": set()}
     thread = EngineThread(num_threads=1)
 
@@ -39,7 +41,7 @@ def test_every_engine_call_runs_on_the_engine_thread(tiny_model_dir: Path) -> No
         seen["step"].add(threading.get_ident())
         return real_step()
 
-    engine.step = step  # type: ignore[method-assign]
+    monkeypatch.setattr(engine, "step", step)
     aengine = AsyncEngine(engine, thread)
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 

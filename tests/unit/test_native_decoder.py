@@ -27,7 +27,7 @@ def threads(request: pytest.FixtureRequest) -> Iterator[int]:
     torch.set_num_threads(before)
 
 
-def spy_calls(runner: PagedRunner) -> list[int]:
+def spy_calls(runner: PagedRunner, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Record the row count of every step the one-call decoder runs (it still runs them)."""
     decoder = runner.model.native_decoder
     assert decoder is not None
@@ -38,16 +38,17 @@ def spy_calls(runner: PagedRunner) -> list[int]:
         calls.append(hidden.shape[0])
         return real(hidden, *args)  # type: ignore[arg-type]
 
-    decoder.run = run  # type: ignore[method-assign,assignment]
+    monkeypatch.setattr(decoder, "run", run)
     return calls
 
 
 @pytest.mark.parametrize("variant", ["llama3", "qwen2", "mqa", "tied", "wide-heads"])
-def test_one_call_decoder_is_bitwise_the_per_layer_path(variant: str, threads: int) -> None:
+def test_one_call_decoder_is_bitwise_the_per_layer_path(variant: str, threads: int,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     hf = hf_model(variant)
     one_call, per_layer = PagedRunner(hf), PagedRunner(hf)
     per_layer.model.use_native_decoder = False
-    calls = spy_calls(one_call)
+    calls = spy_calls(one_call, monkeypatch)
     for work in STEPS:
         for got, want in zip(one_call.step(work), per_layer.step(work), strict=True):
             assert torch.equal(got, want)
@@ -80,7 +81,7 @@ def test_long_prompt_chunks_take_it_with_scratch_for_that_call_only(monkeypatch:
     hf = hf_model("wide-heads")
     runner, reference = PagedRunner(hf), PagedRunner(hf)
     reference.model.use_native_decoder = False
-    calls = spy_calls(runner)
+    calls = spy_calls(runner, monkeypatch)
     decoder = runner.model.native_decoder
     assert decoder is not None
     monkeypatch.setattr(native_decoder, "KEEP_WORKSPACE_BYTES", decoder.shape.workspace_floats(8) * 4)
@@ -119,6 +120,6 @@ def test_no_decoder_without_native_products() -> None:
 def test_turned_off_by_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PDSERVE_NATIVE_DECODER", "0")
     runner = PagedRunner(hf_model("llama3"))
-    calls = spy_calls(runner)
+    calls = spy_calls(runner, monkeypatch)
     runner.step([(0, [5])])
     assert calls == [] and not runner.model.use_native_decoder

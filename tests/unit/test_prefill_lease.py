@@ -4,6 +4,9 @@ left counted on the worker until its deadline, and none is reported as expired l
 Found by the chaos soak (``bench.chaos``): a client that disconnected after its prompt was prefilled had
 its blocks freed by the router's release, but the lease stayed in the KV source until its deadline and
 then counted as expired.
+
+Lease deadlines are read from the worker's ``lease_clock``: a ``FakeClock`` here, moved past a deadline
+by the test, so no test sleeps for one.
 """
 
 from __future__ import annotations
@@ -12,29 +15,46 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from messages.codec import pack, unpack
 from messages.wire import ErrorKind, GenerateRequest, PrefillResult, WorkerError, WorkerStats
 from prefill.worker import PrefillWorker
+from tests.fakes import FakeClock
+from tests.waiting import until
+
+CONFIG = pack(EngineConfig(num_kv_blocks=64, block_size=16))
+PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+IDLE_TURNS = 50  # turns of the event loop in which an idle poller must not poll
+
+
+def request(rid: str) -> GenerateRequest:
+    return GenerateRequest(request_id=rid, prompt_token_ids=list(range(1, 41)), sampling=PARAMS)
+
+
+async def stats(worker: PrefillWorker) -> WorkerStats:
+    return unpack(await worker.stats(), WorkerStats)
 
 
 def test_release_and_abort_end_the_lease(tiny_model_dir: Path) -> None:
-    config = EngineConfig(num_kv_blocks=64, block_size=16)
-    worker = PrefillWorker("prefill-t", str(tiny_model_dir), pack(config), lease_seconds=0.3)
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    clock = FakeClock()
+    worker = PrefillWorker("prefill-t", str(tiny_model_dir), CONFIG, lease_seconds=0.3, lease_clock=clock)
 
     async def main() -> list[WorkerStats]:
         seen = []
         for i, end in enumerate(("release", "abort")):
-            req = GenerateRequest(request_id=f"r{i}", prompt_token_ids=list(range(1, 41)), sampling=params)
+            req = request(f"r{i}")
             result = unpack(await worker.prefill(pack(req)), PrefillResult)
             assert len(result.handle.block_ids) == 3
-            seen.append(unpack(await worker.stats(), WorkerStats))
+            assert result.handle.lease_deadline == clock() + 0.3
+            seen.append(await stats(worker))
             await (worker.release(req.request_id) if end == "release" else worker.abort(req.request_id))
-            seen.append(unpack(await worker.stats(), WorkerStats))
-        await asyncio.sleep(0.6)  # past both deadlines; the poller has run many times
-        seen.append(unpack(await worker.stats(), WorkerStats))
+            seen.append(await stats(worker))
+        clock.advance(1.0)  # past both deadlines: a lease still held would expire at the next poll
+        await worker._poll_once()
+        seen.append(await stats(worker))
         await worker.aengine.stop()
         return seen
 
@@ -45,15 +65,14 @@ def test_release_and_abort_end_the_lease(tiny_model_dir: Path) -> None:
         assert (s.leases.held, s.kv.used_blocks, s.leases.expired) == (0, 0, 0)
 
 
-def test_abort_after_the_last_step_takes_no_lease(tiny_model_dir: Path) -> None:
+def test_abort_after_the_last_step_takes_no_lease(tiny_model_dir: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """The router's abort lands after the prompt's last step but before the worker leased its blocks (the
     window in which the worker reads the block ids): the prefill answers ``aborted`` and nothing stays
     held. Found by the chaos soak: such an abort freed the blocks, then the lease was taken anyway and
     stayed until its deadline."""
-    config = EngineConfig(num_kv_blocks=64, block_size=16)
-    worker = PrefillWorker("prefill-t", str(tiny_model_dir), pack(config), lease_seconds=30.0)
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    req = GenerateRequest(request_id="late", prompt_token_ids=list(range(1, 41)), sampling=params)
+    worker = PrefillWorker("prefill-t", str(tiny_model_dir), CONFIG, lease_seconds=30.0)
+    req = request("late")
     real_read = worker.aengine.read
     aborted: list[str] = []
 
@@ -65,47 +84,70 @@ def test_abort_after_the_last_step_takes_no_lease(tiny_model_dir: Path) -> None:
 
     async def main() -> tuple[PrefillResult | WorkerError, WorkerStats]:
         await worker.ready()
-        worker.aengine.read = read_after_abort  # type: ignore[method-assign]
-        answer = unpack(await worker.prefill(pack(req)), PrefillResult | WorkerError)
-        worker.aengine.read = real_read  # type: ignore[method-assign]
-        stats = unpack(await worker.stats(), WorkerStats)
+        with monkeypatch.context() as patch:
+            patch.setattr(worker.aengine, "read", read_after_abort)
+            answer = unpack(await worker.prefill(pack(req)), PrefillResult | WorkerError)
+        after = await stats(worker)
         await worker.aengine.stop()
-        return answer, stats
+        return answer, after
 
-    answer, stats = asyncio.run(main())
+    answer, after = asyncio.run(main())
     assert aborted == ["late"]
     assert isinstance(answer, WorkerError) and answer.kind is ErrorKind.ABORTED, answer
-    assert (stats.leases.held, stats.kv.used_blocks) == (0, 0)
+    assert (after.leases.held, after.kv.used_blocks) == (0, 0)
 
 
-def test_lease_poller_sleeps_without_leases_and_wakes_for_a_new_one(tiny_model_dir: Path) -> None:
-    """No lease held: the poller does not run (it waits for one); a new lease wakes it, and it
-    polls until the lease ends, here at its deadline."""
-    config = EngineConfig(num_kv_blocks=64, block_size=16)
-    worker = PrefillWorker("prefill-t", str(tiny_model_dir), pack(config), lease_seconds=0.3)
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+def test_lease_poller_sleeps_without_leases_and_wakes_for_a_new_one(
+        tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No lease held: the poller does not run (it waits for one); a new lease wakes it, and it polls until
+    the lease ends, here at its deadline. ``poll_interval=0``: while awake it polls at every turn of the
+    event loop, so ``IDLE_TURNS`` turns without a poll show it asleep."""
+    clock = FakeClock()
+    worker = PrefillWorker("prefill-t", str(tiny_model_dir), CONFIG, lease_seconds=0.3, poll_interval=0.0,
+                           lease_clock=clock)
     real_poll, polls = worker.source.poll, [0]
 
     def counting_poll(now: float | None = None) -> tuple[list[str], list[str]]:
         polls[0] += 1
         return real_poll(now)
 
-    worker.source.poll = counting_poll  # type: ignore[method-assign]
+    monkeypatch.setattr(worker.source, "poll", counting_poll)
+
+    async def turns_without_a_poll() -> bool:
+        before = polls[0]
+        for _ in range(IDLE_TURNS):
+            await asyncio.sleep(0)
+        return polls[0] == before
 
     async def main() -> tuple[int, WorkerStats, WorkerStats]:
         await worker.ready()
-        await asyncio.sleep(0.3)
+
+        async def started() -> bool:
+            return polls[0] >= 1
+
+        await until(started, 30, "the poller's pass at start-up")
+        assert await turns_without_a_poll()
         idle_polls = polls[0]
-        req = GenerateRequest(request_id="r", prompt_token_ids=list(range(1, 41)), sampling=params)
-        unpack(await worker.prefill(pack(req)), PrefillResult)
-        held = unpack(await worker.stats(), WorkerStats)
-        await asyncio.sleep(0.6)  # past the deadline
-        later = unpack(await worker.stats(), WorkerStats)
+        unpack(await worker.prefill(pack(request("r"))), PrefillResult)
+        held = await stats(worker)
+
+        async def polled_ten() -> bool:
+            return polls[0] >= idle_polls + 10
+
+        await until(polled_ten, 30, "the poller polling while a lease is held")
+        assert (await stats(worker)).num_leases == 1  # its deadline has not come
+        clock.advance(0.3)
+
+        async def lease_ended() -> WorkerStats | None:
+            s = await stats(worker)
+            return s if (s.num_leases, s.num_used_blocks) == (0, 0) else None
+
+        later = await until(lease_ended, 30, "the lease ending at its deadline")
+        assert await turns_without_a_poll()  # asleep again
         await worker.aengine.stop()
         return idle_polls, held, later
 
     idle_polls, held, later = asyncio.run(main())
-    assert idle_polls <= 1  # one pass at start-up, then asleep (every 10 ms would be ~30)
+    assert idle_polls == 1  # one pass at start-up, then asleep
     assert (held.leases.held, held.kv.used_blocks) == (1, 3)
-    assert (later.leases.held, later.kv.used_blocks, later.leases.expired) == (0, 0, 1)
-    assert polls[0] >= 10  # polled every 10 ms while the lease was held
+    assert later.leases.expired == 1

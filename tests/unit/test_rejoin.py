@@ -1,12 +1,11 @@
 """A restarted prefill worker rejoins even when a decode worker dies during the handshake: the decode
 worker's death is its own (found by the chaos soak: a decode worker killed while draining made the
 router give up a restarting prefill worker for good). No Ray: the handles wrap plain objects whose
-calls raise Ray's own exceptions."""
+calls raise Ray's own exceptions (``tests/fakes.py``)."""
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import pytest
 from ray.exceptions import ActorDiedError
@@ -15,37 +14,11 @@ from messages.codec import pack
 from messages.wire import ErrorKind, WorkerError
 from router.client import PDClient
 from router.errors import RequestFailed
+from tests.fakes import FakeActor
 from transfer.wire import AgentInfo, KvLayout
 
 LAYOUT = KvLayout(model="m", dtype="float32", num_layers=2, num_blocks=8, block_size=16, num_kv_heads=1,
                   head_dim=8, element_size=4)
-
-
-class Actor:
-    """An actor whose ``method.remote(...)`` returns an awaitable of ``replies[method]`` (raised if an
-    exception)."""
-
-    def __init__(self, **replies: Any) -> None:
-        self.replies = replies
-        self.calls: list[str] = []
-
-    def __getattr__(self, method: str) -> Any:
-        actor = self
-
-        class Method:
-            @staticmethod
-            def remote(*_: Any) -> Any:
-                actor.calls.append(method)
-
-                async def reply() -> Any:
-                    value = actor.replies[method]
-                    if isinstance(value, BaseException):
-                        raise value
-                    return value
-
-                return reply()
-
-        return Method()
 
 
 def agent(name: str) -> bytes:
@@ -55,9 +28,9 @@ def agent(name: str) -> bytes:
 
 def test_a_decode_worker_dying_in_the_handshake_does_not_fail_the_prefill_rejoin() -> None:
     async def run() -> None:
-        dead = Actor(connect=ActorDiedError())
-        alive = Actor(connect=b"")
-        client = PDClient([Actor(ready=agent("prefill-0-new"))], [dead, alive])
+        dead = FakeActor(connect=ActorDiedError())
+        alive = FakeActor(connect=b"")
+        client = PDClient([FakeActor(ready=agent("prefill-0-new"))], [dead, alive])
         prefill = client.table.prefill[0]
         d_dead, d_alive = client.table.decode
         await client._rejoin(prefill)  # what the revival loop calls; raised ActorDiedError before
@@ -72,7 +45,7 @@ def test_a_decode_worker_dying_in_the_handshake_does_not_fail_the_prefill_rejoin
 def test_a_refused_handshake_still_fails_the_rejoin() -> None:
     async def run() -> None:
         refusal = pack(WorkerError(kind=ErrorKind.INVALID, message="incompatible KV layout"))
-        client = PDClient([Actor(ready=agent("prefill-0-new"))], [Actor(connect=refusal)])
+        client = PDClient([FakeActor(ready=agent("prefill-0-new"))], [FakeActor(connect=refusal)])
         with pytest.raises(RequestFailed, match="incompatible KV layout"):
             await client._rejoin(client.table.prefill[0])
         assert client.table.decode[0].alive

@@ -8,6 +8,7 @@ from router.handles import DecodeHandle
 from router.policy import Candidate, LeastLoaded, PrefixAware, RoundRobin, make_policy
 from router.prefix_index import PrefixIndex
 from router.worker_table import WorkerState, WorkerTable
+from tests.fakes import FakeActor
 
 
 def test_index_folds_events_in_order_and_detects_gaps() -> None:
@@ -66,7 +67,7 @@ def test_round_robin_and_least_loaded() -> None:
 
 
 def two_decoders() -> tuple[WorkerTable, WorkerState, WorkerState]:
-    table = WorkerTable([], [DecodeHandle(object()), DecodeHandle(object())], call_timeout=1.0)
+    table = WorkerTable([], [DecodeHandle(FakeActor()), DecodeHandle(FakeActor())], call_timeout=1.0)
     table.index = PrefixIndex(block_size=4, seed=ROOT_SEED)
     a, b = table.decode
     a.worker_id, b.worker_id = "d0", "d1"

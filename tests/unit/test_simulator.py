@@ -14,8 +14,9 @@ from planner.profile import (
     TransferCost,
 )
 from planner.results import Percentiles, SimResult, weighted_percentile
-from planner.sim_workers import DecodeSim, PrefixLru
-from planner.simulator import Cluster, RequestSpec, Simulation, simulate
+from planner.sim_workers import DecodeSim, PrefillSim, PrefixLru, Req
+from planner.simulator import Cluster, RequestSpec, Simulation, _Role, simulate
+from router.policy import Candidate, PrefixAware
 
 EXACT = 1e-12
 
@@ -272,3 +273,33 @@ def test_prefill_steps_stretch_by_their_own_host_cores() -> None:
     same = Simulation(make_profile(), Cluster(1, 1), specs, host_cores=1, prefill_host_cores=None)
     same.run()
     assert same.reqs[1].end == pytest.approx(0.395, abs=EXACT)
+
+
+def test_the_simulated_router_picks_what_the_routing_policy_picks() -> None:
+    """The simulator and ``router/policy.py`` weigh a held prefix with one function
+    (``engine/hashing.py:prefix_cost``): for the same loads, cached prefixes and requests in flight, the
+    simulated router picks the worker the prefix-aware policy picks (at its default weights)."""
+    rng = np.random.default_rng(0)
+    block = 16
+    for _ in range(300):
+        workers = [PrefillSim(i, PrefillCost(0.01, 0.001, 0.0), 2048, 128, PrefixLru(100_000))
+                   for i in range(4)]
+        role = _Role(workers)
+        for w in workers:
+            role.charge(w, int(rng.integers(0, 600)))
+        req = Req(0.0, int(rng.integers(20, 300)), 5, 7, int(rng.integers(0, 300)))
+        hit = req.hit_tokens(block)
+        cached = {i for i in range(4) if rng.random() < 0.4}
+        inflight = {i for i in range(4) if rng.random() < 0.3}
+        for i in cached:
+            role.cached(workers[i], 7, req.prefix_tokens)
+        for i in inflight:
+            role.hold(workers[i], 7, +1)
+        chosen, held = role.pick(req, block)
+        rows = [Candidate(w.index, f"p{w.index}", hit if w.index in cached | inflight else 0, w.load,
+                          free_blocks=10_000,
+                          shared_load_tokens=min(hit, w.load) if w.index in inflight else 0)
+                for w in workers]
+        want, _ = PrefixAware().pick("prefill", rows, req.n_in, 0)
+        assert chosen.index == want.index, (rows, req.n_in)
+        assert held == want.prefix_tokens

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import time
+from typing import Any
 
 import pytest
 
+from planner import sizing
 from planner.arrivals import uniform_requests
-from planner.profile import DecodeCost, PrefillCost
+from planner.profile import DecodeCost, PrefillCost, Profile
 from planner.results import SimResult
 from planner.search import SloBounds, capacity_bounds, first_meeting, max_rate, smallest_cluster
 from planner.simulator import Cluster, RequestSpec, simulate
@@ -84,15 +85,24 @@ def test_max_rate_brackets_the_slo() -> None:
     assert not at(rate * 1.1).meets(1.0, 0.05)
 
 
-def test_recommend_sizes_a_load_within_bounds_with_a_reason() -> None:
-    start = time.perf_counter()
+def test_recommend_sizes_a_load_within_bounds_with_a_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    """... and cheaply, as the live planner runs it every interval: a few simulated clusters (a search,
+    not every split of the 8 x 8 bounds), each of at most ``MAX_REQUESTS`` requests. Counted, not
+    timed, so a loaded machine does not flip it."""
+    runs: list[tuple[int, int, int]] = []
+
+    def counted(profile: Profile, cluster: Cluster, specs: list[RequestSpec], **kwargs: Any) -> SimResult:
+        runs.append((cluster.num_prefill, cluster.num_decode, len(specs)))
+        return simulate(profile, cluster, specs, **kwargs)
+
+    monkeypatch.setattr(sizing, "simulate", counted)
     rec = recommend(PROFILE, LiveLoad(8.0, 200, 20, 0.0), SLO, Bounds(1, 8, 1, 8))
-    took = time.perf_counter() - start
     assert isinstance(rec, Recommendation)
     assert 2 <= rec.num_prefill <= 8 and 1 <= rec.num_decode <= 8
     assert "smallest cluster meeting the SLO" in rec.reason
     assert rec.predicted_ttft_p90_s <= 1.0 and rec.predicted_itl_p90_s <= 0.05
-    assert took < 2.0  # well under a second on an idle core; the bound leaves room for a loaded machine
+    assert 1 <= len(runs) <= 8 and all(n <= sizing.MAX_REQUESTS for _, _, n in runs), runs
+    assert (rec.num_prefill, rec.num_decode) in {(p, d) for p, d, _ in runs}
 
 
 def test_recommend_more_load_more_workers_and_prefix_hits_fewer_prefill() -> None:

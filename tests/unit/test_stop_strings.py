@@ -60,13 +60,8 @@ def test_nothing_after_stop() -> None:
 
 
 @pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    from engine.loader import default_model_path, load_model_source
-
-    path = default_model_path()
-    if not path.is_file():
-        pytest.skip("default model not fetched")
-    return load_model_source(path).load_tokenizer()
+def tokenizer(default_tokenizer: Tokenizer) -> Tokenizer:
+    return default_tokenizer
 
 
 def test_decoder_stops_at_the_completing_token(tokenizer: Tokenizer) -> None:

@@ -10,6 +10,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 
 from telemetry.tracing import TraceConfig, Tracing, end_span
 from tests.integration.otlp_receiver import OtlpReceiver
+from tests.waiting import wait_until
 
 
 def test_disabled_tracing_makes_nothing() -> None:
@@ -79,9 +80,7 @@ def test_grpc_export() -> None:
     try:
         end_span(tracing.start_span("router", {}))
         tracing.flush()
-        deadline = time.monotonic() + 10
-        while not collector.names and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: collector.names, 10, "a span exported over gRPC")
         assert collector.names == ["router"]
     finally:
         tracing.shutdown()

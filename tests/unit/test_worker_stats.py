@@ -25,7 +25,8 @@ from messages.wire import GenerateRequest, TokenBatch, WorkerStats
 from tests.unit.decode_attempts import attempt_items
 
 
-def _instrument(worker: DecodeWorker, steps: list[int] | None = None) -> list[str]:
+def _instrument(worker: DecodeWorker, monkeypatch: pytest.MonkeyPatch, steps: list[int] | None = None
+                ) -> list[str]:
     """Make each step hold its thread a little longer (as a large model's would, but sleeping: wall
     time without CPU) and record every engine read that happens while a step runs; ``steps`` gets a 1
     a step."""
@@ -52,20 +53,21 @@ def _instrument(worker: DecodeWorker, steps: list[int] | None = None) -> list[st
                 touched.append(name)
             return real(*args, **kwargs)
 
-        setattr(owner, name, read)
+        monkeypatch.setattr(owner, name, read)
 
-    engine.step = step  # type: ignore[method-assign]
+    monkeypatch.setattr(engine, "step", step)
     watch(engine, "stats")
     watch(engine.kv, "num_stored_tokens")
     watch(engine.kv, "blocks_of")
     return touched
 
 
-def test_stats_in_a_tight_loop_never_read_the_engine_mid_step(tiny_model_dir: Path) -> None:
+def test_stats_in_a_tight_loop_never_read_the_engine_mid_step(tiny_model_dir: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     config = EngineConfig(num_kv_blocks=128, block_size=16, max_num_seqs=16)
     worker = DecodeWorker("decode-t", str(tiny_model_dir), pack(config))
     steps: list[int] = []
-    touched = _instrument(worker, steps)
+    touched = _instrument(worker, monkeypatch, steps)
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
     prompts = [[(7 * i + j) % 250 + 1 for j in range(40)] for i in range(16)]
     requests = [GenerateRequest(request_id=f"r{i}", prompt_token_ids=p, sampling=params)
