@@ -1,9 +1,10 @@
-"""Every Triton kernel configuration the Triton backend launches, from one place.
+"""Every Triton kernel configuration pdserve launches, from one place.
 
-``launch_configs`` is what ``kernels/triton_backend.py`` looks its launches up in and
-what the ahead-of-time compile test walks (``tests/unit/test_triton_aot.py``), so a
-configuration that does not compile (or spills registers) for sm_80 / sm_90 is found
-on a CPU-only machine before any GPU sees it.
+``launch_configs`` is what ``kernels/triton_backend.py`` looks its launches up in, and
+``moe_launch`` / ``moe_sum_launch`` what ``kernels/triton_moe.py`` does; the ahead-of-time
+compile test walks both (``tests/unit/test_triton_aot.py``), so a configuration that does
+not compile (or spills registers) for sm_80 / sm_90 is found on a CPU-only machine before
+any GPU sees it.
 
 Tile sizes: ``BLOCK_N`` (keys per step) stays >= 16 because NVIDIA's MMA needs
 K >= 16 for 16-bit operands (the ``p @ v`` dot has K = ``BLOCK_N``); keys are gathered
@@ -16,9 +17,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels.moe import ACTIVATIONS
+
 ATTENTION = "paged_attention_kernel"
 WRITE = "write_kv_kernel"
 WRITE_QUANTIZED = "write_kv_quantized_kernel"
+MOE_GEMM = "moe_gemm_kernel"
+MOE_SUM = "moe_sum_kernel"
+ATTENTION_MODULE = "kernels.triton_attention"
+MOE_MODULE = "kernels.triton_moe"
 
 
 def attention_tiles(model_dtype: torch.dtype, head_dim: int, decode: bool) -> tuple[int, int, int]:
@@ -81,12 +88,14 @@ def block_d(head_dim: int) -> int:
 
 @dataclass(frozen=True)
 class KernelLaunch:
-    """One compiled variant: kernel name, its constexprs, and the argument types for AOT compiles."""
+    """One compiled variant: kernel name, its constexprs, the argument types for AOT compiles, and the
+    module that defines the kernel."""
 
     kernel: str
     constexprs: dict[str, int | float | bool] = field(hash=False)
     signature: dict[str, str] = field(hash=False)
     num_warps: int = 4
+    module: str = ATTENTION_MODULE
 
 
 def _ptrs(names: str, ty: str) -> dict[str, str]:
@@ -151,3 +160,61 @@ def launch_configs(model_dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: in
         attention_launch(model_dtype, kv_dtype, head_dim, decode=True),
         attention_launch(model_dtype, kv_dtype, head_dim, decode=False),
     ]
+
+
+def moe_tiles(model_dtype: torch.dtype, small: bool, gated: bool) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps) of one expert product. ``small``: no more
+    tokens than experts, so most experts see a few pairs and a 16-row block wastes least; else
+    64-row blocks grouped by 8 for L2 reuse of the weight tiles. Both products share BLOCK_M (one
+    alignment serves both). The gated product keeps two accumulators, so its tile is half as wide;
+    float32 dots run on FMA units (``input_precision="ieee"``), so their tiles are smaller and the
+    gated one takes 8 warps. Each choice is the widest that compiles without spilling on sm_80 and
+    sm_90, with and without 16-byte alignment (``kernels/triton_aot.py``)."""
+    if model_dtype == torch.float32:
+        if small:
+            return (16, 32, 32, 1, 4)
+        return (32, 64, 16, 8, 8 if gated else 4)
+    if small:
+        return (16, 32 if gated else 64, 32, 1, 4)
+    return (64, 32 if gated else 64, 32, 8, 4)
+
+
+def moe_launch(model_dtype: torch.dtype, tokens: int, experts: int, gated: bool, activation: int,
+               has_bias: bool, interpret: bool = False) -> KernelLaunch:
+    """``moe_gemm_kernel``'s launch: the gate/up product with ``activation`` (``MoeActivation.code``)
+    when ``gated``, else the down product with the routing weight."""
+    block_m, block_n, block_k, group_m, num_warps = moe_tiles(model_dtype, tokens <= experts, gated)
+    constexprs: dict[str, int | float | bool] = dict(
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, GATED=gated,
+        ACTIVATION=activation if gated else 0, HAS_BIAS=has_bias,
+        DOT_FP32=interpret or model_dtype == torch.float32,
+    )
+    m = _TRITON_TYPES[model_dtype]
+    signature = {
+        **_ptrs("a_ptr w_ptr b_ptr", m), **_ptrs("weights_ptr", "fp32"), **_ptrs("out_ptr", m),
+        **_ptrs("pairs_ptr block_expert_ptr padded_ptr", "i32"),
+        **_ints("num_pairs row_div num_blocks_m n_cols k_dim"), "alpha": "fp32", "limit": "fp32",
+        **_ints("stride_at stride_we stride_wn stride_be stride_ot"),
+        **{k: "constexpr" for k in constexprs},
+    }
+    return KernelLaunch(MOE_GEMM, constexprs, signature, num_warps, MOE_MODULE)
+
+
+def moe_sum_launch(model_dtype: torch.dtype) -> KernelLaunch:
+    constexprs: dict[str, int | float | bool] = dict(BLOCK_T=16, BLOCK_H=256)
+    m = _TRITON_TYPES[model_dtype]
+    signature = {**_ptrs("y_ptr", m), **_ptrs("ids_ptr", "i64"), **_ptrs("out_ptr", m),
+                 **_ints("tokens hidden top_k stride_yt stride_ot"), **{k: "constexpr" for k in constexprs}}
+    return KernelLaunch(MOE_SUM, constexprs, signature, 4, MOE_MODULE)
+
+
+def moe_launch_configs(model_dtype: torch.dtype) -> list[KernelLaunch]:
+    """Everything a MoE layer in ``model_dtype`` can launch: both products at both tile sizes, every
+    activation, with and without biases, and the sum over ``k``."""
+    out = [moe_sum_launch(model_dtype)]
+    for tokens in (1, 1 << 20):  # small and large tiles
+        for has_bias in (False, True):
+            out.append(moe_launch(model_dtype, tokens, 8, False, 0, has_bias))
+            out += [moe_launch(model_dtype, tokens, 8, True, act, has_bias)
+                    for act in range(len(ACTIVATIONS))]
+    return out
