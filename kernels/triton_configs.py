@@ -107,18 +107,23 @@ def _ints(names: str) -> dict[str, str]:
 
 
 def attention_launch(model_dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int, decode: bool,
-                     interpret: bool = False) -> KernelLaunch:
+                     interpret: bool = False, sinks: bool = False, softcap: bool = False) -> KernelLaunch:
+    """The attention kernel's launch; ``sinks``/``softcap``: the layer has them (the window is a
+    runtime argument, so one build serves windowed and full layers)."""
     fmt = kv_format(kv_dtype)
     m, kv = _TRITON_TYPES[model_dtype], _TRITON_TYPES[storage_dtype(kv_dtype)]
     block_m, block_n, num_warps = attention_tiles(model_dtype, head_dim, decode)
     constexprs: dict[str, int | float | bool] = dict(
         HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
         KV_KIND=fmt.kind, MANT=fmt.mant, BIAS=fmt.bias, DOT_FP32=interpret or model_dtype == torch.float32,
+        HAS_SINKS=sinks, SOFTCAP=softcap,
     )
     signature = {
         **_ptrs("q_ptr k_ptr v_ptr", m), **_ptrs("kv_ptr", kv), **_ptrs("scales_ptr", "fp32"),
-        **_ptrs("out_ptr", m), **_ptrs("tables_ptr qstart_ptr seqlen_ptr tile_seq_ptr tile_row_ptr", "i32"),
-        "sm_scale_log2": "fp32", **_ints("q_per_kv block_size"),
+        **_ptrs("out_ptr", m), **_ptrs("sinks_ptr", "fp32"),
+        **_ptrs("tables_ptr qstart_ptr seqlen_ptr tile_seq_ptr tile_row_ptr", "i32"),
+        **{n: "fp32" for n in ("sm_scale_log2", "cap_in", "cap_out_log2")},
+        **_ints("window q_per_kv block_size"),
         **_ints("stride_qt stride_qh stride_kt stride_kh stride_vt stride_vh stride_ot stride_oh stride_tab"),
         **_ints("stride_kvb stride_kvs stride_kvt stride_kvh stride_sb stride_ss"),
         **{k: "constexpr" for k in constexprs},
@@ -154,11 +159,11 @@ def supported_dtype_pairs() -> list[tuple[torch.dtype, torch.dtype]]:
 
 def launch_configs(model_dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int,
                    block_size: int) -> list[KernelLaunch]:
-    """Everything one model's steps can launch: the KV write, decode tiles and prefill tiles."""
-    return [
-        write_launch(model_dtype, kv_dtype, head_dim, block_size),
-        attention_launch(model_dtype, kv_dtype, head_dim, decode=True),
-        attention_launch(model_dtype, kv_dtype, head_dim, decode=False),
+    """Everything one model's steps can launch: the KV write, decode tiles and prefill tiles, each
+    with and without sinks and softcap."""
+    return [write_launch(model_dtype, kv_dtype, head_dim, block_size)] + [
+        attention_launch(model_dtype, kv_dtype, head_dim, decode, sinks=sinks, softcap=softcap)
+        for decode in (True, False) for sinks in (False, True) for softcap in (False, True)
     ]
 
 
