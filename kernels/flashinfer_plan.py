@@ -14,11 +14,21 @@ reaches flashinfer), ``(pages - 1) * page_size + last_page_len == L``, and decod
 is the sequence permutation; ``token_order`` gathers our query rows into planned
 order (``None`` when the batch is already decodes-first), and the output is
 scattered back with the same index.
+
+Per-layer features (``AttentionBackend.forward``'s keywords) map onto flashinfer's own plan
+parameters where it has them (``flashinfer_variant``): a window of W keys is
+``window_left = W - 1`` (flashinfer's query at ``p`` attends ``[p - window_left, p]``), a
+softcap ``c`` is ``logits_soft_cap = c`` (flashinfer caps ``x = q.k * sm_scale`` as
+``c * tanh(x / c)``). Attention sinks are not one of them: flashinfer's paged prefill wrapper
+takes no sink logits on the sm_80/sm_90 kernels this backend runs, so a layer with sinks gets
+``None`` and the backend runs it on the Triton kernels instead.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
 
 from kernels.attention import AttentionMetadata
 
@@ -64,3 +74,20 @@ def plan_flashinfer(meta: AttentionMetadata) -> FlashInferPlan:
     identity = token_order == list(range(len(token_order)))
     return FlashInferPlan(bs, order, qo_indptr, kv_indptr, kv_indices, last_page_len,
                           None if identity else token_order)
+
+
+@dataclass(frozen=True)
+class LayerVariant:
+    """flashinfer's plan parameters for one kind of layer; a wrapper is planned per variant."""
+
+    window_left: int = -1  # -1: no window
+    logits_soft_cap: float = 0.0  # 0: none
+
+
+def flashinfer_variant(window: int | None, sinks: torch.Tensor | None,
+                       softcap: float | None) -> LayerVariant | None:
+    """The variant that gives a layer's features in flashinfer, or None when flashinfer is not given
+    one of them (sinks): that layer must run elsewhere."""
+    if sinks is not None:
+        return None
+    return LayerVariant(-1 if window is None else window - 1, 0.0 if softcap is None else float(softcap))

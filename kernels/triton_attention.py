@@ -20,6 +20,19 @@ Causality: a row at position ``p`` sees cache positions ``<= p``. For a quantize
 cache it sees positions ``< p`` from the cache (codes x scales, cast to the query
 dtype) and its own K/V unquantized from the step's inputs, as the torch reference does.
 
+Per-layer features (``AttentionBackend.forward``'s keywords):
+
+* ``window`` W: a row at ``p`` sees only positions ``> p - W`` (``window`` is ``2**30`` when
+  the layer has none). The key walk starts at the block holding the tile's earliest visible
+  key, so blocks wholly before every row's window are skipped, and positions before it are
+  masked out of the loads: pages a sliding-window cache has released are never read.
+* ``SOFTCAP`` c: each score ``s = q.k * scale`` becomes ``c * tanh(s / c)`` before masking
+  (``cap_in = scale / c``, ``cap_out_log2 = c * log2(e)``; tanh through ``sigmoid``, which
+  the interpreter has).
+* ``HAS_SINKS``: a float32 logit per query head joins the softmax denominator with no value:
+  the online softmax starts from it (``m = sink``, ``l = 1``, ``acc = 0``), and a quantized
+  cache's exact own key is merged into that state like any other key.
+
 Dots run in float32 when ``DOT_FP32`` (float32 models: ``input_precision="ieee"``, so
 exact like the reference instead of tf32; and every dtype under ``TRITON_INTERPRET=1``,
 whose ``tl.dot`` on bfloat16 is wrong). Otherwise 16-bit operands, float32 accumulation.
@@ -109,13 +122,14 @@ def _dot(a, b, DOT_FP32: tl.constexpr):
 
 @triton.jit
 def paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, kv_ptr, scales_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, kv_ptr, scales_ptr, out_ptr, sinks_ptr,
     tables_ptr, qstart_ptr, seqlen_ptr, tile_seq_ptr, tile_row_ptr,
-    sm_scale_log2, q_per_kv, block_size,
+    sm_scale_log2, cap_in, cap_out_log2, window, q_per_kv, block_size,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_tab,
     stride_kvb, stride_kvs, stride_kvt, stride_kvh, stride_sb, stride_ss,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     KV_KIND: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr, DOT_FP32: tl.constexpr,
+    HAS_SINKS: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -139,24 +153,37 @@ def paged_attention_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    if HAS_SINKS:  # a logit per head in the denominator with no value: the softmax starts from it
+        m_i = tl.load(sinks_ptr + head, mask=row_ok, other=0.0) * 1.4426950408889634
+        l_i = tl.full([BLOCK_M], 1.0, tl.float32)
     if KV_KIND != 0:  # own K/V, exact: the first key of every row
         k_own = tl.load(k_ptr + tok_idx[:, None] * stride_kt + kvh * stride_kh + d[None, :],
                         mask=qk_mask, other=0.0).to(q_dtype).to(tl.float32)
         v_own = tl.load(v_ptr + tok_idx[:, None] * stride_vt + kvh * stride_vh + d[None, :],
                         mask=qk_mask, other=0.0).to(q_dtype).to(tl.float32)
-        s_own = tl.sum(q.to(tl.float32) * k_own, axis=1) * sm_scale_log2
-        m_i = tl.where(row_ok, s_own, m_i)
-        l_i = row_ok.to(tl.float32)
-        acc = v_own
+        s_own = tl.sum(q.to(tl.float32) * k_own, axis=1)
+        if SOFTCAP:  # c * tanh(s / c), tanh(z) = 2 sigmoid(2z) - 1
+            s_own = cap_out_log2 * (2.0 * tl.sigmoid(2.0 * cap_in * s_own) - 1.0)
+        else:
+            s_own = s_own * sm_scale_log2
+        m_own = tl.maximum(m_i, s_own)
+        p_own = tl.exp2(s_own - m_own)
+        l_i = l_i * tl.exp2(m_i - m_own) + p_own
+        acc = v_own * p_own[:, None]
+        m_i = m_own
     last_tok = tl.minimum((row0 + BLOCK_M - 1) // q_per_kv, q_len - 1)
     hi = seq_len - q_len + last_tok + 1
     limit = qpos + 1  # a row sees cache positions < limit
     if KV_KIND != 0:
         hi = hi - 1
         limit = qpos
-    for start in range(0, hi, BLOCK_N):
+    # ... and >= first (its window): first <= pos < limit as one unsigned compare of pos - first
+    first = qpos - window + 1
+    span = (limit - first).to(tl.uint32)
+    lo = tl.maximum(seq_len - q_len + row0 // q_per_kv - window + 1, 0)  # the tile's earliest key
+    for start in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
-        pos_ok = pos < hi
+        pos_ok = (pos >= lo) & (pos < hi)  # keys no row sees are never read (nor their pages looked up)
         page = tl.load(tables_ptr + seq * stride_tab + pos // block_size, mask=pos_ok, other=0).to(tl.int64)
         base = page * stride_kvb + (pos % block_size).to(tl.int64) * stride_kvt + kvh * stride_kvh
         kv_mask = pos_ok[:, None] & d_ok[None, :]
@@ -167,8 +194,9 @@ def paged_attention_kernel(
             v_scale = tl.load(scales_ptr + page * stride_sb + stride_ss + kvh, mask=pos_ok, other=0.0)
             k = (codes_to_float(k, KV_KIND, MANT, BIAS) * k_scale[:, None]).to(q_dtype)
             v = (codes_to_float(v, KV_KIND, MANT, BIAS) * v_scale[:, None]).to(q_dtype)
-        s = _dot(q, tl.trans(k), DOT_FP32) * sm_scale_log2
-        visible = pos[None, :] < limit[:, None]
+        s = _dot(q, tl.trans(k), DOT_FP32)
+        s = cap_out_log2 * (2.0 * tl.sigmoid(2.0 * cap_in * s) - 1.0) if SOFTCAP else s * sm_scale_log2
+        visible = (pos[None, :] - first[:, None]).to(tl.uint32) < span[:, None]
         s = tl.where(visible & pos_ok[None, :] & row_ok[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)

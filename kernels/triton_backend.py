@@ -8,11 +8,17 @@ token). ``forward`` then launches the KV write and one attention launch per tile
 Semantics are the torch reference's (``kernels/torch_ref.py``), quantized caches
 included; the tests check both backends against each other.
 
+Per-layer features (``forward``'s ``window``, ``sinks``, ``softcap``; ``features`` names them):
+all three run in the attention kernel (``kernels/triton_attention.py``). ``sinks``/``softcap``
+select a build, the window is a kernel argument; none touches the step's plan.
+
 ``prepare_capture`` (``kernels.attention.CapturableBackend``) plans a pure-decode bucket
 for CUDA-graph capture: its tiles depend on the bucket alone, so they are planned once
 (by the warm-up forward, before capture) and kept; a quantized cache's block writes
 depend on the step, so they are computed on the device from the static metadata tensors
-inside every forward (``decode_block_writes``), where a graph captures them.
+inside every forward (``decode_block_writes``), where a graph captures them. A layer's
+window, softcap and sinks tensor are the same at every step, so the launches captured once
+(scalars and the sinks' address baked in) stay right.
 
 Under ``TRITON_INTERPRET=1`` (set before this module is imported) the kernels run on
 CPU tensors, which is how the CPU-only test suite runs them.
@@ -83,8 +89,26 @@ def decode_block_writes(meta: AttentionMetadata) -> torch.Tensor:
     return torch.stack([blocks, rows, rows, tokens]).to(torch.int32)
 
 
+NO_WINDOW = 1 << 30  # the kernel's ``window`` for a layer without one: more keys than any sequence has
+
+
+def check_features(num_heads: int, device: torch.device, window: int | None, sinks: torch.Tensor | None,
+                   softcap: float | None) -> None:
+    """Raise ``ValueError`` naming a per-layer feature argument that breaks the interface's contract."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be a positive int (keys per query, itself included), got {window!r}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be > 0, got {softcap!r}")
+    if sinks is not None and (sinks.shape != (num_heads,) or sinks.dtype != torch.float32
+                              or sinks.device != device):
+        raise ValueError(f"sinks must be float32 [{num_heads}] (one per query head) on {device}, "
+                         f"got {sinks.dtype} {tuple(sinks.shape)} on {sinks.device}")
+
+
 class TritonAttentionBackend:
     """Paged attention and KV writes in Triton (CUDA, or the interpreter on CPU)."""
+
+    features: frozenset[str] = frozenset({"window", "sinks", "softcap"})
 
     def __init__(self) -> None:
         self._meta: AttentionMetadata | None = None
@@ -129,10 +153,15 @@ class TritonAttentionBackend:
         kv_layer: torch.Tensor,
         scale: float,
         kv_scales: torch.Tensor | None = None,
+        *,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         meta = self._meta
         if meta is None:
             raise RuntimeError("TritonAttentionBackend.forward called before prepare")
+        check_features(q.shape[1], q.device, window, sinks, softcap)
         fmt = kv_format(kv_layer.dtype)
         if q.shape[2] > MAX_HEAD_DIM:
             raise ValueError(f"the Triton backend supports head_dim <= {MAX_HEAD_DIM}, got {q.shape[2]}")
@@ -146,15 +175,18 @@ class TritonAttentionBackend:
         scales = kv_scales if kv_scales is not None else torch.zeros(1, 1, 1, device=q.device)
         self._write(k, v, cache, scales, write_launch(model_dtype, kv_layer.dtype, head_dim, meta.block_size))
         out = torch.empty_like(q)
+        cap = softcap or 1.0
         for decode in (True, False):
-            cfg = attention_launch(model_dtype, kv_layer.dtype, head_dim, decode, self._interpret)
+            cfg = attention_launch(model_dtype, kv_layer.dtype, head_dim, decode, self._interpret,
+                                   sinks=sinks is not None, softcap=softcap is not None)
             tile_seq, tile_row = self._tiles_for(q_per_kv, decode, int(cfg.constexprs["BLOCK_M"]))
             if tile_seq.numel() == 0:
                 continue
             ta.paged_attention_kernel[(tile_seq.numel(), kv_heads)](
-                q, k, v, cache, scales, out,
+                q, k, v, cache, scales, out, sinks if sinks is not None else scales,
                 meta.block_tables, meta.query_start_loc, meta.seq_lens, tile_seq, tile_row,
-                scale * math.log2(math.e), q_per_kv, meta.block_size,
+                scale * math.log2(math.e), scale / cap, cap * math.log2(math.e), window or NO_WINDOW,
+                q_per_kv, meta.block_size,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                 out.stride(0), out.stride(1), meta.block_tables.stride(0),
                 *cache.stride()[:4], scales.stride(0), scales.stride(1),

@@ -1,9 +1,10 @@
-"""Every Triton kernel configuration the Triton backend launches, from one place.
+"""Every Triton kernel configuration pdserve launches, from one place.
 
-``launch_configs`` is what ``kernels/triton_backend.py`` looks its launches up in and
-what the ahead-of-time compile test walks (``tests/unit/test_triton_aot.py``), so a
-configuration that does not compile (or spills registers) for sm_80 / sm_90 is found
-on a CPU-only machine before any GPU sees it.
+``launch_configs`` is what ``kernels/triton_backend.py`` looks its launches up in, and
+``moe_launch`` / ``moe_sum_launch`` what ``kernels/triton_moe.py`` does; the ahead-of-time
+compile test walks both (``tests/unit/test_triton_aot.py``), so a configuration that does
+not compile (or spills registers) for sm_80 / sm_90 is found on a CPU-only machine before
+any GPU sees it.
 
 Tile sizes: ``BLOCK_N`` (keys per step) stays >= 16 because NVIDIA's MMA needs
 K >= 16 for 16-bit operands (the ``p @ v`` dot has K = ``BLOCK_N``); keys are gathered
@@ -16,9 +17,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels.moe import ACTIVATIONS
+
 ATTENTION = "paged_attention_kernel"
 WRITE = "write_kv_kernel"
 WRITE_QUANTIZED = "write_kv_quantized_kernel"
+MOE_GEMM = "moe_gemm_kernel"
+MOE_SUM = "moe_sum_kernel"
+ATTENTION_MODULE = "kernels.triton_attention"
+MOE_MODULE = "kernels.triton_moe"
 
 
 def attention_tiles(model_dtype: torch.dtype, head_dim: int, decode: bool) -> tuple[int, int, int]:
@@ -81,12 +88,14 @@ def block_d(head_dim: int) -> int:
 
 @dataclass(frozen=True)
 class KernelLaunch:
-    """One compiled variant: kernel name, its constexprs, and the argument types for AOT compiles."""
+    """One compiled variant: kernel name, its constexprs, the argument types for AOT compiles, and the
+    module that defines the kernel."""
 
     kernel: str
     constexprs: dict[str, int | float | bool] = field(hash=False)
     signature: dict[str, str] = field(hash=False)
     num_warps: int = 4
+    module: str = ATTENTION_MODULE
 
 
 def _ptrs(names: str, ty: str) -> dict[str, str]:
@@ -98,18 +107,23 @@ def _ints(names: str) -> dict[str, str]:
 
 
 def attention_launch(model_dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int, decode: bool,
-                     interpret: bool = False) -> KernelLaunch:
+                     interpret: bool = False, sinks: bool = False, softcap: bool = False) -> KernelLaunch:
+    """The attention kernel's launch; ``sinks``/``softcap``: the layer has them (the window is a
+    runtime argument, so one build serves windowed and full layers)."""
     fmt = kv_format(kv_dtype)
     m, kv = _TRITON_TYPES[model_dtype], _TRITON_TYPES[storage_dtype(kv_dtype)]
     block_m, block_n, num_warps = attention_tiles(model_dtype, head_dim, decode)
     constexprs: dict[str, int | float | bool] = dict(
         HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
         KV_KIND=fmt.kind, MANT=fmt.mant, BIAS=fmt.bias, DOT_FP32=interpret or model_dtype == torch.float32,
+        HAS_SINKS=sinks, SOFTCAP=softcap,
     )
     signature = {
         **_ptrs("q_ptr k_ptr v_ptr", m), **_ptrs("kv_ptr", kv), **_ptrs("scales_ptr", "fp32"),
-        **_ptrs("out_ptr", m), **_ptrs("tables_ptr qstart_ptr seqlen_ptr tile_seq_ptr tile_row_ptr", "i32"),
-        "sm_scale_log2": "fp32", **_ints("q_per_kv block_size"),
+        **_ptrs("out_ptr", m), **_ptrs("sinks_ptr", "fp32"),
+        **_ptrs("tables_ptr qstart_ptr seqlen_ptr tile_seq_ptr tile_row_ptr", "i32"),
+        **{n: "fp32" for n in ("sm_scale_log2", "cap_in", "cap_out_log2")},
+        **_ints("window q_per_kv block_size"),
         **_ints("stride_qt stride_qh stride_kt stride_kh stride_vt stride_vh stride_ot stride_oh stride_tab"),
         **_ints("stride_kvb stride_kvs stride_kvt stride_kvh stride_sb stride_ss"),
         **{k: "constexpr" for k in constexprs},
@@ -145,9 +159,67 @@ def supported_dtype_pairs() -> list[tuple[torch.dtype, torch.dtype]]:
 
 def launch_configs(model_dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int,
                    block_size: int) -> list[KernelLaunch]:
-    """Everything one model's steps can launch: the KV write, decode tiles and prefill tiles."""
-    return [
-        write_launch(model_dtype, kv_dtype, head_dim, block_size),
-        attention_launch(model_dtype, kv_dtype, head_dim, decode=True),
-        attention_launch(model_dtype, kv_dtype, head_dim, decode=False),
+    """Everything one model's steps can launch: the KV write, decode tiles and prefill tiles, each
+    with and without sinks and softcap."""
+    return [write_launch(model_dtype, kv_dtype, head_dim, block_size)] + [
+        attention_launch(model_dtype, kv_dtype, head_dim, decode, sinks=sinks, softcap=softcap)
+        for decode in (True, False) for sinks in (False, True) for softcap in (False, True)
     ]
+
+
+def moe_tiles(model_dtype: torch.dtype, small: bool, gated: bool) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps) of one expert product. ``small``: no more
+    tokens than experts, so most experts see a few pairs and a 16-row block wastes least; else
+    64-row blocks grouped by 8 for L2 reuse of the weight tiles. Both products share BLOCK_M (one
+    alignment serves both). The gated product keeps two accumulators, so its tile is half as wide;
+    float32 dots run on FMA units (``input_precision="ieee"``), so their tiles are smaller and the
+    gated one takes 8 warps. Each choice is the widest that compiles without spilling on sm_80 and
+    sm_90, with and without 16-byte alignment (``kernels/triton_aot.py``)."""
+    if model_dtype == torch.float32:
+        if small:
+            return (16, 32, 32, 1, 4)
+        return (32, 64, 16, 8, 8 if gated else 4)
+    if small:
+        return (16, 32 if gated else 64, 32, 1, 4)
+    return (64, 32 if gated else 64, 32, 8, 4)
+
+
+def moe_launch(model_dtype: torch.dtype, tokens: int, experts: int, gated: bool, activation: int,
+               has_bias: bool, interpret: bool = False) -> KernelLaunch:
+    """``moe_gemm_kernel``'s launch: the gate/up product with ``activation`` (``MoeActivation.code``)
+    when ``gated``, else the down product with the routing weight."""
+    block_m, block_n, block_k, group_m, num_warps = moe_tiles(model_dtype, tokens <= experts, gated)
+    constexprs: dict[str, int | float | bool] = dict(
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, GATED=gated,
+        ACTIVATION=activation if gated else 0, HAS_BIAS=has_bias,
+        DOT_FP32=interpret or model_dtype == torch.float32,
+    )
+    m = _TRITON_TYPES[model_dtype]
+    signature = {
+        **_ptrs("a_ptr w_ptr b_ptr", m), **_ptrs("weights_ptr", "fp32"), **_ptrs("out_ptr", m),
+        **_ptrs("pairs_ptr block_expert_ptr padded_ptr", "i32"),
+        **_ints("num_pairs row_div num_blocks_m n_cols k_dim"), "alpha": "fp32", "limit": "fp32",
+        **_ints("stride_at stride_we stride_wn stride_be stride_ot"),
+        **{k: "constexpr" for k in constexprs},
+    }
+    return KernelLaunch(MOE_GEMM, constexprs, signature, num_warps, MOE_MODULE)
+
+
+def moe_sum_launch(model_dtype: torch.dtype) -> KernelLaunch:
+    constexprs: dict[str, int | float | bool] = dict(BLOCK_T=16, BLOCK_H=256)
+    m = _TRITON_TYPES[model_dtype]
+    signature = {**_ptrs("y_ptr", m), **_ptrs("ids_ptr", "i64"), **_ptrs("out_ptr", m),
+                 **_ints("tokens hidden top_k stride_yt stride_ot"), **{k: "constexpr" for k in constexprs}}
+    return KernelLaunch(MOE_SUM, constexprs, signature, 4, MOE_MODULE)
+
+
+def moe_launch_configs(model_dtype: torch.dtype) -> list[KernelLaunch]:
+    """Everything a MoE layer in ``model_dtype`` can launch: both products at both tile sizes, every
+    activation, with and without biases, and the sum over ``k``."""
+    out = [moe_sum_launch(model_dtype)]
+    for tokens in (1, 1 << 20):  # small and large tiles
+        for has_bias in (False, True):
+            out.append(moe_launch(model_dtype, tokens, 8, False, 0, has_bias))
+            out += [moe_launch(model_dtype, tokens, 8, True, act, has_bias)
+                    for act in range(len(ACTIVATIONS))]
+    return out

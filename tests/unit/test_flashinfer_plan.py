@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from kernels.attention import AttentionMetadata
-from kernels.flashinfer_plan import FlashInferPlan, plan_flashinfer
+from kernels.flashinfer_plan import FlashInferPlan, LayerVariant, flashinfer_variant, plan_flashinfer
 from tests.unit.attention_cases import dense_attention, make_case
+from tests.unit.test_triton_attention_features import dense
 
 
 def _check_invariants(plan: FlashInferPlan, meta: AttentionMetadata) -> None:
@@ -34,9 +35,12 @@ def _check_invariants(plan: FlashInferPlan, meta: AttentionMetadata) -> None:
         assert sorted(plan.token_order) == list(range(meta.num_tokens))
 
 
-def _attend_through_plan(plan: FlashInferPlan, q: torch.Tensor, kv: torch.Tensor,
-                         scale: float) -> torch.Tensor:
-    """Our row order in, our row order out; K/V located only through the plan's arrays."""
+def _attend_through_plan(plan: FlashInferPlan, q: torch.Tensor, kv: torch.Tensor, scale: float,
+                         variant: LayerVariant | None = None) -> torch.Tensor:
+    """Our row order in, our row order out; K/V located only through the plan's arrays. ``variant``'s
+    parameters as flashinfer documents them: the query at ``p`` attends ``[p - window_left, p]`` (all
+    of ``[0, p]`` when -1) and, with ``logits_soft_cap`` c > 0, ``x = q.k * sm_scale`` becomes
+    ``c * tanh(x / c)``."""
     order = plan.token_order or list(range(q.shape[0]))
     planned_q = q[order]
     out = torch.empty_like(planned_q)
@@ -46,7 +50,19 @@ def _attend_through_plan(plan: FlashInferPlan, q: torch.Tensor, kv: torch.Tensor
         k = kv[pages, 0].flatten(0, 1)[:length]
         v = kv[pages, 1].flatten(0, 1)[:length]
         rows = slice(plan.qo_indptr[i], plan.qo_indptr[i + 1])
-        out[rows] = dense_attention(planned_q[rows], k, v, scale)
+        if variant is None:
+            out[rows] = dense_attention(planned_q[rows], k, v, scale)
+            continue
+        for r in range(rows.start, rows.stop):
+            p = length - (rows.stop - rows.start) + (r - rows.start)
+            lo = 0 if variant.window_left < 0 else max(0, p - variant.window_left)
+            heads = q.shape[1] // k.shape[1]
+            keys = k[lo:p + 1].repeat_interleave(heads, dim=1).double()
+            x = torch.einsum("hd,nhd->hn", planned_q[r].double(), keys) * scale
+            if variant.logits_soft_cap > 0:
+                x = variant.logits_soft_cap * torch.tanh(x / variant.logits_soft_cap)
+            vals = v[lo:p + 1].repeat_interleave(heads, dim=1).double()
+            out[r] = torch.einsum("hn,nhd->hd", torch.softmax(x, dim=1), vals).to(out.dtype)
     result = torch.empty_like(out)
     result[order] = out
     return result
@@ -81,3 +97,33 @@ def test_plan_rejects_short_tables() -> None:
     meta.block_tables_list[0] = [3]
     with pytest.raises(ValueError, match="need 2 blocks"):
         plan_flashinfer(meta)
+
+
+@pytest.mark.parametrize("window", [None, 1, 5, 16, 40])
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_window_and_softcap_through_flashinfer_parameters(window: int | None, softcap: float | None) -> None:
+    """The plan parameters a layer's window and softcap become, read as flashinfer defines them, give the
+    interface's attention (window W = W keys including the query's own; c * tanh(s / c))."""
+    query_lens, seq_lens = [7, 1, 13, 1], [7, 40, 29, 17]
+    case = make_case(query_lens, seq_lens, num_heads=6, kv_heads=2, head_dim=8, block_size=16, seed=1)
+    q = case.q * 3  # scores past tanh's bend at cap 2
+    meta = AttentionMetadata.build(16, query_lens, seq_lens, case.tables)
+    variant = flashinfer_variant(window, None, softcap)
+    assert variant == LayerVariant(-1 if window is None else window - 1, softcap or 0.0)
+    kv = case.kv.clone()
+    for t, slot in enumerate(meta.slot_mapping.tolist()):
+        kv[slot // 16, 0, slot % 16] = case.new_k[t]
+        kv[slot // 16, 1, slot % 16] = case.new_v[t]
+    out = _attend_through_plan(plan_flashinfer(meta), q, kv, 8**-0.5, variant)
+    start = 0
+    for q_len, fk, fv in zip(query_lens, case.full_k, case.full_v, strict=True):
+        want = dense(q[start:start + q_len], fk, fv, window, None, softcap, scale=8**-0.5)
+        torch.testing.assert_close(out[start:start + q_len].double(), want, atol=1e-5, rtol=1e-5)
+        start += q_len
+
+
+def test_plain_layers_keep_flashinfer_defaults_and_sinks_go_elsewhere() -> None:
+    assert flashinfer_variant(None, None, None) == LayerVariant(window_left=-1, logits_soft_cap=0.0)
+    assert flashinfer_variant(4096, None, None) == LayerVariant(window_left=4095)
+    assert flashinfer_variant(128, torch.zeros(8), None) is None  # gpt-oss: the Triton kernels
+    assert flashinfer_variant(None, torch.zeros(8), 30.0) is None

@@ -14,8 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.moe import ACTIVATIONS
 from kernels.triton_aot import CompileResult, all_launches, compile_kernel, compile_launch
-from kernels.triton_configs import attention_launch, write_launch
+from kernels.triton_configs import attention_launch, moe_launch, moe_sum_launch, write_launch
 
 
 @triton.jit
@@ -36,18 +37,37 @@ def fp8_cast_kernel(x_ptr, y_ptr):
 
 
 def covering() -> list[tuple[str, CompileResult]]:
-    """Every kernel, every KV kind and both dot paths, at the largest head dim, on sm_80 and sm_90."""
+    """Every kernel, every KV kind, both dot paths, the attention features and the MoE products at the
+    largest head dim and tile sizes, on sm_80 and sm_90: generic builds (no alignment hints, the most
+    registers) and a few aligned ones (pipelined, as real shapes compile), including the
+    configurations nearest the register limit."""
     bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
     e4m3, e5m2, int8 = torch.float8_e4m3fn, torch.float8_e5m2, torch.int8
+    swiglu, gelu = ACTIVATIONS.index("swiglu_oai"), ACTIVATIONS.index("gelu_tanh")
+    many = 1 << 20  # tokens: the large MoE tiles
     out: list[tuple[str, CompileResult]] = []
     for arch in (80, 90):
         prefill = attention_launch(bf16, e4m3, 128, False)
         out.append((f"prefill bf16/e4m3 sm_{arch}", compile_launch(prefill, arch)))
         out.append((f"write bf16/e4m3 sm_{arch}", compile_launch(write_launch(bf16, e4m3, 128, 16), arch)))
+        decode = attention_launch(bf16, bf16, 128, True, sinks=True, softcap=True)
+        out.append((f"decode bf16 sinks softcap sm_{arch}", compile_launch(decode, arch)))
+        gate_up = moe_launch(bf16, many, 8, True, swiglu, True)
+        out.append((f"moe gate/up bf16 swiglu bias sm_{arch}", compile_launch(gate_up, arch)))
     out.append(("prefill fp32 sm_90", compile_launch(attention_launch(fp32, fp32, 128, False), 90)))
     out.append(("decode fp16/int8 sm_90", compile_launch(attention_launch(fp16, int8, 128, True), 90)))
     out.append(("write fp16/e5m2 bs32 sm_90", compile_launch(write_launch(fp16, e5m2, 128, 32), 90)))
     out.append(("write bf16 sm_80", compile_launch(write_launch(bf16, bf16, 128, 16), 80)))
+    out.append(("decode fp16 hd64 sm_80", compile_launch(attention_launch(fp16, fp16, 64, True), 80)))
+    features = attention_launch(bf16, e4m3, 128, False, sinks=True, softcap=True)
+    out.append(("prefill bf16/e4m3 sinks softcap sm_90 aligned", compile_launch(features, 90, aligned=True)))
+    out.append(("moe gate/up bf16 swiglu bias sm_90 aligned", compile_launch(gate_up, 90, aligned=True)))
+    out.append(("moe gate/up bf16 small sm_90", compile_launch(moe_launch(bf16, 1, 8, True, 0, False), 90)))
+    out.append(("moe gate/up fp32 gelu sm_80",
+                compile_launch(moe_launch(fp32, many, 8, True, gelu, False), 80)))
+    out.append(("moe down fp16 bias sm_80 aligned",
+                compile_launch(moe_launch(fp16, many, 8, False, 0, True), 80, aligned=True)))
+    out.append(("moe sum bf16 sm_80", compile_launch(moe_sum_launch(bf16), 80)))
     return out
 
 
@@ -65,7 +85,8 @@ def known_faults() -> list[tuple[str, CompileResult]]:
 def main() -> None:
     mode = sys.argv[1]
     if mode == "all":
-        results = [(f"{c.kernel} sm_{a}", compile_launch(c, a)) for c in all_launches() for a in (80, 90)]
+        results = [(f"{i} {c.kernel} sm_{a}{' aligned' if al else ''}", compile_launch(c, a, al))
+                   for i, c in enumerate(all_launches()) for a in (80, 90) for al in (False, True)]
     else:
         results = known_faults() if mode == "faults" else covering()
     for name, result in results:
