@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.buckets import decode_buckets, padded_batch_size
+from engine.layers.attention import Attention
 from engine.layers.mlp import GatedMLP
 from engine.loader import cache_root
 from engine.models.causal_lm import CausalLM
@@ -106,7 +107,7 @@ class CompiledDecoder:
         cos, sin = m.rotary.cos_sin(_pad(positions, rows), m.dtype)
         for i, layer in enumerate(m.decoder_layers()):
             a, mlp = layer.attn, layer.mlp
-            assert isinstance(mlp, GatedMLP)
+            assert isinstance(mlp, GatedMLP) and isinstance(a, Attention)
             h = a.num_heads
             qk, v = self._pre(hidden, layer.input_norm, a.qkv, a.qkv_linear.packed_row,
                               a.qkv_bias, cos, sin, h, a.num_kv_heads, a.head_dim, layer.eps)

@@ -157,6 +157,6 @@ def hf_greedy(model: PreTrainedModel, ids: list[int], steps: int) -> list[int]:
 @torch.inference_mode()
 def clear_margin(model: PreTrainedModel, ids: list[int], generated: list[int]) -> float:
     """The smallest gap between transformers' top two logits where it picked ``generated`` after ``ids``."""
-    logits = model(torch.tensor([ids + generated[:-1]])).logits[0, len(ids) - 1 :]  # type: ignore[operator]
+    logits = model(torch.tensor([ids + generated[:-1]])).logits[0, len(ids) - 1 :]
     top = logits.topk(2, dim=-1).values
     return float((top[:, 0] - top[:, 1]).min())

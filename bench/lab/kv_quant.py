@@ -86,10 +86,12 @@ class RoundedBackend(TorchAttentionBackend):
     rounding = torch.bfloat16
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
-                scale: float, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+                scale: float, kv_scales: torch.Tensor | None = None, *, window: int | None = None,
+                sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
         limit = torch.finfo(self.rounding).max
         k, v = (t.clamp(-limit, limit).to(self.rounding).to(t.dtype) for t in (k, v))
-        return super().forward(q, k, v, kv_layer, scale, kv_scales)
+        return super().forward(q, k, v, kv_layer, scale, kv_scales, window=window, sinks=sinks,
+                               softcap=softcap)
 
 
 class E4m3RoundedBackend(RoundedBackend):

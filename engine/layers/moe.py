@@ -25,7 +25,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.config import MoeConfig
@@ -33,6 +32,7 @@ from engine.layers.context import LayerContext
 from engine.layers.mlp import GatedMLP
 from engine.layers.prepared import Prepared, weight
 from kernels.linear import LinearKernel, PreparedLinear
+from kernels.moe import MoeActivation, fused_moe
 
 
 def _group_mask(group_scores: torch.Tensor, moe: MoeConfig) -> torch.Tensor:
@@ -69,16 +69,6 @@ def route(logits: torch.Tensor, moe: MoeConfig,
     return top * moe.routed_scaling_factor, ids
 
 
-def expert_activation(h: torch.Tensor, moe: MoeConfig) -> torch.Tensor:
-    """The experts' gated activation over ``h = [gate | up]``."""
-    gate, up = h.chunk(2, dim=-1)
-    if moe.activation == "swiglu_oai":
-        gate = gate.clamp(max=moe.swiglu_limit)
-        up = up.clamp(min=-moe.swiglu_limit, max=moe.swiglu_limit)
-        return (up + 1) * (gate * torch.sigmoid(gate * moe.swiglu_alpha))
-    return F.silu(gate) * up
-
-
 class MoE(Prepared):
     def __init__(self, ctx: LayerContext) -> None:
         super().__init__()
@@ -86,6 +76,7 @@ class MoE(Prepared):
         assert moe is not None
         self.ctx = ctx
         self.moe = moe
+        self.activation = MoeActivation(moe.activation, moe.swiglu_alpha, moe.swiglu_limit)
         experts, hidden = moe.num_experts, c.hidden_size
         inter = moe.intermediate_size // ctx.shard.size
         dt, dev = ctx.dtype, ctx.device
@@ -137,6 +128,11 @@ class MoE(Prepared):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.router_linear(x), self.moe, self.correction)
+        if x.is_cuda:  # the fused kernel over the stacked experts (kernels/triton_moe.py)
+            b2 = self.b2 if self.ctx.rank0 else None
+            out = fused_moe(x, self.w13, self.w2, weights, ids, self.activation, self.b13, b2)
+            out = self.ctx.reduce(out)
+            return out if self.shared is None else out + self.shared(x)
         out = torch.zeros_like(x)
         flat = ids.flatten()
         order = torch.argsort(flat, stable=True)
@@ -151,7 +147,8 @@ class MoE(Prepared):
             picks = order[start : start + count]
             start += count
             tokens = picks // self.moe.top_k
-            h = expert_activation(self.w13_linears[expert](x[tokens]), self.moe)
+            gate_up = self.w13_linears[expert](x[tokens])
+            h = self.activation(*gate_up.chunk(2, dim=-1))
             y = self.w2_linears[expert](h) * flat_weights[picks, None]
             out.index_add_(0, tokens, y.to(out.dtype))
         out = self.ctx.reduce(out)

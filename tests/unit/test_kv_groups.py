@@ -4,11 +4,12 @@ hits across groups, and a hybrid model's blocks held per sequence against full a
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
+from engine.config import FULL_ATTENTION, SLIDING_ATTENTION, EngineConfig, ModelConfig
 from engine.engine import LLMEngine
 from engine.hashing import block_hashes, group_hash
 from engine.kv_cache import KVCacheManager
@@ -109,7 +110,7 @@ def gemma(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
     return folder, save("gemma3", folder)
 
 
-ENGINE = dict(dtype="float32", block_size=BS, num_threads=1, kv_cache_memory=1024**2,
+ENGINE: dict[str, Any] = dict(dtype="float32", block_size=BS, num_threads=1, kv_cache_memory=1024**2,
               max_num_batched_tokens=16)
 
 
@@ -147,10 +148,8 @@ def test_blocks_held_per_sequence_against_full_attention(gemma: tuple[Path, obje
     assert full.runner.kv_cache.shape[0] == 4 and engine.runner.kv_cache.shape[0] == 1
 
 
-def _engine_config(**kw: object) -> object:
-    from engine.config import EngineConfig
-
-    return EngineConfig(**{**ENGINE, **kw})  # type: ignore[arg-type]
+def _engine_config(**kw: Any) -> EngineConfig:
+    return EngineConfig(**{**ENGINE, **kw})
 
 
 def test_window_of_the_test_models_is_seven() -> None:

@@ -57,12 +57,12 @@ def test_absorbed_equals_expanded_on_the_same_cache(dtype: torch.dtype, tol: flo
         results[absorb] = (_run(MlaTorchBackend(absorb=absorb), case, step, seed=2), case)
     (expanded, case), (absorbed, _) = results[False], results[True]
     scale = expanded.abs().max()
-    assert torch.allclose(absorbed, expanded, atol=tol * scale, rtol=0)
+    assert torch.allclose(absorbed, expanded, atol=float(tol * scale), rtol=0)
     g = torch.Generator().manual_seed(2)
     q_nope, q_rope = torch.randn(2, HEADS, NOPE, generator=g), torch.randn(2, HEADS, ROPE, generator=g)
     for s, (table, length) in enumerate(zip(tables, (11, 7), strict=True)):
         dense = _dense(case, table, length, q_nope[s], q_rope[s], 0.3)
-        assert torch.allclose(expanded[s], dense.to(expanded.dtype), atol=tol * scale, rtol=0)
+        assert torch.allclose(expanded[s], dense.to(expanded.dtype), atol=float(tol * scale), rtol=0)
 
 
 def test_each_form_is_chosen_per_group_of_a_mixed_step() -> None:
@@ -77,4 +77,4 @@ def test_each_form_is_chosen_per_group_of_a_mixed_step() -> None:
         out[absorb] = _run(MlaTorchBackend(absorb=absorb), case, meta, seed=5)
     assert torch.equal(out[None][:6], out[False][:6])
     assert torch.equal(out[None][6:], out[True][6:])
-    assert torch.allclose(out[True], out[False], atol=2e-5 * out[False].abs().max(), rtol=0)
+    assert torch.allclose(out[True], out[False], atol=float(2e-5 * out[False].abs().max()), rtol=0)

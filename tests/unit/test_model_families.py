@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import PreTrainedModel
 
 from engine.loader import load_model_source
 from engine.models.causal_lm import CausalLM
@@ -18,7 +19,7 @@ FAMILIES = [f for f in BUILDERS if f != "llama"]
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def saved(request: pytest.FixtureRequest,
-          tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, object]:
+          tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, PreTrainedModel]:
     folder = tmp_path_factory.mktemp(request.param)
     return request.param, folder, save(request.param, folder)
 
@@ -30,13 +31,13 @@ def _runner(folder: Path) -> PagedRunner:
     return PagedRunner.over(model)
 
 
-def test_chunked_prompt_and_decode_match_transformers(saved: tuple[str, Path, object]) -> None:
+def test_chunked_prompt_and_decode_match_transformers(saved: tuple[str, Path, PreTrainedModel]) -> None:
     family, folder, hf = saved
     runner = _runner(folder)
     tokens = prompt(27, seed=2)  # longer than the sliding windows, prefilled in chunks across them
     logits = torch.cat([runner.step([(0, tokens[i : i + 10])])[0] for i in range(0, 27, 10)])
     with torch.inference_mode():
-        expected = hf(torch.tensor([tokens])).logits[0]  # type: ignore[operator]
+        expected = hf(torch.tensor([tokens])).logits[0]
     torch.testing.assert_close(logits, expected, atol=2e-4, rtol=2e-4)
     generated = [int(logits[-1].argmax())]
     for _ in range(9):
@@ -46,7 +47,7 @@ def test_chunked_prompt_and_decode_match_transformers(saved: tuple[str, Path, ob
     assert generated == reference, family
 
 
-def test_mixed_batch_matches_transformers_per_sequence(saved: tuple[str, Path, object]) -> None:
+def test_mixed_batch_matches_transformers_per_sequence(saved: tuple[str, Path, PreTrainedModel]) -> None:
     _, folder, hf = saved
     runner = _runner(folder)
     a, b = prompt(19, seed=3), prompt(6 * BLOCK_SIZE + 1, seed=4)

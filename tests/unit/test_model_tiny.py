@@ -16,7 +16,9 @@ from transformers import (
 
 from engine.config import ModelConfig, RopeScaling
 from engine.kv_tensors import allocate_kv_cache
+from engine.layers.attention import Attention
 from engine.layers.decoder import DecoderLayer
+from engine.layers.mlp import GatedMLP
 from engine.models.causal_lm import CausalLM
 from kernels import AttentionBackend, get_attention_backend
 from kernels.attention import AttentionMetadata
@@ -226,6 +228,7 @@ def test_native_products_keep_one_copy_of_each_matrix() -> None:
     model = runner.model
     layer = model.layers[1]
     assert isinstance(layer, DecoderLayer) and layer.plain_released
+    assert isinstance(layer.attn, Attention) and isinstance(layer.mlp, GatedMLP)
     for matrix in (layer.attn.qkv, layer.attn.o_proj, layer.mlp.gate_up, layer.mlp.down_proj):
         assert matrix.untyped_storage().nbytes() == 4 and matrix.dim() == 2
     tokens = prompt(21, seed=6)

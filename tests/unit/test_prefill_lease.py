@@ -135,12 +135,12 @@ def test_lease_poller_sleeps_without_leases_and_wakes_for_a_new_one(
             return polls[0] >= idle_polls + 10
 
         await until(polled_ten, 30, "the poller polling while a lease is held")
-        assert (await stats(worker)).num_leases == 1  # its deadline has not come
+        assert (await stats(worker)).leases.held == 1  # its deadline has not come
         clock.advance(0.3)
 
         async def lease_ended() -> WorkerStats | None:
             s = await stats(worker)
-            return s if (s.num_leases, s.num_used_blocks) == (0, 0) else None
+            return s if (s.leases.held, s.kv.used_blocks) == (0, 0) else None
 
         later = await until(lease_ended, 30, "the lease ending at its deadline")
         assert await turns_without_a_poll()  # asleep again
