@@ -207,7 +207,9 @@ class DecodeWorker(WorkerBase):
         reservation = e.reserve(r)
         if reservation is None:
             return WorkerError(ErrorKind.NO_KV, f"{self.worker_id} has no KV room for {r.num_tokens} tokens")
-        self._attempts[req.request_id] = DecodeAttempt(req, reservation, self._queue_span(req))
+        slots = tuple(len(g.layers) for g in e.kv.groups)
+        self._attempts[req.request_id] = DecodeAttempt(req, reservation, self._queue_span(req),
+                                                       group_slots=slots)
         return None
 
     async def _await_prefill(self, ref: Any, timeout: float) -> PrefillResult | WorkerError:
@@ -252,11 +254,11 @@ class DecodeWorker(WorkerBase):
         if held is None or held.reservation is None:
             self.sink.release(handle)
             return WorkerError(ErrorKind.INVALID, f"no reservation for {request_id!r}")
-        remote, local = held.pull_blocks(handle)
+        remote, local, slots = held.pull_blocks(handle)
         t0 = time.monotonic()
         error: WorkerError | None = None
         try:
-            stats = await self.sink.read(handle, remote, local, self.transfer_timeout)
+            stats = await self.sink.read(handle, remote, local, self.transfer_timeout, slots=slots)
         except TransferError as exc:
             self.sink.release(handle)
             error, outcome = WorkerError(ErrorKind.TRANSFER, f"{exc.outcome}: {exc}"), exc.outcome

@@ -99,3 +99,15 @@ def max_sequence_tokens(groups: tuple[KvGroup, ...], num_blocks: int, block_size
     if not full:
         return sys.maxsize
     return (num_blocks - window_blocks) // full * block_size
+
+
+def describe(config: ModelConfig, groups: tuple[KvGroup, ...]) -> str:
+    """What a KV block's bytes mean beyond its shape, for the transfer's compatibility hash: each
+    group's layers and window, and latent attention's split of its row ("" for one full group of a
+    model without latent attention)."""
+    parts = []
+    if len(groups) > 1 or groups[0].window is not None:
+        parts.append(";".join(f"{','.join(map(str, g.layers))}@{g.window or 'full'}" for g in groups))
+    if config.mla is not None:
+        parts.append(f"mla:{config.mla.kv_lora_rank}+{config.mla.qk_rope_head_dim}")
+    return " ".join(parts)

@@ -115,7 +115,9 @@ class PrefillWorker(WorkerBase):
             assert last is not None and last.finished
             aborted = last.finish_reason == "abort"
             self._trace(req, last.metrics, aborted)
-            blocks = [] if aborted else await self.aengine.read(lambda e: e.kv.blocks_of(rid))
+            tables: list[list[int]] = [[]] if aborted else await self.aengine.read(
+                lambda e: e.kv.tables_of(rid))
+            blocks = tables[0]
             if aborted or rid in self._dropped:  # a release or abort came after the last step: no lease
                 await self.aengine.mutate(lambda e: e.release_kv(rid))
                 return WorkerError(ErrorKind.ABORTED, f"prefill of {rid} was aborted")
@@ -130,6 +132,7 @@ class PrefillWorker(WorkerBase):
             num_tokens=len(req.prompt_token_ids),
             compat_hash=self.agent.compat_hash,
             lease_deadline=deadline,
+            group_block_ids=tables[1:],
         )
         self.source.add_lease(rid, deadline)
         self._leased.set()

@@ -1,10 +1,13 @@
 """The KV compatibility hash, and the field-by-field check behind it.
 
 Two peers may exchange KV blocks only when every byte of a block means the same
-thing on both sides: same model, dtype, block size, layer count, head dimension,
-element size, KV storage dtype (``dtype``: fp8/int8 or the model dtype), the
-model's KV heads, the same in-memory layout (``LAYOUT_NAME``) and the same wire
-version. ``num_blocks`` is deliberately left out: each worker sizes its own pool.
+thing on both sides: same model, dtype, block size, layer count (a hybrid model's
+slots), head dimension (latent attention's latent and rotary widths together), parts
+(K and V, or one latent), the KV groups' description (which layers share a block
+table, their windows; latent attention's split of its row), element size, KV storage
+dtype (``dtype``: fp8/int8 or the model dtype), the model's KV heads, the same
+in-memory layout (``LAYOUT_NAME``) and the same wire version. ``num_blocks`` is
+deliberately left out: each worker sizes its own pool.
 
 Tensor parallelism: a peer's hash also covers its shard, ``tp_size``, ``tp_rank``
 and its KV head range, so a handle's hash names exactly the layout it was made
@@ -23,7 +26,8 @@ from transfer.errors import IncompatibleKvError
 from transfer.wire import WIRE_VERSION, AgentInfo, KvLayout
 
 LAYOUT_NAME = "NHD-paged-v1"
-SHARED_FIELDS = ("model", "dtype", "block_size", "num_layers", "model_kv_heads", "head_dim", "element_size")
+SHARED_FIELDS = ("model", "dtype", "block_size", "num_layers", "model_kv_heads", "head_dim", "element_size",
+                 "parts", "kv_groups")
 SHARD_FIELDS = ("tp_size", "tp_rank", "kv_head_start", "num_kv_heads", "scale_region_bytes")
 
 

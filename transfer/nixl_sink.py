@@ -24,8 +24,9 @@ Contract
   chunk's needed heads into the cache before the next chunk's READ
   (``transfer/pending_read.py``). Async reads that stage take turns on the buffer (the
   wait bounded by the read's deadline).
-- ``read(handle, remote_block_ids, local_block_ids, timeout)`` copies every layer of
-  each ``remote_block_ids[i]`` into ``local_block_ids[i]``; what it moves and counts
+- ``read(handle, remote_block_ids, local_block_ids, timeout, slots=None)`` copies every layer
+  (with ``slots``, a hybrid model's KV group's first ``slots[i]``) of each ``remote_block_ids[i]``
+  into ``local_block_ids[i]``; what it moves and counts
   (``TransferStats``) is worked out before anything is posted (``transfer/read_plan.py``).
   The decode worker owns and reserves the local blocks beforehand; the sink never frees
   anything. ``read_blocking`` is the same read for a caller without an event loop.
@@ -144,21 +145,21 @@ class KvSink:
 
     async def read(
         self, handle: KvHandle, remote_block_ids: list[int], local_block_ids: list[int], timeout: float,
-        notify: bool = True,
+        notify: bool = True, slots: list[int] | None = None,
     ) -> TransferStats:
         remote = self._remotes.get(handle.agent_name)
         if remote is None or not remote.staged:
-            return await self._read(handle, remote_block_ids, local_block_ids, timeout, notify)
+            return await self._read(handle, remote_block_ids, local_block_ids, timeout, notify, slots)
         started = time.monotonic()
         async with self._staging.turn(handle, timeout):
             left = max(0.0, timeout - (time.monotonic() - started))
-            return await self._read(handle, remote_block_ids, local_block_ids, left, notify)
+            return await self._read(handle, remote_block_ids, local_block_ids, left, notify, slots)
 
     async def _read(
         self, handle: KvHandle, remote_block_ids: list[int], local_block_ids: list[int], timeout: float,
-        notify: bool,
+        notify: bool, slots: list[int] | None = None,
     ) -> TransferStats:
-        pending, stats = self._post(handle, remote_block_ids, local_block_ids, timeout, notify)
+        pending, stats = self._post(handle, remote_block_ids, local_block_ids, timeout, notify, slots)
         if pending is None:
             return stats
         await finish(pending)
@@ -167,12 +168,12 @@ class KvSink:
 
     def read_blocking(
         self, handle: KvHandle, remote_block_ids: list[int], local_block_ids: list[int], timeout: float,
-        notify: bool = True,
+        notify: bool = True, slots: list[int] | None = None,
     ) -> TransferStats:
         if self._staging.in_use:
             raise RuntimeError(f"KV sink {self.agent_name}: a blocking read while an async read stages "
                                f"(call every method from one thread)")
-        pending, stats = self._post(handle, remote_block_ids, local_block_ids, timeout, notify)
+        pending, stats = self._post(handle, remote_block_ids, local_block_ids, timeout, notify, slots)
         if pending is None:
             return stats
         finish_blocking(pending)
@@ -213,13 +214,13 @@ class KvSink:
 
     def _post(
         self, handle: KvHandle, remote_block_ids: list[int], local_block_ids: list[int], timeout: float,
-        notify: bool,
+        notify: bool, slots: list[int] | None = None,
     ) -> tuple[PendingRead | None, TransferStats]:
         """Check, then post the READs (one per source rank); ``None`` when there was nothing to move."""
         self._faults.check(handle.request_id)
         remote = self._remote(handle)
         plan = plan_read(handle, remote, self.layout, remote_block_ids, local_block_ids, self._staging,
-                         self.backend)
+                         self.backend, slots)
         now = time.time()
         if handle.lease_deadline <= now:
             raise TransferError("expired", f"lease of {handle.request_id} ended before the read")

@@ -5,7 +5,7 @@ they cross a process boundary. ``WIRE_VERSION`` changes whenever a field changes
 meaning; peers with different versions refuse each other at the handshake.
 
 - ``KvLayout`` describes one worker's KV cache tensor (see ``kernels/attention.py``):
-  ``[num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim]``, contiguous, so
+  ``[num_layers, num_blocks, parts, block_size, num_kv_heads, head_dim]``, contiguous, so
   region ``(layer, block)`` starts at ``base_addr + (layer * num_blocks + block) *
   region_bytes``. A quantized cache (fp8/int8, ``kernels/kv_quant.py``) also has a
   scales tensor ``[num_layers, num_blocks, 2, num_kv_heads]`` float32; its region
@@ -15,14 +15,18 @@ meaning; peers with different versions refuse each other at the handshake.
   With tensor parallelism each rank's cache holds only its KV heads: ``num_kv_heads`` of the model's
   ``total_kv_heads``, starting at global head ``kv_head_start``, on rank ``tp_rank`` of ``tp_size``
   (``engine/tensor_parallel.py`` decides which; one head may be replicated on several ranks). The
-  defaults describe an unsharded cache.
+  defaults describe an unsharded cache. ``parts`` is 2 (K and V) or 1 (latent attention's one row
+  per token, its one "head" ``head_dim`` values wide). A hybrid model's ``num_layers`` are the slots
+  of its KV groups (``engine/kv_groups.py``; ``kv_groups`` says which), and a group's block holds its
+  layers in the first slots: a read of such a block moves only those.
 - ``AgentInfo`` is what a source publishes once (NIXL metadata, the tensor's address
   and layout); a sink connects to it before its first read. A tensor-parallel worker publishes its
   rank 0's, with ranks 1..N-1's in ``tp_ranks`` (rank order): one agent per rank, each registering
   its own KV shard.
 - ``KvHandle`` is what prefill hands decode per request: which source agent holds the
   blocks (rank 0's for a tensor-parallel worker: block ids are the same on every rank), which
-  blocks, and until when (``lease_deadline``, ``time.time()`` seconds).
+  blocks (every KV group's table; a sliding group's blocks its window left are -1, never read),
+  and until when (``lease_deadline``, ``time.time()`` seconds).
 - ``TransferStats`` is what one read moved and how long it took: ``bytes`` placed in the cache,
   ``staged_bytes`` of them (and any more) read through a staging buffer first.
 
@@ -38,7 +42,7 @@ import msgspec
 if TYPE_CHECKING:
     import torch
 
-WIRE_VERSION: int = 3
+WIRE_VERSION: int = 4
 
 
 class KvLayout(msgspec.Struct, frozen=True):
@@ -55,6 +59,8 @@ class KvLayout(msgspec.Struct, frozen=True):
     tp_rank: int = 0
     kv_head_start: int = 0
     total_kv_heads: int = 0  # 0: num_kv_heads (an unsharded cache)
+    parts: int = 2  # K and V; 1 for latent attention's one row (its "head" the latent and rotary key)
+    kv_groups: str = ""  # engine/kv_groups.py's describe(): which layers share a block table; "": one
 
     @property
     def model_kv_heads(self) -> int:
@@ -76,8 +82,8 @@ class KvLayout(msgspec.Struct, frozen=True):
 
     @property
     def region_bytes(self) -> int:
-        """Bytes of one block of one layer (K and V)."""
-        return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.element_size
+        """Bytes of one block of one layer (K and V, or the latent)."""
+        return self.parts * self.block_size * self.num_kv_heads * self.head_dim * self.element_size
 
     @property
     def total_bytes(self) -> int:
@@ -85,23 +91,26 @@ class KvLayout(msgspec.Struct, frozen=True):
 
     @property
     def scales_shape(self) -> tuple[int, int, int, int]:
-        return (self.num_layers, self.num_blocks, 2, self.num_kv_heads)
+        return (self.num_layers, self.num_blocks, self.parts, self.num_kv_heads)
 
     @property
     def shape(self) -> tuple[int, int, int, int, int, int]:
-        return (self.num_layers, self.num_blocks, 2, self.block_size, self.num_kv_heads, self.head_dim)
+        return (self.num_layers, self.num_blocks, self.parts, self.block_size, self.num_kv_heads,
+                self.head_dim)
 
     @staticmethod
-    def from_tensor(kv_cache: torch.Tensor, model: str, scales: torch.Tensor | None = None) -> KvLayout:
-        """The layout of a KV cache tensor shaped as ``kernels/attention.py`` describes (and its scales)."""
-        if kv_cache.dim() != 6 or kv_cache.shape[2] != 2:
+    def from_tensor(kv_cache: torch.Tensor, model: str, scales: torch.Tensor | None = None,
+                    kv_groups: str = "") -> KvLayout:
+        """The layout of a KV cache tensor shaped as ``kernels/attention.py`` describes (and its scales);
+        ``kv_groups`` describes a hybrid model's groups (``engine/kv_groups.py:describe``)."""
+        if kv_cache.dim() != 6 or kv_cache.shape[2] not in (1, 2):
             raise ValueError(f"not a paged KV cache tensor: shape {tuple(kv_cache.shape)}")
-        num_layers, num_blocks, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+        num_layers, num_blocks, parts, block_size, num_kv_heads, head_dim = kv_cache.shape
         scale_region_bytes = 0
         if scales is not None:
-            if tuple(scales.shape) != (num_layers, num_blocks, 2, num_kv_heads):
+            if tuple(scales.shape) != (num_layers, num_blocks, parts, num_kv_heads):
                 raise ValueError(f"KV scales shape {tuple(scales.shape)} does not match the cache")
-            scale_region_bytes = 2 * num_kv_heads * scales.element_size()
+            scale_region_bytes = parts * num_kv_heads * scales.element_size()
         return KvLayout(
             model=model,
             dtype=str(kv_cache.dtype).removeprefix("torch."),
@@ -112,6 +121,8 @@ class KvLayout(msgspec.Struct, frozen=True):
             head_dim=head_dim,
             element_size=kv_cache.element_size(),
             scale_region_bytes=scale_region_bytes,
+            parts=parts,
+            kv_groups=kv_groups,
         )
 
 
@@ -136,10 +147,11 @@ class AgentInfo(msgspec.Struct, frozen=True):
 class KvHandle(msgspec.Struct, frozen=True):
     request_id: str
     agent_name: str
-    block_ids: list[int]
+    block_ids: list[int]  # KV group 0's table (``engine/kv_groups.py``; -1: a block its window left)
     num_tokens: int
     compat_hash: str
     lease_deadline: float  # time.time() epoch seconds
+    group_block_ids: list[list[int]] = []  # a hybrid model's other groups' tables, likewise
 
 
 class TransferStats(msgspec.Struct, frozen=True):

@@ -30,6 +30,7 @@ import msgspec
 import torch
 
 from engine.engine import LLMEngine
+from engine.kv_groups import describe
 from engine.model_runner import ModelRunner
 from engine.tp_group import CallReply, TpGroup
 from messages.codec import pack, unpack
@@ -52,6 +53,7 @@ class ReadOrder(msgspec.Struct, frozen=True):
     remote_block_ids: list[int]
     local_block_ids: list[int]
     timeout: float
+    slots: list[int] | None = None  # a hybrid model's KV group of each block (transfer/read_plan.py)
 
 
 class KvFailure(msgspec.Struct, tag="failure", frozen=True):
@@ -66,7 +68,8 @@ class Stats(msgspec.Struct, tag="stats", frozen=True):
 
 def rank_layout(runner: ModelRunner, model: str) -> KvLayout:
     """The ``KvLayout`` of this rank's KV shard (its heads, its rank and the group's size)."""
-    layout = KvLayout.from_tensor(runner.kv_cache, model, runner.kv_scales)
+    layout = KvLayout.from_tensor(runner.kv_cache, model, runner.kv_scales,
+                                  describe(runner.model_config, runner.kv_groups))
     shard = runner.model.shard
     return layout.sharded(shard.size, shard.rank, shard.kv_head_range[0], runner.model_config.num_kv_heads)
 
@@ -130,7 +133,7 @@ class RankKv:
     def _read(self, data: bytes) -> bytes:
         o = unpack(data, ReadOrder)
         return _guarded(lambda: pack(Stats(self._live_sink().read_blocking(
-            o.handle, o.remote_block_ids, o.local_block_ids, o.timeout, notify=False))))
+            o.handle, o.remote_block_ids, o.local_block_ids, o.timeout, notify=False, slots=o.slots))))
 
     def close(self) -> None:
         for agent in (self.source, self.sink):
@@ -240,17 +243,18 @@ class GroupSink:
         self.sink.close()
 
     async def read(self, handle: KvHandle, remote_block_ids: list[int], local_block_ids: list[int],
-                   timeout: float) -> TransferStats:
-        return await asyncio.to_thread(self.read_blocking, handle, remote_block_ids, local_block_ids, timeout)
+                   timeout: float, slots: list[int] | None = None) -> TransferStats:
+        return await asyncio.to_thread(self.read_blocking, handle, remote_block_ids, local_block_ids, timeout,
+                                       slots)
 
     def read_blocking(self, handle: KvHandle, remote_block_ids: list[int], local_block_ids: list[int],
-                      timeout: float) -> TransferStats:
+                      timeout: float, slots: list[int] | None = None) -> TransferStats:
         """Every rank reads its heads of the blocks; then rank 0 notifies the source (see the module doc)."""
-        order = pack(ReadOrder(handle, remote_block_ids, local_block_ids, timeout))
+        order = pack(ReadOrder(handle, remote_block_ids, local_block_ids, timeout, slots))
 
         def local() -> bytes:
             return pack(Stats(self.sink.read_blocking(handle, remote_block_ids, local_block_ids, timeout,
-                                                      notify=False)))
+                                                      notify=False, slots=slots)))
 
         datas = _replies(self.group.call("kv.read", order, lambda: _guarded(local)), "a KV read")
         _raise_failures(datas)
