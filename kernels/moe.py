@@ -20,13 +20,12 @@ The reference groups the token-expert pairs by expert (a stable argsort of the i
 each expert present once, for all its tokens, as transformers' MoE layers do: products in
 the input dtype (torch accumulates them in float32), the weighted sum over ``k`` in float32
 (float64 for float64 inputs), cast to ``x``'s dtype once. It is the CPU path. On CUDA with
-Triton installed ``fused_moe`` runs ``kernels/triton_moe.py`` instead, which computes the same
-thing in a grouped GEMM.
+Triton installed ``kernels/fused_moe.py:fused_moe`` runs ``kernels/triton_moe.py`` instead, which
+computes the same thing in a grouped GEMM.
 """
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -119,18 +118,3 @@ def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
         y = F.linear(activation(h[:, :inter], h[:, inter:]), w2[expert], None if b2 is None else b2[expert])
         out.index_add_(0, tokens, y.to(out.dtype) * weights[rows, None])
     return out.to(x.dtype)
-
-
-def triton_moe_available(device: torch.device) -> bool:
-    return device.type == "cuda" and importlib.util.find_spec("triton") is not None
-
-
-def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, activation: MoeActivation, b13: torch.Tensor | None = None,
-              b2: torch.Tensor | None = None) -> torch.Tensor:
-    """The experts' weighted sum (module docstring): the Triton kernels on CUDA, else the reference."""
-    if triton_moe_available(x.device):
-        from kernels.triton_moe import triton_fused_moe
-
-        return triton_fused_moe(x, w13, w2, topk_weights, topk_ids, activation, b13, b2)
-    return fused_moe_reference(x, w13, w2, topk_weights, topk_ids, activation, b13, b2)

@@ -31,8 +31,9 @@ from engine.config import MoeConfig
 from engine.layers.context import LayerContext
 from engine.layers.mlp import GatedMLP
 from engine.layers.prepared import Prepared, weight
+from kernels.fused_moe import fused_moe
 from kernels.linear import LinearKernel, PreparedLinear
-from kernels.moe import MoeActivation, fused_moe
+from kernels.moe import MoeActivation
 
 
 def _group_mask(group_scores: torch.Tensor, moe: MoeConfig) -> torch.Tensor:

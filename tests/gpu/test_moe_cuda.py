@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.moe import MoeActivation, fused_moe, fused_moe_reference
+from kernels.fused_moe import fused_moe
+from kernels.moe import MoeActivation, fused_moe_reference
 
 pytestmark = [
     pytest.mark.gpu,

@@ -24,7 +24,8 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from kernels.moe import ACTIVATIONS, MoeActivation, fused_moe, fused_moe_reference
+from kernels.fused_moe import fused_moe
+from kernels.moe import ACTIVATIONS, MoeActivation, fused_moe_reference
 from kernels.triton_moe import moe_align, triton_fused_moe
 
 HIDDEN, INTER, EXPERTS, TOP_K = 80, 40, 8, 2  # H, I not multiples of any block: every edge is masked
