@@ -8,10 +8,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import logging
+import os
 import re
 from typing import TYPE_CHECKING
 
 from cli.argtypes import converted
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
@@ -143,7 +147,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--compile-cpu", action=argparse.BooleanOptionalAction, default=d.compile_cpu,
                    help="compile the decoder layers with torch.compile (inductor) for decode batches padded "
                         "to buckets, cached on disk under $PDSERVE_CACHE/inductor; it did not pay on the "
-                        "CPUs measured, see docs/benchmarks.md")
+                        "CPUs measured, see docs/cpu_engine.md")
+    g.add_argument("--native-kernels", action=argparse.BooleanOptionalAction, default=d.native_kernels,
+                   help="the native CPU kernels (attention, products, fused ops); off: torch's ops, MKL's "
+                        "packed products and the torch attention")
+    g.add_argument("--native-decoder", action=argparse.BooleanOptionalAction, default=d.native_decoder,
+                   help="every layer of a plain Llama-family step in one native call (docs/cpu_engine.md)")
+    g.add_argument("--greedy-head", action=argparse.BooleanOptionalAction, default=d.greedy_head,
+                   help="greedy rows' tokens from a half-precision screen of the LM head, rechecked exactly")
+    g.add_argument("--large-product", choices=("auto", "mkl", "onednn"), default=d.large_product,
+                   help="the product of prompt chunks under --linear-kernel prepacked: MKL's or oneDNN's "
+                        "(auto: MKL's on Intel CPUs, oneDNN's on others)")
     g.add_argument("--speculative-config", type=converted(parse_speculative_config),
                    default=d.speculative_config, metavar="JSON",
                    help="speculative decoding, vLLM's shape: '{\"method\": \"ngram\", "
@@ -171,6 +185,27 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     fields without a flag keep their defaults). Raises ValueError naming the flag on a bad value."""
     from engine.config import EngineConfig
 
-    given = vars(args)
+    given = dict(vars(args))
+    for name, (field, value) in _deprecated_env().items():
+        if field in given and given[field] == getattr(EngineConfig, field):
+            logger.warning("%s is deprecated: use --%s", name, field.replace("_", "-"))
+            given[field] = value
     return EngineConfig(**{f.name: given[f.name] for f in dataclasses.fields(EngineConfig)
                            if f.name in given})
+
+
+def _deprecated_env() -> dict[str, tuple[str, object]]:
+    """The environment variables that once set engine switches: variable -> (field, value). Read here
+    once, where no flag says otherwise; the engine never reads the environment."""
+    off = ("0", "false", "no", "off")
+    found: dict[str, tuple[str, object]] = {}
+    switches = (("PDSERVE_NATIVE_KERNELS", "native_kernels"), ("PDSERVE_NATIVE_DECODER", "native_decoder"),
+                ("PDSERVE_GREEDY_HEAD", "greedy_head"))
+    for name, field in switches:
+        value = os.environ.get(name)
+        if value is not None:
+            found[name] = (field, value.strip().lower() not in off)
+    product = os.environ.get("PDSERVE_LARGE_PRODUCT")
+    if product:
+        found["PDSERVE_LARGE_PRODUCT"] = ("large_product", product)
+    return found

@@ -173,15 +173,9 @@ def worker_env(threads: int) -> dict[str, str]:
     """A worker process's environment: its OpenMP thread count, and torch's transparent huge pages for
     CPU tensors of 2 MB and more (``THP_MEM_ALLOC_ENABLE``; the driver's own value wins where it sets
     one). torch reads that switch once, at its first allocation, so it has to be there when the process
-    starts. With it a decode step reads its weights through 2 MB pages: at batch 1 on two threads
-    22.1-22.5 ms against 25.1-25.8 without (docs/benchmarks.md, "Huge pages for the weights").
-    The driver's ``PDSERVE_LARGE_PRODUCT`` (the prompt chunks' product, ``kernels/linear.py``) goes to
-    every worker too, on whichever node it runs, so one deployment computes prompts alike."""
+    starts (docs/benchmarks.md, "Huge pages for the weights")."""
     thp = os.environ.get("THP_MEM_ALLOC_ENABLE", "1")
-    env = {"OMP_NUM_THREADS": str(threads), "THP_MEM_ALLOC_ENABLE": thp}
-    if os.environ.get("PDSERVE_LARGE_PRODUCT"):
-        env["PDSERVE_LARGE_PRODUCT"] = os.environ["PDSERVE_LARGE_PRODUCT"]
-    return env
+    return {"OMP_NUM_THREADS": str(threads), "THP_MEM_ALLOC_ENABLE": thp}
 
 
 def _actor(cls: type, name: str, opts: WorkerOptions, group: Any) -> Any:

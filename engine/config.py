@@ -271,6 +271,14 @@ class EngineConfig:
     # a hybrid model's sliding-window layers keep only the blocks their window reads, in KV groups of
     # their own (engine/kv_groups.py); off: every layer keeps every block (their attention is the same)
     hybrid_kv: bool = True
+    # native CPU kernels (kernels/cpu_native.py): off runs torch ops, MKL's packed products and the torch
+    # attention; native_decoder every layer of a step in one native call; greedy_head greedy rows' tokens
+    # from a half-precision screen of the LM head (kernels/greedy_head.py); large_product the product of
+    # prompt chunks under linear_kernel "prepacked" (auto: by CPU vendor; kernels/linear.py)
+    native_kernels: bool = True
+    native_decoder: bool = True
+    greedy_head: bool = True
+    large_product: str = "auto"
     # in-flight prefix dedup (engine/scheduler.py): a waiting request waits for at least this many
     # of its next prompt tokens that a running request is computing; 0 turns it off
     prefix_wait_min_tokens: int = 128
@@ -333,6 +341,8 @@ class EngineConfig:
             raise ValueError("--max-num-seqs must be at least 1")
         if self.prefix_wait_min_tokens < 0:
             raise ValueError(f"prefix_wait_min_tokens must be >= 0, got {self.prefix_wait_min_tokens}")
+        if self.large_product not in ("auto", "mkl", "onednn"):
+            raise ValueError(f"--large-product must be auto, mkl or onednn, got {self.large_product!r}")
         if self.linear_kernel not in LINEAR_KERNELS:
             raise ValueError(f"linear_kernel must be one of {LINEAR_KERNELS}, got {self.linear_kernel!r}")
         if self.num_threads is not None and self.num_threads < 1:

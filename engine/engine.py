@@ -51,7 +51,7 @@ from engine.swap import HostSwapSpace
 from engine.tensor_parallel import TpShard
 from engine.tokenizer import Tokenizer
 from engine.tp_group import TpGroup
-from kernels.linear import LinearKernel
+from kernels.linear import LinearKernel, set_large_product
 
 logger = logging.getLogger(__name__)
 
@@ -112,8 +112,13 @@ def build_runner(source: ModelSource, config: EngineConfig, group: TpGroup | Non
         torch.cuda.set_device(shard.rank)
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
-    kernel = cast(LinearKernel, config.linear_kernel)
+    set_large_product(config.large_product)
+    native = config.native_kernels
+    kernel = cast(LinearKernel, "prepacked" if config.linear_kernel == "native" and not native
+                  else config.linear_kernel)
     net = CausalLM(source.config, config.torch_dtype, config.device, kernel, shard, group)
+    net.use_native_ops, net.use_native_decoder = native, config.native_decoder
+    net.use_greedy_head = config.greedy_head
     net.load_weights(source.iter_weights(shard))
     if shard.rank == 0:
         logger.info("%s (%s, %d layers): %s", source.config.name, source.config.architecture,

@@ -122,7 +122,10 @@ class ModelRunner:
                 raise ValueError(f"--kv-cache-dtype {self.config.kv_cache_dtype} does not combine with "
                                  f"{self.model_config.name}'s latent cache yet")
             return cast(AttentionBackend, MlaTorchBackend())
-        return get_attention_backend(self.device, self.config.attention_backend, self.config.kv_quantized)
+        name = self.config.attention_backend
+        if name == "auto" and self.device.type == "cpu" and not self.config.native_kernels:
+            name = "torch"
+        return get_attention_backend(self.device, name, self.config.kv_quantized)
 
     def _table_width(self) -> int:
         """Blocks a sequence can hold: the static block tables' width."""

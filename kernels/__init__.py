@@ -25,8 +25,8 @@ def get_attention_backend(device: torch.device | str, name: str = "auto",
                           kv_quantized: bool = False) -> AttentionBackend:
     """The attention backend ``name`` (``auto``, ``triton``, ``flashinfer`` or ``torch``) for ``device``.
 
-    ``auto`` on CPU: the native paged kernel when it builds here (``PDSERVE_NATIVE_KERNELS=0``
-    turns it off), which hands dtypes it does not support to the torch reference itself;
+    ``auto`` on CPU: the native paged kernel when it builds here (``EngineConfig.native_kernels``
+    off asks for ``torch`` instead), which hands dtypes it does not support to the torch reference itself;
     on CUDA: flashinfer when installed and the cache is not quantized (flashinfer cannot read
     our per-block fp8/int8 scales, see ``kernels/flashinfer_backend.py``), else Triton, else
     the torch reference. The CUDA

@@ -19,8 +19,8 @@ flags and the CPU model, so an edit (or a new compiler) builds a new library and
 a stale one is never loaded. Each build writes a temporary file and renames it into
 place, so concurrent processes never load a half-written library.
 
-``PDSERVE_NATIVE_KERNELS=0`` turns the backend off. A missing compiler or a failed
-build logs one warning and the torch backend is used instead; nothing crashes.
+``--no-native-kernels`` (``EngineConfig.native_kernels``) keeps an engine off it. A missing compiler
+or a failed build logs one warning and the torch backend is used instead; nothing crashes.
 """
 
 from __future__ import annotations
@@ -163,15 +163,8 @@ def bind_ops(lib: ctypes.CDLL) -> None:
     ]
 
 
-def env_off(name: str) -> bool:
-    """Whether the environment variable ``name`` turns something off (0, false, no, off)."""
-    return os.environ.get(name, "1").strip().lower() in ("0", "false", "no", "off")
-
-
 def native_available() -> bool:
     """Whether the native kernel can run here (builds it on the first call)."""
-    if env_off("PDSERVE_NATIVE_KERNELS"):
-        return False
     if not sys.platform.startswith("linux") or platform.machine() not in SUPPORTED_MACHINES:
         return False
     return load_library() is not None

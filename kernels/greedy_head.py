@@ -43,7 +43,7 @@ import ctypes
 
 import torch
 
-from kernels.cpu_native import env_off, load_library
+from kernels.cpu_native import load_library
 from kernels.linear import PreparedLinear
 from kernels.native_ops import NativeOps, native_ops
 
@@ -94,10 +94,10 @@ class GreedyHead:
     def build(cls, linear: PreparedLinear) -> GreedyHead | None:
         """The screen for ``linear`` (the LM head), or None where it does not apply: not the native
         float32 kernel on CPU, a bias, a hidden size under ``MIN_HIDDEN``, a weight beyond half
-        precision's range, or ``PDSERVE_GREEDY_HEAD=0``."""
+        precision's range."""
         ops = native_ops()
         w = linear.weight
-        if (env_off("PDSERVE_GREEDY_HEAD") or ops is None or linear.kernel != "native"
+        if (ops is None or linear.kernel != "native"
                 or linear.bias is not None or w.dtype != torch.float32 or w.device.type != "cpu"
                 or not w.is_contiguous() or w.shape[1] < MIN_HIDDEN):
             return None

@@ -27,8 +27,9 @@ Kernels (``kernel=``):
   (``torch.ops.mkldnn._linear_pointwise``); above (prompt chunks) the product ``LARGE_PRODUCT`` names,
   fixed per machine by ``large_product``: torch's default (MKL's SGEMM) on Intel CPUs, where MKL takes
   its AVX-512 path, and oneDNN's inner product on other x86 CPUs, where MKL runs at the AVX2 rate.
-  ``PDSERVE_LARGE_PRODUCT=mkl|onednn`` picks one by hand (``pdserve serve`` passes its value to every
-  worker: one deployment's prompts must round alike, or disaggregated and colocated outputs may differ).
+  ``--large-product mkl|onednn`` (``EngineConfig.large_product``, set for the process by
+  ``set_large_product``) picks one by hand; every worker of a deployment gets the same config, so its
+  prompts round alike (or disaggregated and colocated outputs could differ).
 - ``"plain"``: ``F.linear`` (torch's default). Other dtypes and devices always use it.
 
 Figures for each kernel, per row count: docs/benchmarks.md ("One packed product for every row count",
@@ -37,7 +38,6 @@ Figures for each kernel, per row count: docs/benchmarks.md ("One packed product 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Literal
 
@@ -64,16 +64,24 @@ def cpu_vendor(cpuinfo: str = "/proc/cpuinfo") -> str:
 
 
 def large_product(vendor: str, override: str | None = None) -> LargeProduct:
-    """The product of more than ``LARGE_ROWS`` rows: ``override`` (``PDSERVE_LARGE_PRODUCT``) when set,
-    else MKL's on Intel CPUs and on CPUs that list no vendor, oneDNN's on the others."""
-    if override:
+    """The product of more than ``LARGE_ROWS`` rows: ``override`` (``EngineConfig.large_product``) when
+    set and not ``auto``, else MKL's on Intel CPUs and on CPUs that list no vendor, oneDNN's on the
+    others."""
+    if override and override != "auto":
         if override not in ("mkl", "onednn"):
-            raise ValueError(f"PDSERVE_LARGE_PRODUCT must be mkl or onednn, not {override!r}")
+            raise ValueError(f"large_product must be mkl or onednn, not {override!r}")
         return "mkl" if override == "mkl" else "onednn"
     return "mkl" if vendor in ("GenuineIntel", "") else "onednn"
 
 
-LARGE_PRODUCT: LargeProduct = large_product(cpu_vendor(), os.environ.get("PDSERVE_LARGE_PRODUCT"))
+LARGE_PRODUCT: LargeProduct = large_product(cpu_vendor())
+
+
+def set_large_product(override: str) -> None:
+    """The process's product of prompt chunks (the engine sets it from its config when it starts: one
+    deployment's workers compute prompts alike)."""
+    global LARGE_PRODUCT
+    LARGE_PRODUCT = large_product(cpu_vendor(), override)
 
 
 def prepacked_available(weight: torch.Tensor) -> bool:

@@ -30,8 +30,8 @@ does each group in one call through ctypes, on float32 CPU tensors only:
 Callers check ``usable`` for their tensors (float32, CPU, contiguous where
 stated) and take the torch path otherwise. Threads: ``torch.get_num_threads()``
 at each call, on torch's OpenMP team (see ``kernels/cpu_native.py``).
-``native_ops()`` is ``None`` when the library cannot be built or
-``PDSERVE_NATIVE_KERNELS=0``.
+``native_ops()`` is ``None`` when the library cannot be built (an engine with
+``--no-native-kernels`` does not call it).
 """
 
 from __future__ import annotations

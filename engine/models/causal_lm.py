@@ -19,8 +19,8 @@ taken as it is.
 Execution paths, decided when the weights are prepared (``execution_path`` says which, and the engine
 logs it once): a model whose layers are all ``fusable`` (plain Llama, ``engine/layers/decoder.py``)
 runs the fused native ops on float32 CPU, and, when every product is the native packed one, every
-layer and the final norm in one native call (``kernels/native_decoder.py``; ``use_native_decoder``, on
-unless ``PDSERVE_NATIVE_DECODER=0``). Any other model runs each layer's ``forward`` (its products still
+layer and the final norm in one native call (``kernels/native_decoder.py``; ``use_native_decoder``,
+``EngineConfig.native_decoder``). Any other model runs each layer's ``forward`` (its products still
 the prepared ones).
 
 Greedy rows: ``greedy_tokens`` picks each row's argmax of the LM head without the whole float32 product
@@ -46,7 +46,6 @@ from engine.models.registry import family
 from engine.tensor_parallel import TpShard
 from engine.tp_group import TpGroup
 from kernels.attention import AttentionBackend, AttentionMetadata
-from kernels.cpu_native import env_off
 from kernels.greedy_head import GreedyHead
 from kernels.linear import LinearKernel, PreparedLinear
 from kernels.native_decoder import DecoderShape, NativeDecoder
@@ -95,7 +94,8 @@ class CausalLM(nn.Module):
         self.lm_head_linear = PreparedLinear(self.lm_head, None, "plain")
         self.greedy_head: GreedyHead | None = None
         self.use_native_ops = True
-        self.use_native_decoder = not env_off("PDSERVE_NATIVE_DECODER")
+        self.use_native_decoder = True
+        self.use_greedy_head = True
         self.native_decoder: NativeDecoder | None = None
         # keep the decoder's [out, in] matrices beside the native packed copies (the compiled path reads them)
         self.keep_plain_weights = False
@@ -138,7 +138,8 @@ class CausalLM(nn.Module):
         for layer in self.decoder_layers():
             layer.prepare_linears(self.linear_kernel, keep_plain=self.keep_plain_weights)
         self.lm_head_linear = PreparedLinear(self.lm_head, None, self.linear_kernel)
-        self.greedy_head = GreedyHead.build(self.lm_head_linear) if self.group is None else None
+        screened = self.group is None and self.use_greedy_head
+        self.greedy_head = GreedyHead.build(self.lm_head_linear) if screened else None
         self.native_decoder = self._build_native_decoder()
 
     def restore_plain_weights(self) -> None:

@@ -141,12 +141,6 @@ def test_backend_is_reusable_across_steps() -> None:
     assert kv[0, :, 1:].abs().sum() == 0
 
 
-def test_disabled_by_env_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PDSERVE_NATIVE_KERNELS", "0")
-    assert not native_available()
-    assert isinstance(get_attention_backend("cpu"), TorchAttentionBackend)
-
-
 def test_library_name_changes_with_source_and_compiler() -> None:
     base = library_name(b"int x;", "gcc 12.2.0", "cpu")
     assert base == library_name(b"int x;", "gcc 12.2.0", "cpu")

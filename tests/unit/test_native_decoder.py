@@ -117,9 +117,9 @@ def test_no_decoder_without_native_products() -> None:
     assert runner.model.native_decoder is not None
 
 
-def test_turned_off_by_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PDSERVE_NATIVE_DECODER", "0")
+def test_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
     runner = PagedRunner(hf_model("llama3"))
+    runner.model.use_native_decoder = False  # EngineConfig.native_decoder: test_engine_switches.py
     calls = spy_calls(runner, monkeypatch)
     runner.step([(0, [5])])
     assert calls == [] and not runner.model.use_native_decoder

@@ -114,7 +114,3 @@ def test_a_rows_product_depends_on_that_row_only(out_f: int, in_f: int) -> None:
     torch.testing.assert_close(whole, F.linear(x, weight, bias), atol=2e-4, rtol=1e-5)
 
 
-def test_disabled_by_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PDSERVE_NATIVE_KERNELS", "0")
-    assert native_ops() is None
-    assert PreparedLinear(torch.randn(8, 4), kernel="native").kernel == "prepacked"
