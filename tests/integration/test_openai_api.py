@@ -166,9 +166,9 @@ def _sse(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
 
 
 def decoded_tokens(server: PdserveServer) -> int:
-    """Tokens the decode workers' steps have computed so far (``WorkerStats.step_decode_rows``)."""
+    """Tokens the decode workers' steps have computed so far (``WorkerStats.clock.decode_rows``)."""
     workers = httpx.get(f"{server.url}/v1/workers", timeout=10).json()["workers"]
-    return sum(int(w["step_decode_rows"]) for w in workers if w["role"] == "decode")
+    return sum(int(w["clock"]["decode_rows"]) for w in workers if w["role"] == "decode")
 
 
 def test_client_disconnect_aborts_backend(pdserve_server: PdserveServer, model: str) -> None:
