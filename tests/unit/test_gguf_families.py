@@ -25,9 +25,10 @@ from engine.hf_loader import iter_hf_weights, read_hf_config
 from engine.loader import load_model_source
 from engine.models.registry import family
 from engine.tensor_parallel import TpShard
-from tests.families import MIN_MARGIN, NEW_FAMILIES, clear_margin, hf_greedy, prompt, save
-from tests.gguf_families import write_gguf
+from tests.families import MIN_MARGIN, clear_margin, hf_greedy, prompt, save
+from tests.gguf_families import ARCHITECTURES, write_gguf
 
+FAMILIES = tuple(ARCHITECTURES)  # the new families whose GGUF architecture llama.cpp defines
 Q8, MXFP4 = GGMLQuantizationType.Q8_0, GGMLQuantizationType.MXFP4
 # one quantized file per kind: every matrix of the Qwen3-MoE model in Q8_0, gpt-oss's experts in MXFP4
 QUANTIZED = {"qwen3_moe": (Q8, ""), "gpt_oss": (MXFP4, "_exps")}
@@ -56,7 +57,7 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Converted]:
     configs' ``name`` agree."""
     root = tmp_path_factory.mktemp("families")
     out: dict[str, Converted] = {}
-    for name in NEW_FAMILIES:
+    for name in FAMILIES:
         folder = root / "hf" / name
         model = save(name, folder)
         (root / "gguf").mkdir(exist_ok=True)
@@ -87,7 +88,7 @@ def _comparable(config: ModelConfig) -> ModelConfig:
     return _float32(config)
 
 
-@pytest.mark.parametrize("name", NEW_FAMILIES)
+@pytest.mark.parametrize("name", FAMILIES)
 def test_config_equals_the_folders(converted: dict[str, Converted], name: str) -> None:
     ours = read_gguf_config(converted[name].path)
     assert ours.architecture == name
@@ -102,7 +103,7 @@ def _hf_weights(folder: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
-@pytest.mark.parametrize("name", NEW_FAMILIES)
+@pytest.mark.parametrize("name", FAMILIES)
 def test_weights_are_the_folders(converted: dict[str, Converted], name: str) -> None:
     """Every tensor under the layer library's name, bit for bit: Mixtral's Q/K un-permuted, experts one per
     name; Gemma's norms, stored as ``1 + w``, give the very ``1 + w`` its layers compute."""
@@ -116,7 +117,7 @@ def test_weights_are_the_folders(converted: dict[str, Converted], name: str) -> 
             assert torch.equal(tensor, expected[key]), key
 
 
-@pytest.mark.parametrize("name", NEW_FAMILIES)
+@pytest.mark.parametrize("name", FAMILIES)
 def test_a_rank_reads_its_slice(converted: dict[str, Converted], name: str) -> None:
     """At tensor parallelism 2 each rank's tensors are its slices of the whole ones (rows cut before
     dequantizing, in the quantized file too)."""
@@ -163,7 +164,7 @@ def test_quantized_files_dequantize_as_gguf_does(converted: dict[str, Converted]
     assert changed == (experts if only else len([t for t in plain.values() if t.dim() > 1]))
 
 
-@pytest.mark.parametrize("name", NEW_FAMILIES)
+@pytest.mark.parametrize("name", FAMILIES)
 def test_greedy_from_gguf_equals_transformers(converted: dict[str, Converted], name: str) -> None:
     """``LLM`` over the GGUF file, prompts longer than the sliding windows, prefilled in chunks."""
     case = converted[name]
