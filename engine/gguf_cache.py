@@ -3,16 +3,16 @@
 Dequantizing a GGUF (``gguf.quants.dequantize``, numpy) is the largest part of building an engine:
 every worker, every restart and every tensor-parallel rank paid it again for the same file. The
 first whole (unsharded) load writes what ``engine.gguf_loader.iter_tensors`` yields -- float32
-tensors under Hugging Face names, Q/K already un-permuted -- to one safetensors file in the cache
+tensors under the layer library's names, as the family fixed them -- to one safetensors file in the cache
 folder (``$PDSERVE_CACHE/weights/``); later loads, whole or one tensor-parallel rank's shard, read
 that file through a memory map (a shard only its slices). They are the same bytes: outputs are
 identical with or without the cache.
 
 The key (``entry_name``) hashes the cache format, the ``gguf`` library's version (it dequantizes),
-the source of the modules that read the file (``gguf_file``, ``gguf_loader``, this one), the stored
-dtype, the file's size and modification time and its whole header (metadata and tensor table): a
-changed file, another dequantizer, a changed loader or another stored dtype misses, never a stale
-hit.
+the source of the modules that read the file (``gguf_file``, ``gguf_loader``, this one,
+``engine/models/gguf_config.py`` and the module of the family that reads it), the stored dtype, the
+file's size and modification time and its whole header (metadata and tensor table): a changed file,
+another dequantizer, a changed loader or another stored dtype misses, never a stale hit.
 Entries are written under a temporary name and renamed, so a reader never sees half a file; one
 that cannot be read is dequantized again and rewritten. A cache that cannot be written (read-only,
 full disk) costs only the dequantization. Models whose float32 weights exceed ``MAX_ENTRY_BYTES``
@@ -40,8 +40,9 @@ from safetensors.torch import save_file
 from engine import gguf_file, gguf_loader
 from engine.config import ModelConfig
 from engine.gguf_file import GGUFFile
-from engine.gguf_loader import iter_tensors
+from engine.gguf_loader import gguf_format, iter_tensors
 from engine.hf_loader import iter_safetensors_files
+from engine.models import gguf_config
 from engine.tensor_parallel import TpShard
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,10 @@ def entry_name(reader: GGUFFile) -> str:
     digest.update(f"{CACHE_FORMAT}:{importlib.metadata.version('gguf')}:{STORED_DTYPE}:"
                   f"{stat.st_size}:{stat.st_mtime_ns}:".encode())
     digest.update(reader.header)
-    for module in (gguf_file, gguf_loader, sys.modules[__name__]):  # our reading of the file, this code
+    fmt = gguf_format(reader, reader.path)
+    family_modules = sorted({fn.__module__ for fn in (fmt.config, fmt.fix, fmt.accepts)})
+    readers = [gguf_file, gguf_loader, gguf_config, *(sys.modules[m] for m in family_modules)]
+    for module in dict.fromkeys([*readers, sys.modules[__name__]]):  # our reading of the file, this code
         digest.update(Path(str(module.__file__)).read_bytes())
     return f"{reader.path.stem}-{digest.hexdigest()[:32]}.{STORED_DTYPE}.safetensors"
 

@@ -83,14 +83,17 @@ class Tokenizer:
         """Build the tokenizer stored in a GGUF file's metadata.
 
         Converting it takes seconds; with ``cache_dir`` the converted tokenizer is
-        saved there once and later loads read that folder instead.
+        saved there once and later loads read that folder instead. The tokenizers backend
+        converts it from the tokenizer metadata alone: ``AutoTokenizer`` would first parse
+        the model config out of the file, which transformers fails to do for gpt-oss files
+        (their YaRN keys).
         """
         path = Path(path)
         if cache_dir is not None and (cache_dir / "tokenizer_config.json").is_file():
             return cls.from_folder(cache_dir, eos_token_ids)
-        from transformers import AutoTokenizer
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
-        hf = AutoTokenizer.from_pretrained(
+        hf = TokenizersBackend.from_pretrained(
             str(path.parent), gguf_file=path.name, local_files_only=True
         )
         if cache_dir is not None:

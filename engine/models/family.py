@@ -7,7 +7,8 @@ A family names the Hugging Face architectures (``config.json``'s ``architectures
 splits them here; the library's names are Llama's, ``engine/layers/``), and says how its model differs
 at the ends (``norm_offset``: RMSNorm scales by ``1 + w``; ``sandwich_norms``: each branch normed again
 before its residual add; ``embed_scale``: embeddings times ``sqrt(hidden_size)``). Everything a
-layer computes is in the ``ModelConfig`` it reads.
+layer computes is in the ``ModelConfig`` it reads. A family that reads GGUF files (of its
+``gguf_architectures``, as llama.cpp writes them) says how in ``gguf`` (``engine/models/gguf_config.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 
 from engine.config import ModelConfig
+from engine.models.gguf_config import GgufFormat
 
 Weights = Iterable[tuple[str, torch.Tensor]]
 
@@ -41,3 +43,4 @@ class ModelFamily:
     norm_offset: bool = False
     sandwich_norms: bool = False
     embed_scale: bool = False
+    gguf: GgufFormat | None = None

@@ -16,7 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig, RopeScaling
+from engine.gguf_file import GGUFFile
+from engine.models import gguf_config
 from engine.models.family import ModelFamily
+from engine.models.gguf_config import LLAMA_LAYERS, GgufFormat, norm_minus_one
 from engine.models.hf_config import base_fields, layer_types, parse_rope
 
 _ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu_tanh", "silu": "silu"}
@@ -51,5 +54,32 @@ def gemma3_config(raw: dict[str, Any], source: Path) -> ModelConfig:
         hidden_act=_ACTIVATIONS[act])
 
 
+# llama.cpp's names for Gemma's four norms: ``ffn_norm`` is the pre-feed-forward one here
+GEMMA3_GGUF_LAYERS = {**LLAMA_LAYERS, "post_attention_norm": "post_attention_layernorm.{kind}",
+                      "ffn_norm": "pre_feedforward_layernorm.{kind}",
+                      "post_ffw_norm": "post_feedforward_layernorm.{kind}"}
+GEMMA3_27B_LAYERS = 62
+
+
+def gemma3_gguf_config(reader: GGUFFile, path: Path) -> ModelConfig:
+    """llama.cpp's ``gemma3``: local layers of ``gemma3.attention.sliding_window`` in a period of
+    ``sliding_window_pattern`` (6 when absent), their rope base ``rope.freq_base_swa`` (10000 when
+    absent). No key carries ``query_pre_attn_scalar``: the softmax scale is ``gemma3.attention.scale``
+    when the file has one, else llama.cpp's rule, ``head_dim ** -0.5`` (``(hidden / heads) ** -0.5``
+    for Gemma 3 27B, 62 layers), which is every published Gemma 3's ``query_pre_attn_scalar ** -0.5``."""
+    fields = gguf_config.base_fields(reader, path, "gemma3")
+    layers = fields["num_layers"]
+    scale = gguf_config.number(reader, "gemma3.attention.scale", path)
+    if scale is None:
+        wide = layers == GEMMA3_27B_LAYERS
+        scale = float(fields["hidden_size"] / fields["num_heads"] if wide else fields["head_dim"]) ** -0.5
+    return ModelConfig(
+        **fields, **gguf_config.sliding_layers(reader, path, layers, 6), qk_norm=True, attention_scale=scale,
+        final_logit_softcap=gguf_config.number(reader, "gemma3.final_logit_softcapping", path) or None,
+        local_rope_theta=gguf_config.number(reader, "gemma3.rope.freq_base_swa", path, 10_000.0),
+        hidden_act="gelu_tanh")
+
+
 GEMMA3 = ModelFamily("gemma3", "Gemma 3 (text)", ("Gemma3ForCausalLM",), ("gemma3_text",), gemma3_config,
-                     norm_offset=True, sandwich_norms=True, embed_scale=True)
+                     norm_offset=True, sandwich_norms=True, embed_scale=True, gguf_architectures=("gemma3",),
+                     gguf=GgufFormat(gemma3_gguf_config, GEMMA3_GGUF_LAYERS, fix=norm_minus_one))

@@ -13,6 +13,7 @@ per-expert ``[out, in]`` matrices. MXFP4-quantized experts (``*_blocks`` / ``*_s
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,10 @@ from typing import Any
 import torch
 
 from engine.config import ModelConfig, MoeConfig
+from engine.gguf_file import GGUFFile
+from engine.models import gguf_config
 from engine.models.family import ModelFamily, Weights
+from engine.models.gguf_config import LLAMA_LAYERS, GgufFormat
 from engine.models.hf_config import base_fields, layer_types, required
 
 
@@ -67,5 +71,26 @@ def gpt_oss_names(weights: Weights, config: ModelConfig) -> Iterator[tuple[str, 
             yield name, tensor
 
 
+GPT_OSS_GGUF_LAYERS = {**LLAMA_LAYERS, "post_attention_norm": "post_attention_layernorm.{kind}",
+                       "attn_sinks": "self_attn.sinks"}
+
+
+def gpt_oss_gguf_config(reader: GGUFFile, path: Path) -> ModelConfig:
+    """llama.cpp's ``gpt-oss``: sliding layers in a period of 2 (the first of each pair) unless
+    ``sliding_window_pattern`` says otherwise; experts stored per product (the converter de-interleaves
+    gate and up), ``[out, in]``, MXFP4 or not (``gguf`` dequantizes MXFP4 like any other type); YaRN
+    without rounding its correction range (``truncate`` false, as gpt-oss's reference and every gpt-oss
+    config compute it; llama.cpp rounds it)."""
+    fields = gguf_config.base_fields(reader, path, "gpt_oss")
+    if fields["rope_scaling"].rope_type == "yarn":
+        fields["rope_scaling"] = dataclasses.replace(fields["rope_scaling"], truncate=False)
+    moe = MoeConfig(**gguf_config.expert_counts(reader, path, fields["intermediate_size"]),
+                    router="topk_softmax", router_bias=True, expert_bias=True, activation="swiglu_oai")
+    o_bias = gguf_config.has_tensor(reader, "blk.0.attn_output.bias")
+    return ModelConfig(**fields, **gguf_config.sliding_layers(reader, path, fields["num_layers"], 2), moe=moe,
+                       attention_sinks=True, o_proj_bias=o_bias)
+
+
 GPT_OSS = ModelFamily("gpt_oss", "gpt-oss", ("GptOssForCausalLM",), ("gpt_oss",), gpt_oss_config,
-                      canonical=gpt_oss_names)
+                      canonical=gpt_oss_names, gguf_architectures=("gpt-oss",),
+                      gguf=GgufFormat(gpt_oss_gguf_config, GPT_OSS_GGUF_LAYERS))

@@ -88,11 +88,11 @@ def eos_ids(raw: dict[str, Any], folder: Path) -> tuple[int, ...]:
 
 
 def layer_types(raw: dict[str, Any], num_layers: int, sliding: list[bool] | None = None) -> tuple[str, ...]:
-    """Per-layer attention kinds: the config's ``layer_types`` when it lists them, else ``sliding``
-    (a flag per layer), else () (every layer full attention)."""
+    """Per-layer attention kinds: the config's ``layer_types`` when it lists a sliding one, else
+    ``sliding`` (a flag per layer) when one is set, else () (every layer full attention)."""
     listed = raw.get("layer_types")
-    if isinstance(listed, list) and listed:
-        return tuple(str(t) for t in listed)
+    if isinstance(listed, list) and listed:  # every layer full attention reads as ()
+        return tuple(str(t) for t in listed) if SLIDING_ATTENTION in listed else ()
     if sliding is not None and any(sliding):
         return tuple(SLIDING_ATTENTION if s else FULL_ATTENTION for s in sliding)
     return ()

@@ -10,7 +10,10 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import ModelConfig
+from engine.gguf_file import GGUFFile
+from engine.models import gguf_config
 from engine.models.family import ModelFamily
+from engine.models.gguf_config import GgufFormat, llama_qk
 from engine.models.hf_config import base_fields, layer_types
 
 
@@ -40,8 +43,24 @@ def qwen_windows(raw: dict[str, Any], layers: int) -> dict[str, Any]:
     return {"sliding_window": window if kinds else None, "layer_types": kinds}
 
 
+def llama_gguf_config(reader: GGUFFile, path: Path) -> ModelConfig:
+    """A ``llama``-arch GGUF without experts (Llama, and Mistral, which llama.cpp writes as ``llama``
+    without its window)."""
+    return ModelConfig(**gguf_config.base_fields(reader, path, "llama"))
+
+
+def qwen2_gguf_config(reader: GGUFFile, path: Path) -> ModelConfig:
+    return ModelConfig(**gguf_config.base_fields(reader, path, "qwen2"))
+
+
+def dense_llama(reader: GGUFFile) -> bool:
+    """Whether a ``llama``-arch GGUF is dense (one with experts is Mixtral's)."""
+    return not reader.fields.get("llama.expert_count")
+
+
 LLAMA = ModelFamily("llama", "Llama 2/3, SmolLM2", ("LlamaForCausalLM",), ("llama",), llama_config,
-                    gguf_architectures=("llama",))
+                    gguf_architectures=("llama",),
+                    gguf=GgufFormat(llama_gguf_config, fix=llama_qk, accepts=dense_llama))
 MISTRAL = ModelFamily("mistral", "Mistral", ("MistralForCausalLM",), ("mistral",), mistral_config)
 QWEN2 = ModelFamily("qwen2", "Qwen2, Qwen2.5", ("Qwen2ForCausalLM",), ("qwen2",), qwen2_config,
-                    gguf_architectures=("qwen2",))
+                    gguf_architectures=("qwen2",), gguf=GgufFormat(qwen2_gguf_config))

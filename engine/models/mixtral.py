@@ -14,7 +14,10 @@ from typing import Any
 import torch
 
 from engine.config import ModelConfig, MoeConfig
+from engine.gguf_file import GGUFFile
+from engine.models import gguf_config
 from engine.models.family import ModelFamily, Weights
+from engine.models.gguf_config import GgufFormat, llama_qk
 from engine.models.hf_config import base_fields, layer_types, required
 
 _EXPERT = re.compile(r"(.*)\.block_sparse_moe\.experts\.(\d+)\.w([123])\.(weight|bias)")
@@ -42,5 +45,18 @@ def mixtral_names(weights: Weights, config: ModelConfig) -> Iterator[tuple[str, 
             yield name.replace(".block_sparse_moe.", ".mlp."), tensor
 
 
+def mixtral_gguf_config(reader: GGUFFile, path: Path) -> ModelConfig:
+    """llama.cpp writes Mixtral as ``llama`` with experts (``llama.expert_count``; the experts' size is
+    the dense ``feed_forward_length``), Q/K permuted like Llama's, and without its sliding window."""
+    fields = gguf_config.base_fields(reader, path, "mixtral")
+    return ModelConfig(**fields, moe=MoeConfig(**gguf_config.expert_counts(reader, path,
+                                                                           fields["intermediate_size"])))
+
+
+def llama_with_experts(reader: GGUFFile) -> bool:
+    return bool(reader.fields.get("llama.expert_count"))
+
+
 MIXTRAL = ModelFamily("mixtral", "Mixtral", ("MixtralForCausalLM",), ("mixtral",), mixtral_config,
-                      canonical=mixtral_names)
+                      canonical=mixtral_names, gguf_architectures=("llama",),
+                      gguf=GgufFormat(mixtral_gguf_config, fix=llama_qk, accepts=llama_with_experts))

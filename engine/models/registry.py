@@ -2,7 +2,8 @@
 
 ``family(name)`` is a family's entry; ``hf_family(raw, source)`` picks the family of a Hugging Face
 ``config.json`` (by its ``architectures``, else its ``model_type``) with an error that lists every
-supported architecture; ``gguf_family(arch)`` does the same for a GGUF file's ``general.architecture``.
+supported architecture; ``gguf_family(arch, source, reader)`` does the same for a GGUF file's
+``general.architecture`` (llama.cpp writes Llama and Mixtral both as ``llama``: the file picks).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import SUPPORTED_ARCHITECTURES
+from engine.gguf_file import GGUFFile
 from engine.models.deepseek import DEEPSEEK_V2, DEEPSEEK_V3
 from engine.models.family import ModelFamily
 from engine.models.gemma3 import GEMMA3
@@ -51,9 +53,17 @@ def hf_family(raw: dict[str, Any], source: Path) -> ModelFamily:
                      f"supported: {', '.join(hf_architectures())}")
 
 
-def gguf_family(arch: object, source: Path) -> ModelFamily:
+def gguf_architectures() -> list[str]:
+    """Every GGUF architecture (``general.architecture``) pdserve loads."""
+    listed = [arch for f in FAMILIES.values() if f.gguf is not None for arch in f.gguf_architectures]
+    return list(dict.fromkeys(listed))
+
+
+def gguf_family(arch: object, source: Path, reader: GGUFFile | None = None) -> ModelFamily:
+    """The family that reads a GGUF of architecture ``arch``: of those listing it, the first whose format
+    accepts the file (``reader``; without one, the first listing it)."""
     for f in FAMILIES.values():
-        if arch in f.gguf_architectures:
+        if arch in f.gguf_architectures and f.gguf is not None and (reader is None or f.gguf.accepts(reader)):
             return f
-    supported = [a for f in FAMILIES.values() for a in f.gguf_architectures]
-    raise ValueError(f"unsupported GGUF architecture {arch!r} in {source}; supported: {', '.join(supported)}")
+    raise ValueError(f"unsupported GGUF architecture {arch!r} in {source}; "
+                     f"supported: {', '.join(gguf_architectures())}")

@@ -1,0 +1,194 @@
+"""GGUF files of the tiny family models (``tests/families.py``), written as llama.cpp's
+``convert_hf_to_gguf.py`` writes them, from the folder transformers saved.
+
+Per family, what the converter does (its ``Qwen3Model``, ``Qwen3MoeModel``, ``LlamaModel`` for Mixtral,
+``Gemma3Model`` and ``GptOssModel``): the metadata its ``set_gguf_parameters`` writes, the tensors renamed
+by ``gguf``'s own name map (``gguf.get_tensor_name_map``), experts stacked into 3-D ``*_exps`` tensors,
+Mixtral's Q/K rows permuted (``LlamaModel.permute``), Gemma's norms stored as ``1 + w``, gpt-oss's fused
+experts de-interleaved and transposed to ``[out, in]``, its sinks named ``attn_sinks.weight``; and a
+byte-level (``gpt2``) vocabulary of the folder's words. Matrices may be quantized with
+``gguf.quants.quantize`` (norms and biases stay float32, as the converter keeps them).
+
+Three things the converter would not write, because these tiny models differ there from every published
+model of their family: the Qwen3-MoE model's dense first layer (``mlp_only_layers``) is written under
+llama.cpp's dense names; Gemma's period of local layers (3 here, llama.cpp's default is 6) as
+``gemma3.attention.sliding_window_pattern``; its ``query_pre_attn_scalar`` (24, not ``head_dim``) as
+``gemma3.attention.scale``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from safetensors.torch import load_file
+
+ARCHITECTURES = {"qwen3": "qwen3", "qwen3_moe": "qwen3moe", "mixtral": "llama", "gemma3": "gemma3",
+                 "gpt_oss": "gpt-oss"}
+MODEL_TYPES = {"qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "gemma3_text": "gemma3",
+               "gpt_oss": "gpt_oss"}
+
+
+def write_gguf(folder: Path, path: Path, qtype: GGMLQuantizationType | None = None, only: str = "") -> Path:
+    """Convert the HF folder ``folder`` into the GGUF file ``path``; with ``qtype``, every weight matrix
+    (experts' stacks too) whose GGUF name contains ``only`` is stored quantized."""
+    config = json.loads((folder / "config.json").read_text())
+    family = MODEL_TYPES[config["model_type"]]
+    writer = gguf.GGUFWriter(str(path), ARCHITECTURES[family])
+    _metadata(writer, family, config)
+    _vocabulary(writer, folder, config["vocab_size"])
+    arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == ARCHITECTURES[family])
+    names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
+    dense = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config["num_hidden_layers"])
+    for name, tensor in _converted(family, config, load_file(str(folder / "model.safetensors"))):
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if gguf_name is None:  # the dense layer of the Qwen3-MoE model (see the module docstring)
+            gguf_name = dense.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gguf_name is not None, name
+        data = np.ascontiguousarray(tensor.float().numpy())
+        if qtype is not None and data.ndim > 1 and gguf_name.endswith(".weight") and only in gguf_name:
+            quantized = gguf.quants.quantize(data, qtype)
+            writer.add_tensor(gguf_name, quantized, raw_shape=quantized.shape, raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _rope(writer: gguf.GGUFWriter, config: dict[str, Any]) -> None:
+    """``TextModel.set_gguf_parameters``' rope keys: the full-attention layers' parameters."""
+    params = config.get("rope_parameters") or {}
+    full = params.get("full_attention", params)
+    rope_type, factor = full.get("rope_type"), full.get("factor")
+    if rope_type == "linear" and factor is not None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(factor)
+    elif rope_type == "yarn" and factor is not None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(factor)
+        writer.add_rope_scaling_orig_ctx_len(full["original_max_position_embeddings"])
+        if full.get("beta_fast") is not None:
+            writer.add_rope_scaling_yarn_beta_fast(full["beta_fast"])
+        if full.get("beta_slow") is not None:
+            writer.add_rope_scaling_yarn_beta_slow(full["beta_slow"])
+    if full.get("rope_theta") is not None:
+        writer.add_rope_freq_base(full["rope_theta"])
+    local = params.get("sliding_attention", {}).get("rope_theta")
+    if local is not None:
+        writer.add_rope_freq_base_swa(local)
+
+
+def _metadata(writer: gguf.GGUFWriter, family: str, config: dict[str, Any]) -> None:
+    layers = config["num_hidden_layers"]
+    writer.add_block_count(layers)
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    _rope(writer, config)
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    experts = config.get("num_local_experts") or config.get("num_experts")
+    if experts is not None:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    if family == "mixtral":  # LlamaModel
+        writer.add_vocab_size(config["vocab_size"])
+        writer.add_rope_dimension_count(config["head_dim"])
+    if family == "qwen3_moe":  # Qwen2MoeModel
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    if family == "gemma3":  # Gemma3Model
+        if config.get("final_logit_softcapping"):
+            writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+        writer.add_sliding_window(config["sliding_window"])
+        kinds = config["layer_types"]
+        period = kinds.index("full_attention") + 1
+        assert kinds == [("full_attention" if (i + 1) % period == 0 else "sliding_attention")
+                         for i in range(layers)]
+        writer.add_sliding_window_pattern(period)
+        writer.add_float32("gemma3.attention.scale", config["query_pre_attn_scalar"] ** -0.5)
+    if family == "gpt_oss":  # GptOssModel
+        writer.add_sliding_window(config["sliding_window"])
+        writer.add_expert_feed_forward_length(config["intermediate_size"])
+
+
+def _vocabulary(writer: gguf.GGUFWriter, folder: Path, vocab_size: int) -> None:
+    vocab = json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"]
+    tokens = [token for token, _ in sorted(vocab.items(), key=lambda item: item[1])]
+    assert len(tokens) == vocab_size
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.NORMAL] * len(tokens))
+    writer.add_token_scores([0.0] * len(tokens))  # a vocabulary of whole words: no merges to list
+
+
+def _permute(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """``LlamaModel.permute``: each head's rows reordered for llama.cpp's interleaved rope."""
+    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(
+        weight.shape)
+
+
+def _stacked(tensors: dict[str, torch.Tensor], layers: int, experts: int, source: str,
+             target: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Per-expert tensors ``source.format(layer, expert)`` stacked into ``target.format(layer)``."""
+    for layer in range(layers):
+        names = [source.format(layer, e) for e in range(experts)]
+        if names[0] in tensors:
+            yield target.format(layer), torch.stack([tensors.pop(n) for n in names])
+
+
+def _converted(family: str, config: dict[str, Any], tensors: dict[str, torch.Tensor]
+               ) -> Iterator[tuple[str, torch.Tensor]]:
+    layers = config["num_hidden_layers"]
+    experts = int(config.get("num_local_experts") or config.get("num_experts") or 0)
+    if family == "qwen3_moe":
+        for w in ("gate_proj", "up_proj", "down_proj"):
+            yield from _stacked(tensors, layers, experts, "model.layers.{}.mlp.experts.{}." + w + ".weight",
+                                "model.layers.{}.mlp.experts." + w + ".weight")
+    if family == "mixtral":
+        for w in ("w1", "w2", "w3"):
+            yield from _stacked(tensors, layers, experts, "model.layers.{}.block_sparse_moe.experts.{}." + w
+                                + ".weight", "layers.{}.feed_forward.experts." + w + ".weight")
+    for name, tensor in tensors.items():
+        if family == "mixtral" and name.endswith("q_proj.weight"):
+            tensor = _permute(tensor, config["num_attention_heads"])
+        elif family == "mixtral" and name.endswith("k_proj.weight"):
+            tensor = _permute(tensor, config["num_key_value_heads"])
+        elif family == "gemma3" and name.endswith("norm.weight"):
+            tensor = tensor + 1
+        elif family == "gpt_oss":
+            yield from _gpt_oss(name, tensor)
+            continue
+        yield name, tensor
+
+
+def _gpt_oss(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """``GptOssModel.modify_tensors`` for float (not MXFP4) experts."""
+    prefix = name.rsplit(".", 1)[0]
+    if name.endswith("sinks"):
+        yield name + ".weight", tensor
+    elif name.endswith("experts.down_proj"):
+        yield name + ".weight", tensor.transpose(-1, -2)
+    elif name.endswith("experts.down_proj_bias"):
+        yield name.replace("down_proj_bias", "down_proj.bias"), tensor
+    elif name.endswith("experts.gate_up_proj"):
+        fused = tensor.transpose(-1, -2)
+        yield f"{prefix}.gate_proj.weight", fused[:, ::2, :]
+        yield f"{prefix}.up_proj.weight", fused[:, 1::2, :]
+    elif name.endswith("experts.gate_up_proj_bias"):
+        yield f"{prefix}.gate_proj.bias", tensor[..., ::2]
+        yield f"{prefix}.up_proj.bias", tensor[..., 1::2]
+    else:
+        yield name, tensor
