@@ -28,12 +28,17 @@ ATTENTION_MODULE = "kernels.triton_attention"
 MOE_MODULE = "kernels.triton_moe"
 
 
-def attention_tiles(model_dtype: torch.dtype, head_dim: int, decode: bool) -> tuple[int, int, int]:
+def attention_tiles(model_dtype: torch.dtype, head_dim: int, decode: bool, fp8_softcap: bool = False
+                    ) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps), chosen so that no launch spills on sm_80 or sm_90 (the AOT
     check found each exception): float32 dots run on FMA units and need 8 warps at head_dim 128
     with a quantized cache; 16-bit decode at BLOCK_N 16 and 16-bit prefill at head_dim 64 with
-    BLOCK_M 32 put a few bytes on the stack; 4 warps spill 16-bit prefill at head_dim 128."""
+    BLOCK_M 32 put a few bytes on the stack; 4 warps spill 16-bit prefill at head_dim 128.
+    ``fp8_softcap`` (an fp8 cache's decoding plus the cap's tanh): 16-bit decode spills 8 bytes
+    on sm_80 at (16, 32, 4) and 16 on sm_90 at (16, 32, 8); (16, 16, 8) fits every build."""
     if model_dtype == torch.float32:
+        return (16, 16, 8)
+    if decode and fp8_softcap:
         return (16, 16, 8)
     if decode or head_dim <= 64:
         return (16, 32, 4)
@@ -112,7 +117,8 @@ def attention_launch(model_dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: 
     runtime argument, so one build serves windowed and full layers)."""
     fmt = kv_format(kv_dtype)
     m, kv = _TRITON_TYPES[model_dtype], _TRITON_TYPES[storage_dtype(kv_dtype)]
-    block_m, block_n, num_warps = attention_tiles(model_dtype, head_dim, decode)
+    fp8_softcap = softcap and fmt.kind == 2  # KIND_FP8
+    block_m, block_n, num_warps = attention_tiles(model_dtype, head_dim, decode, fp8_softcap)
     constexprs: dict[str, int | float | bool] = dict(
         HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
         KV_KIND=fmt.kind, MANT=fmt.mant, BIAS=fmt.bias, DOT_FP32=interpret or model_dtype == torch.float32,

@@ -59,6 +59,8 @@ def covering() -> list[tuple[str, CompileResult]]:
     out.append(("write fp16/e5m2 bs32 sm_90", compile_launch(write_launch(fp16, e5m2, 128, 32), 90)))
     out.append(("write bf16 sm_80", compile_launch(write_launch(bf16, bf16, 128, 16), 80)))
     out.append(("decode fp16 hd64 sm_80", compile_launch(attention_launch(fp16, fp16, 64, True), 80)))
+    out.append(("decode fp16/e5m2 softcap sm_80",
+                compile_launch(attention_launch(fp16, e5m2, 128, True, softcap=True), 80)))
     features = attention_launch(bf16, e4m3, 128, False, sinks=True, softcap=True)
     out.append(("prefill bf16/e4m3 sinks softcap sm_90 aligned", compile_launch(features, 90, aligned=True)))
     out.append(("moe gate/up bf16 swiglu bias sm_90 aligned", compile_launch(gate_up, 90, aligned=True)))
