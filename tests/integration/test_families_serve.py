@@ -1,8 +1,11 @@
-"""Every new family served disaggregated over HTTP: ``pdserve serve`` with one prefill and one decode
-worker (KV handed over NIXL) answers transformers' greedy tokens, token for token.
+"""New families served disaggregated over HTTP, one of each KV kind: ``pdserve serve`` with one prefill
+and one decode worker (KV handed over NIXL) answers transformers' greedy tokens, token for token, for
+Gemma 3 (KV groups with sliding windows), gpt-oss (sliding groups, sinks, a mixture of experts) and
+DeepSeek-V3 (the latent cache). Every family's handoff between real workers is also checked in one
+process (``test_families_disagg.py``).
 
-The five servers start at once (each attached to the session's Ray), so the module pays for about one
-start, not five."""
+The servers start at once (each attached to the session's Ray), so the module pays for about one
+start, not three."""
 
 from __future__ import annotations
 
@@ -14,18 +17,19 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.families import NEW_FAMILIES, hf_greedy, prompt, save
+from tests.families import hf_greedy, prompt, save
 from tests.integration.conftest import PdserveServer, _start_server, _stop_all, session_ray_address
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 NEW_TOKENS = 8
+SERVED = ("gemma3", "gpt_oss", "deepseek_v3")
 
 
 @pytest.fixture(scope="module")
 def served(ray_session: None, tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[dict[str, tuple[PdserveServer, Any]]]:
     models = {}
-    for family in NEW_FAMILIES:
+    for family in SERVED:
         folder = tmp_path_factory.mktemp(family)
         models[family] = (folder, save(family, folder))
     address = session_ray_address()
@@ -35,9 +39,9 @@ def served(ray_session: None, tmp_path_factory: pytest.TempPathFactory
         return _start_server(models[family][0], tmp_path_factory, "--disagg-min-tokens", "0",
                              "--block-size", "4", address=address)
 
-    with ThreadPoolExecutor(len(NEW_FAMILIES)) as pool:
-        servers = dict(zip(NEW_FAMILIES, pool.map(start, NEW_FAMILIES), strict=True))
-    yield {family: (servers[family], models[family][1]) for family in NEW_FAMILIES}
+    with ThreadPoolExecutor(len(SERVED)) as pool:
+        servers = dict(zip(SERVED, pool.map(start, SERVED), strict=True))
+    yield {family: (servers[family], models[family][1]) for family in SERVED}
     _stop_all(list(servers.values()))
 
 
@@ -45,7 +49,7 @@ def _words_to_ids(text: str) -> list[int]:
     return [int(word[1:]) for word in text.split()]
 
 
-@pytest.mark.parametrize("family", NEW_FAMILIES)
+@pytest.mark.parametrize("family", SERVED)
 def test_disaggregated_greedy_equals_transformers(served: dict[str, tuple[PdserveServer, Any]],
                                                   family: str) -> None:
     server, hf = served[family]
