@@ -130,6 +130,42 @@ def _worker_port_base() -> int:
     raise RuntimeError("no free worker port range")
 
 
+def _start_head(cluster: RayCluster, client_port: int, ports: list[int]) -> str:
+    """``ray start --head``, waited on until the head node is ALIVE; started once more if it never is.
+
+    ``ray start --head`` gives its raylet 30 s to register and then exits 1. On a loaded machine the raylet
+    usually registers a little later (waited out here), but now and then the head's processes are gone
+    with it ("No node info found for head node"): then this cluster's processes are stopped and the
+    head started again."""
+    head_output = ""
+    for _ in range(2):
+        head = cluster.run(
+            RAY, "start", "--head", "--temp-dir", str(cluster.temp_dir), "--port", str(cluster.gcs_port),
+            "--dashboard-host", "127.0.0.1", "--dashboard-port", cluster.dashboard.rsplit(":", 1)[1],
+            "--ray-client-server-port", str(client_port), "--num-cpus", "1",
+            "--resources", json.dumps({"ingress": 1, "prefill_node": 1}),
+            "--labels", "pdserve-role=prefill_node", *_node_args(ports))
+        head_output = head.stdout[-2000:] + head.stderr[-2000:]
+        assert head.returncode == 0 or LATE_RAYLET in head_output, head_output
+        if _wait_alive(cluster, {"prefill_node"}, deadline=time.monotonic() + 90):
+            return head_output
+        cluster.kill_own_processes()
+    raise AssertionError(f"the head node never came up, twice: {head_output}")
+
+
+def _wait_alive(cluster: RayCluster, resources: set[str], deadline: float) -> bool:
+    """Whether nodes offering every one of ``resources`` are ALIVE before ``deadline``."""
+    while time.monotonic() < deadline:
+        try:
+            alive = [n for n in cluster.state()["nodes"] if n["state"] == "ALIVE"]
+        except AssertionError:  # the head's dashboard is not answering (yet)
+            alive = []
+        if resources <= {r for n in alive for r in n["resources"]}:
+            return True
+        time.sleep(2.0)
+    return False
+
+
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[RayCluster]:
     temp_dir = Path(tempfile.mkdtemp(prefix="pdr", dir="/tmp"))
@@ -140,34 +176,15 @@ def ray_cluster() -> Iterator[RayCluster]:
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}")
     cluster = RayCluster(temp_dir, gcs, f"http://127.0.0.1:{dash}", env)
     try:
-        head = cluster.run(
-            RAY, "start", "--head", "--temp-dir", str(temp_dir), "--port", str(gcs),
-            "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash), "--ray-client-server-port",
-            str(client), "--num-cpus", "1", "--resources", json.dumps({"ingress": 1, "prefill_node": 1}),
-            "--labels", "pdserve-role=prefill_node", *_node_args([*node_ports[0:6], base]))
-        head_output = head.stdout[-2000:] + head.stderr[-2000:]
-        # `ray start --head` also gives its raylet 30 s to register, then exits 1 with its processes
-        # still starting; on a loaded machine that is waited out below like the worker node's
-        assert head.returncode == 0 or LATE_RAYLET in head_output, head_output
+        head_output = _start_head(cluster, client, [*node_ports[0:6], base])
         node = cluster.run(RAY, "start", "--address", f"127.0.0.1:{gcs}", "--num-cpus", "1",
                            "--resources", json.dumps({"decode_node": 1}),
                            "--labels", "pdserve-role=decode_node",
                            *_node_args([*node_ports[6:12], base + 50]))
         output = node.stdout[-1500:] + node.stderr[-1500:]
         # `ray start` gives a raylet 30 s to register; on a loaded machine it may register later
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                alive = [n for n in cluster.state()["nodes"] if n["state"] == "ALIVE"]
-            except AssertionError:  # the head's dashboard is not answering yet
-                assert time.monotonic() < deadline, (head_output, output)
-                time.sleep(2.0)
-                continue
-            offered = {r for n in alive for r in n["resources"]}
-            if len(alive) == 2 and {"prefill_node", "decode_node"} <= offered:
-                break
-            assert time.monotonic() < deadline, (alive, head_output, output)
-            time.sleep(2.0)
+        assert _wait_alive(cluster, {"prefill_node", "decode_node"}, deadline=time.monotonic() + 120), (
+            head_output, output)
         yield cluster
     finally:
         cluster.kill_own_processes()
