@@ -118,9 +118,6 @@ class ModelRunner:
     def _new_backend(self) -> AttentionBackend:
         """A KV group's attention backend: MLA's (``kernels/mla.py``) for a latent cache."""
         if self.model_config.mla is not None:
-            if self.config.kv_quantized:
-                raise ValueError(f"--kv-cache-dtype {self.config.kv_cache_dtype} does not combine with "
-                                 f"{self.model_config.name}'s latent cache yet")
             return cast(AttentionBackend, MlaTorchBackend())
         name = self.config.attention_backend
         if name == "auto" and self.device.type == "cpu" and not self.config.native_kernels:

@@ -2,10 +2,11 @@
 
 Storage
 -------
-The KV tensor keeps its layout ``[layers, blocks, 2, block_size, kv_heads, head_dim]``
-but holds ``torch.float8_e4m3fn``, ``torch.float8_e5m2`` or ``torch.int8``. Beside it
-lives one scales tensor ``[layers, blocks, 2, kv_heads]`` float32: one scale per
-block, per K/V, per KV head. A stored value ``q`` means ``q * scale``.
+The KV tensor keeps its layout ``[layers, blocks, parts, block_size, kv_heads, head_dim]``
+(parts: K and V, or latent attention's one latent row) but holds ``torch.float8_e4m3fn``,
+``torch.float8_e5m2`` or ``torch.int8``. Beside it lives one scales tensor
+``[layers, blocks, parts, kv_heads]`` float32: one scale per block, per part, per KV
+head (a latent cache: one per block). A stored value ``q`` means ``q * scale``.
 
 Scale scheme (per block, per head, grown with requantization)
 -------------------------------------------------------------
@@ -111,10 +112,21 @@ def write_quantized(
     slots: torch.Tensor,
     block_size: int,
 ) -> None:
-    """Write ``k``/``v`` (``[T, kv_heads, head_dim]``) at ``slots`` as the module docstring describes.
+    """Write ``k``/``v`` (``[T, kv_heads, head_dim]``) at ``slots``: ``write_quantized_rows``, two parts."""
+    write_quantized_rows(kv_layer, scales_layer, torch.stack((k, v), dim=1), slots, block_size)
 
-    ``kv_layer`` is ``[blocks, 2, block_size, kv_heads, head_dim]`` quantized, ``scales_layer``
-    ``[blocks, 2, kv_heads]`` float32. Each block's new rows must be contiguous (they are: one
+
+def write_quantized_rows(
+    kv_layer: torch.Tensor,
+    scales_layer: torch.Tensor,
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+    block_size: int,
+) -> None:
+    """Write ``rows`` (``[T, parts, kv_heads, head_dim]``) at ``slots`` as the module docstring describes.
+
+    ``kv_layer`` is ``[blocks, parts, block_size, kv_heads, head_dim]`` quantized, ``scales_layer``
+    ``[blocks, parts, kv_heads]`` float32. Each block's new rows must be contiguous (they are: one
     sequence's consecutive positions).
     """
     if slots.numel() == 0:
@@ -126,16 +138,13 @@ def write_quantized(
     u = touched.numel()
     start = torch.full((u,), block_size, dtype=torch.int64, device=slots.device)
     start = start.scatter_reduce(0, inverse, offsets, "amin")
-    end = torch.full((u,), -1, dtype=torch.int64, device=slots.device)
-    end = end.scatter_reduce(0, inverse, offsets, "amax")
-    old_scales = scales_layer[touched]  # [u, 2, H]
-    buf = dequantize(kv_layer[touched], old_scales[:, :, None, :, None])  # [u, 2, bs, H, D]
-    rows = torch.arange(block_size, device=slots.device)
-    keep = (rows[None, :] < start[:, None]).to(buf.dtype)  # earlier tokens of the same sequence
+    old_scales = scales_layer[touched]  # [u, parts, H]
+    buf = dequantize(kv_layer[touched], old_scales[:, :, None, :, None])  # [u, parts, bs, H, D]
+    positions = torch.arange(block_size, device=slots.device)
+    keep = (positions[None, :] < start[:, None]).to(buf.dtype)  # earlier tokens of the same sequence
     buf.mul_(keep[:, None, :, None, None])
-    buf[inverse, 0, offsets] = k.to(torch.float32)
-    buf[inverse, 1, offsets] = v.to(torch.float32)
-    amax = buf.abs().amax(dim=(2, 4))  # [u, 2, H]
+    buf[inverse, :, offsets] = rows.to(torch.float32)
+    amax = buf.abs().amax(dim=(2, 4))  # [u, parts, H]
     scales = (amax / qmax(dtype)).clamp_(min=_MIN_SCALE)
     codes = quantize(buf, scales[:, :, None, :, None], dtype)
     _bytes(kv_layer)[touched] = _bytes(codes)

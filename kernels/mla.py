@@ -3,7 +3,10 @@
 Cache layout (``kernels/attention.py``'s, with one part and one head): ``kv_layer`` is
 ``[num_blocks, 1, block_size, 1, latent_dim]``, token ``t``'s row holding its RMSNormed latent
 (``kv_lora_rank`` values) then its rotated rotary key (``qk_rope_head_dim``), shared by every head.
-``forward`` first writes the step's new rows at ``meta.slot_mapping``, then attends.
+``forward`` first writes the step's new rows at ``meta.slot_mapping``, then attends. A quantized cache
+(fp8/int8, ``kernels/kv_quant.py``) has one scale per block beside it (``kv_scales``
+``[num_blocks, 1, 1]``): rows are written through ``write_quantized_rows`` and read back dequantized
+with their block's scale, so both forms see the same float32 latents.
 
 Per head ``h``, with ``w_uk[h]`` ``[qk_nope, rank]`` and ``w_uv[h]`` ``[v_dim, rank]`` (the two halves
 of ``kv_b_proj``), the score of key ``t`` is ``q_nope . (w_uk c_t) + q_rope . k_rope_t`` and the value
@@ -28,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.attention import AttentionMetadata
+from kernels.kv_quant import codes_to_float, write_quantized_rows
 
 
 @dataclass
@@ -79,21 +83,40 @@ class MlaTorchBackend:
         return _Seqs(tokens, q_len, rows.to(device), mask.to(device))
 
     def forward(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor,
-                kv_layer: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float) -> torch.Tensor:
+                kv_layer: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float,
+                kv_scales: torch.Tensor | None = None) -> torch.Tensor:
         """Attention output ``[T, heads, v_dim]`` for queries ``q_nope`` ``[T, heads, qk_nope]`` and
         ``q_rope`` ``[T, heads, qk_rope]`` (rotated), after writing ``latent`` ``[T, latent_dim]``."""
         meta = self._meta
         if meta is None:
             raise RuntimeError("MlaTorchBackend.forward called before prepare")
+        slots = meta.slot_mapping.to(torch.int64)
         flat = kv_layer.view(-1, kv_layer.shape[-1])
-        flat.index_copy_(0, meta.slot_mapping.to(torch.int64), latent.to(flat.dtype))
+        if kv_scales is None:
+            flat.index_copy_(0, slots, latent.to(flat.dtype))
+        else:
+            write_quantized_rows(kv_layer, kv_scales, latent[:, None, None, :], slots, meta.block_size)
         out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], w_uv.shape[1])
         for group in self._groups:
+            rows = _gather(group, flat, kv_scales, meta.block_size)
             absorbed = group.q_len == 1 if self.absorb is None else self.absorb
             attend = _absorbed if absorbed else _expanded
-            out[group.tokens] = attend(group, q_nope[group.tokens], q_rope[group.tokens], flat, w_uk, w_uv,
+            out[group.tokens] = attend(group, q_nope[group.tokens], q_rope[group.tokens], rows, w_uk, w_uv,
                                        scale).to(out.dtype)
         return out
+
+
+def _gather(group: _Seqs, flat: torch.Tensor, kv_scales: torch.Tensor | None, block_size: int
+            ) -> torch.Tensor:
+    """The group's cached rows ``[n, L, latent_dim]`` in float32 (dequantized with their blocks' scales)."""
+    index = group.rows.reshape(-1)
+    if kv_scales is None:
+        rows = flat.index_select(0, index).float()
+    else:
+        scales = kv_scales.reshape(-1).index_select(0, torch.div(index, block_size, rounding_mode="floor"))
+        codes = flat.view(torch.uint8).index_select(0, index).view(flat.dtype)  # CPU: no float8 gather
+        rows = codes_to_float(codes) * scales[:, None]
+    return rows.view(*group.rows.shape, -1)
 
 
 def _split(group: _Seqs, q: torch.Tensor) -> torch.Tensor:
@@ -105,10 +128,9 @@ def _softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
 
 
-def _absorbed(group: _Seqs, q_nope: torch.Tensor, q_rope: torch.Tensor, flat: torch.Tensor,
+def _absorbed(group: _Seqs, q_nope: torch.Tensor, q_rope: torch.Tensor, rows: torch.Tensor,
               w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float) -> torch.Tensor:
     rank = w_uk.shape[2]
-    rows = flat.index_select(0, group.rows.reshape(-1)).float().view(*group.rows.shape, -1)  # [n, L, D]
     q_lat = torch.einsum("nqhd,hdr->nqhr", _split(group, q_nope), w_uk.float())
     query = torch.cat((q_lat, _split(group, q_rope)), dim=-1)  # [n, q, heads, D]
     scores = torch.einsum("nqhc,nlc->nhql", query, rows) * scale
@@ -118,10 +140,9 @@ def _absorbed(group: _Seqs, q_nope: torch.Tensor, q_rope: torch.Tensor, flat: to
     return out.reshape(-1, *out.shape[2:])
 
 
-def _expanded(group: _Seqs, q_nope: torch.Tensor, q_rope: torch.Tensor, flat: torch.Tensor,
+def _expanded(group: _Seqs, q_nope: torch.Tensor, q_rope: torch.Tensor, rows: torch.Tensor,
               w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float) -> torch.Tensor:
     rank = w_uk.shape[2]
-    rows = flat.index_select(0, group.rows.reshape(-1)).float().view(*group.rows.shape, -1)
     latent, k_rope = rows[..., :rank], rows[..., rank:]
     k_nope = torch.einsum("nlr,hdr->nlhd", latent, w_uk.float())
     values = torch.einsum("nlr,hvr->nlhv", latent, w_uv.float())

@@ -85,8 +85,6 @@ class MlaAttention(Prepared):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_layer: torch.Tensor,
                 backend: MlaTorchBackend, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
         """The attention output ``[T, hidden]`` (summed over the group) of the normed input ``x``."""
-        if kv_scales is not None:
-            raise ValueError("a quantized latent cache is not supported yet")
         m, tokens = self.mla, x.shape[0]
         q = self._query(x).view(tokens, self.num_heads, m.qk_head_dim)
         q_nope, q_rope = q[..., : m.qk_nope_head_dim], q[..., m.qk_nope_head_dim :]
@@ -97,5 +95,5 @@ class MlaAttention(Prepared):
         q_rope, k_rope = rotate(q_rope, cos, sin), rotate(k_rope, cos, sin)
         w = self.kv_b_proj.view(self.num_heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
         out = backend.forward(q_nope, q_rope, torch.cat((latent, k_rope[:, 0]), dim=-1), kv_layer,
-                              w[:, : m.qk_nope_head_dim], w[:, m.qk_nope_head_dim :], self.scale)
+                              w[:, : m.qk_nope_head_dim], w[:, m.qk_nope_head_dim :], self.scale, kv_scales)
         return self.ctx.reduce(self.o_linear(out.reshape(tokens, self.num_heads * m.v_head_dim)))

@@ -1,7 +1,8 @@
 """Every new family disaggregated in one process: a real prefill worker computes the prompt, a real decode
 worker pulls its KV over NIXL (every KV group's blocks, or the latent rows) and decodes; the tokens equal
-transformers' greedy ones. ``test_families_serve.py`` runs three of them (one of each KV kind) through
-``pdserve serve`` over HTTP as well."""
+transformers' greedy ones; with an int8 latent (DeepSeek's cache quantized, one scale per block crossing
+beside it) they equal the colocated engine's int8 tokens. ``test_families_serve.py`` runs three of them
+(one of each KV kind) through ``pdserve serve`` over HTTP as well."""
 
 from __future__ import annotations
 
@@ -26,9 +27,10 @@ CONFIG = EngineConfig(dtype="float32", block_size=4, max_num_batched_tokens=16, 
 NEW_TOKENS = 8
 
 
-def _disaggregated(folder: Path, prompts: list[list[int]]) -> tuple[list[list[int]], WorkerStats]:
-    prefill = PrefillWorker("prefill-f", str(folder), pack(CONFIG))
-    decode = DecodeWorker("decode-f", str(folder), pack(CONFIG))
+def _disaggregated(folder: Path, prompts: list[list[int]], config: EngineConfig = CONFIG
+                   ) -> tuple[list[list[int]], WorkerStats]:
+    prefill = PrefillWorker("prefill-f", str(folder), pack(config))
+    decode = DecodeWorker("decode-f", str(folder), pack(config))
 
     async def run() -> tuple[list[list[int]], WorkerStats]:
         await decode.ready()
@@ -59,4 +61,21 @@ def test_disaggregated_greedy_equals_transformers(family: str, tmp_path: Path) -
     prompts = [prompt(n, seed=n) for n in (6, 23, 41)]
     outputs, stats = _disaggregated(tmp_path, prompts)
     assert outputs == [hf_greedy(hf, ids, NEW_TOKENS) for ids in prompts]
+    assert stats.transfer.blocks > 0 and stats.transfer.failures == 0 and stats.kv.used_blocks == 0
+
+
+def test_an_int8_latent_crosses_with_its_scales(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from engine import LLM
+
+    save("deepseek_v3", tmp_path)
+    config = replace(CONFIG, kv_cache_dtype="int8")
+    prompts = [prompt(n, seed=n) for n in (6, 23, 41)]
+    outputs, stats = _disaggregated(tmp_path, prompts, config)
+    llm = LLM(model=str(tmp_path), dtype="float32", block_size=4, max_num_batched_tokens=16,
+              num_kv_blocks=256, num_threads=1, kv_cache_dtype="int8")
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
+    # one prompt at a time, as the prefill worker took them: the same chunks write the same codes and scales
+    assert outputs == [llm.generate([ids], greedy)[0].token_ids for ids in prompts]
     assert stats.transfer.blocks > 0 and stats.transfer.failures == 0 and stats.kv.used_blocks == 0
