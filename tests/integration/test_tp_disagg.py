@@ -1,7 +1,8 @@
 """Disaggregation across tensor-parallel sizes, at the engine + transfer level: prefill engines of TP 1 and
 2 lend their KV over real NIXL (one agent per rank, rank processes from ``engine/tp_ranks.py``), decode
 engines of TP 1 and 2 pull it, every decode rank reading only its KV heads from the prefill ranks holding
-them. Greedy tokens equal colocated TP=1; each decode rank's KV bytes equal the prefill side's heads."""
+them. Greedy tokens equal colocated TP=1; each decode rank's KV bytes equal the prefill side's heads.
+A latent cache (DeepSeek-V3) is whole on every rank: each decode rank reads all of it."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.llm import start_engine
 from engine.tp_ranks import RankProcesses
+from tests import families
 from tests.integration.test_tensor_parallel import NEW_TOKENS, prompts, save
 from tests.waiting import wait_until
 from transfer.descriptors import merged_descriptor_count
@@ -115,23 +117,8 @@ def descriptors_of(prefill: Side, decode: Side, remote: list[int], local: list[i
 def run_one(prefill: Side, decode: Side, ids: list[int]) -> tuple[list[int], int, int]:
     """Prefill ``ids``, move its KV, check each decode rank's bytes, decode: (tokens, descriptors, the
     descriptors expected)."""
-    assert prefill.source is not None and prefill.info is not None and decode.sink is not None
-    pe, de, rid = prefill.engine, decode.engine, f"r-{uuid.uuid4().hex[:8]}"
-    pe.add_request(ids, SamplingParams(max_tokens=1, temperature=0.0), request_id=rid, hold_kv=True)
-    first = None
-    while pe.has_unfinished():
-        for out in pe.step():
-            if out.finished:
-                first = out.token_ids[0]
-    assert first is not None
-    blocks = pe.kv.blocks_of(rid)
-    deadline = time.time() + WAIT_S
-    prefill.source.add_lease(rid, deadline)
-    handle = KvHandle(rid, prefill.info.agent_name, blocks, len(ids), prefill.info.compat_hash, deadline)
-    request = de.make_request(ids, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0), request_id=rid)
-    assert de.reserve(request) is not None
-    local = de.kv.blocks_of(rid)[: len(blocks)]
-    stats = decode.sink.read_blocking(handle, blocks, local, WAIT_S)
+    pe, de = prefill.engine, decode.engine
+    rid, first, blocks, local, stats = _hand_over(prefill, decode, ids)
     head_dim, n = pe.model_config.head_dim, len(blocks)
     kv_heads = pe.model_config.num_kv_heads
     kv_bytes = pe.model_config.num_layers * n * 2 * pe.config.block_size * kv_heads * head_dim * 4
@@ -148,10 +135,38 @@ def run_one(prefill: Side, decode: Side, ids: list[int]) -> tuple[list[int], int
     for rank, data in enumerate(group_block_bytes(de, local)):
         want = full[:, :, :, :, rank * per_d:(rank + 1) * per_d].contiguous().numpy().tobytes()
         assert data == want, f"decode rank {rank} of {decode.size} differs from prefill TP={prefill.size}"
+    return _decode(prefill, decode, rid, first, n), stats.descriptors, descriptors_of(prefill, decode, blocks,
+                                                                                      local)
 
-    # the done notification ends the lease on prefill rank 0, and prefill frees the blocks
+
+def _hand_over(prefill: Side, decode: Side, ids: list[int]) -> tuple[str, int, list[int], list[int], Any]:
+    """Prefill ``ids`` holding its KV, reserve it on decode and read it: (request id, first token, prefill
+    blocks, decode blocks, the read's stats)."""
+    assert prefill.source is not None and prefill.info is not None and decode.sink is not None
+    pe, de, rid = prefill.engine, decode.engine, f"r-{uuid.uuid4().hex[:8]}"
+    pe.add_request(ids, SamplingParams(max_tokens=1, temperature=0.0), request_id=rid, hold_kv=True)
+    first = None
+    while pe.has_unfinished():
+        for out in pe.step():
+            if out.finished:
+                first = out.token_ids[0]
+    assert first is not None
+    blocks = pe.kv.blocks_of(rid)
+    deadline = time.time() + WAIT_S
+    prefill.source.add_lease(rid, deadline)
+    handle = KvHandle(rid, prefill.info.agent_name, blocks, len(ids), prefill.info.compat_hash, deadline)
+    request = de.make_request(ids, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0), request_id=rid)
+    assert de.reserve(request) is not None
+    local = de.kv.blocks_of(rid)[: len(blocks)]
+    return rid, first, blocks, local, decode.sink.read_blocking(handle, blocks, local, WAIT_S)
+
+
+def _decode(prefill: Side, decode: Side, rid: str, first: int, n: int) -> list[int]:
+    """After the read: the lease ends, prefill frees the blocks, decode runs to the end and frees its own."""
+    pe, de = prefill.engine, decode.engine
     released: list[str] = []
     source = prefill.source
+    assert source is not None
 
     def lease_ended() -> bool:
         released.extend(source.poll()[0])
@@ -166,7 +181,7 @@ def run_one(prefill: Side, decode: Side, ids: list[int]) -> tuple[list[int], int
             if o.finished:
                 out = o
     assert de.kv.pool.num_used_blocks == 0
-    return out.token_ids, stats.descriptors, descriptors_of(prefill, decode, blocks, local)
+    return out.token_ids
 
 
 @pytest.mark.parametrize(("p", "d"), [(2, 1), (1, 2), (2, 2), (1, 1)])
@@ -188,3 +203,44 @@ def test_a_source_group_without_its_other_ranks_is_refused_at_handshake(
     with pytest.raises(IncompatibleKvError, match="incomplete") as err:
         decode.sink.connect(partial)
     assert err.value.field == "tp_size"
+
+
+@pytest.fixture(scope="module")
+def latent_sides(tmp_path_factory: pytest.TempPathFactory
+                 ) -> Iterator[tuple[list[list[int]], dict[Any, Side]]]:
+    """DeepSeek-V3 (4 query heads, one latent) at TP 1 and 2 on each side, and the colocated TP 1 tokens."""
+    path = tmp_path_factory.mktemp("deepseek")
+    families.save("deepseek_v3", path)
+    llm = LLM(model=str(path), **ENGINE)
+    reference = [o.token_ids for o in llm.generate(prompts(), SamplingParams(max_tokens=NEW_TOKENS,
+                                                                             temperature=0.0))]
+    made: dict[tuple[str, int], Side] = {}
+    try:
+        for role, size in (("prefill", 1), ("prefill", 2), ("decode", 1), ("decode", 2)):
+            made[role, size] = Side(path, size, role)
+        yield reference, made
+    finally:
+        for side in made.values():
+            side.close()
+
+
+@pytest.mark.parametrize(("p", "d"), [(2, 1), (1, 2)])
+def test_the_latent_crosses_tp_sizes_whole_to_every_rank(
+        latent_sides: tuple[list[list[int]], dict[Any, Side]], p: int, d: int) -> None:
+    """Every rank caches the same latent: each decode rank of either size reads it whole, bytes equal to
+    every prefill rank's, and the tokens equal colocated TP 1."""
+    reference, sides = latent_sides
+    prefill, decode = sides["prefill", p], sides["decode", d]
+    assert decode.sink is not None and prefill.info is not None
+    decode.sink.connect(prefill.info)
+    got = []
+    for ids in prompts():
+        rid, first, blocks, local, stats = _hand_over(prefill, decode, ids)
+        c = prefill.engine.model_config
+        latent_bytes = c.num_layers * len(blocks) * prefill.engine.config.block_size * c.kv_head_dim * 4
+        sent = group_block_bytes(prefill.engine, blocks)
+        assert len(sent[0]) == latent_bytes and all(b == sent[0] for b in sent)
+        assert group_block_bytes(decode.engine, local) == [sent[0]] * d
+        assert stats.bytes == latent_bytes * d  # each decode rank reads its own whole copy
+        got.append(_decode(prefill, decode, rid, first, len(blocks)))
+    assert got == reference
