@@ -151,22 +151,30 @@ class Chaos:
         await asyncio.gather(*(self.one(rng, "burst") for _ in range(n)))
 
     async def kills(self) -> None:
+        """A SIGKILL every ``kill_interval`` from half an interval in, every one inside ``duration`` carried
+        out: a listing that cannot answer (a worker restarting, a busy host) is asked again for up to an
+        interval, so a slow host delays a kill rather than drops it."""
         rng = random.Random(f"{self.cfg.seed}:kills")
         at = self.cfg.kill_interval / 2
-        while True:
+        while at < self.cfg.duration:
             await asyncio.sleep(max(0.0, self.deadline - self.cfg.duration + at - time.perf_counter()))
-            if time.perf_counter() >= self.deadline:
-                return
+            give_up = time.perf_counter() + self.cfg.kill_interval
             listed = sorted(await workers(self.client, self.url), key=lambda w: w["worker_id"])
+            while not listed and time.perf_counter() < give_up:
+                await asyncio.sleep(0.5)
+                listed = sorted(await workers(self.client, self.url), key=lambda w: w["worker_id"])
+            event: dict[str, Any] = {"t": round(time.perf_counter() - self.t0, 2), "killed": False}
             if listed:
                 victim = rng.choice(listed)
-                event = {"t": round(time.perf_counter() - self.t0, 2), "worker_id": victim["worker_id"],
-                         "role": victim["role"], "pid": victim["pid"], "killed": True}
+                event.update(worker_id=victim["worker_id"], role=victim["role"], pid=victim["pid"],
+                             killed=True)
                 try:
                     os.kill(int(victim["pid"]), signal.SIGKILL)
                 except OSError as exc:  # not on this host, or already gone
                     event.update(killed=False, error=repr(exc))
-                self.faults.kills.append(event)
+            else:
+                event["error"] = "/v1/workers did not answer for a whole kill interval"
+            self.faults.kills.append(event)
             at += self.cfg.kill_interval
 
     async def drain_and_replace(self) -> None:
@@ -222,9 +230,7 @@ class Chaos:
         rss_before = rss_table(warm, router_pid)
         self.deadline = time.perf_counter() + cfg.duration
         background = [asyncio.create_task(self.sampler())]
-        if cfg.faults:
-            background.append(asyncio.create_task(self.kills()))
-        work = [self.load()] + ([self.burst()] if cfg.faults else [])
+        work = [self.load()] + ([self.burst(), self.kills()] if cfg.faults else [])
         work += [self.drain_and_replace()] if cfg.faults and cfg.drain else []
         await asyncio.gather(*work)
         for task in background:

@@ -52,8 +52,8 @@ def summarize(config: dict[str, Any], outcomes: list[Outcome], kills: list[dict[
     violations = [o.as_dict() for o in outcomes if o.kind == "violation"]
     faulted = [o for o in outcomes if o.phase in ("load", "burst")]
     faults = {
-        "kill prefill worker": sum(1 for k in kills if k["role"] == "prefill" and k["killed"]),
-        "kill decode worker": sum(1 for k in kills if k["role"] == "decode" and k["killed"]),
+        "kill prefill worker": sum(1 for k in kills if k.get("role") == "prefill" and k["killed"]),
+        "kill decode worker": sum(1 for k in kills if k.get("role") == "decode" and k["killed"]),
         "KV pull failures (worker stats)": sum(pull_failures.values()),
         "client disconnects": sum(1 for o in faulted if o.kind == "cancelled"),
         "burst requests": sum(1 for o in outcomes if o.phase == "burst"),

@@ -178,7 +178,9 @@ def test_burst_beyond_queue_gets_503_then_normal_service(server: PdserveServer) 
     responses = asyncio.run(burst())
     refused = [r for r in responses if r.status_code == 503]
     served = [r for r in responses if r.status_code == 200]
-    assert len(refused) + len(served) == len(responses), [r.text for r in responses]
+    # an admitted request may still meet the module's 6 s --request-timeout on a loaded machine: a 408
+    late = [r for r in responses if r.status_code == 408 and r.json()["error"]["code"] == "request_timeout"]
+    assert len(refused) + len(served) + len(late) == len(responses), [r.text for r in responses]
     assert refused and served
     for r in refused:
         assert r.headers["Retry-After"].isdigit()

@@ -63,7 +63,8 @@ def _check_files(out: Path, summary: dict[str, Any], expect_metrics: bool) -> li
 @pytest.mark.parametrize("workload", list(TINY))
 def test_every_workload_against_pdserve(pdserve_server: PdserveServer, tmp_path: Path, workload: str) -> None:
     # a later turn starts only inside --duration: give multi-turn room for a slow first turn on a busy host
-    longer = ("--duration", "6") if workload == "multi-turn" else ()
+    # (6 s were too few beside a CPU hog)
+    longer = ("--duration", "15") if workload == "multi-turn" else ()
     summary = _bench(pdserve_server.url, tmp_path, workload, "--concurrency", "2", *longer)
     rows = _check_files(tmp_path, summary, expect_metrics=True)
     cfg = summary["config"]
