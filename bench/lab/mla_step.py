@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from bench.lab.handoff_bytes import model_dir
-from bench.lab.moe_step import WARM_STEPS, engine_for, positive_list, run_row, table
+from bench.lab.moe_step import WARM_STEPS, add_step_arguments, engine_for, positive_list, run_row, table
 from bench.sections import machine, replace_section
 from engine.models.size import parameter_count
 
@@ -57,12 +57,7 @@ def v2_lite(layers: int) -> dict[str, Any]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.lab.mla_step", description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=3, help="decoder layers, the first dense (default: 3)")
-    p.add_argument("--batches", default="1,16", help="decode batch sizes (default: 1,16)")
-    p.add_argument("--context", type=int, default=512, help="prompt tokens per request (default: 512)")
-    p.add_argument("--repeats", type=int, default=10, help="timed decode steps per row (default: 10)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--bw-bytes", type=int, default=2 * 1024**3,
-                   help="bytes the bandwidth probe sums (default: 2 GiB)")
+    add_step_arguments(p)
     p.add_argument("--doc", type=Path, default=ROOT / "docs" / "benchmarks.md", help="the file to update")
     p.add_argument("--no-doc", action="store_true", help="print the section, leave --doc alone")
     return p

@@ -254,15 +254,20 @@ def positive_list(text: str, flag: str, parser: argparse.ArgumentParser) -> list
     return values
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.lab.moe_step", description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", default=",".join(MODELS), help=f"of {', '.join(MODELS)} (default: all)")
+def add_step_arguments(p: argparse.ArgumentParser) -> None:
+    """The decode-step flags ``run_row`` and ``engine_for`` read (shared with ``bench.lab.mla_step``)."""
     p.add_argument("--batches", default="1,16", help="decode batch sizes (default: 1,16)")
     p.add_argument("--context", type=int, default=512, help="prompt tokens per request (default: 512)")
     p.add_argument("--repeats", type=int, default=10, help="timed decode steps per row (default: 10)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--bw-bytes", type=int, default=2 * 1024**3,
                    help="bytes the bandwidth probe sums (default: 2 GiB)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.lab.moe_step", description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default=",".join(MODELS), help=f"of {', '.join(MODELS)} (default: all)")
+    add_step_arguments(p)
     shape = p.add_argument_group("model shape (bench/lab/moe_models.py; each new shape is built once)")
     for f in fields(Shape):
         shape.add_argument("--" + f.name.replace("_", "-"), type=int, default=f.default,
