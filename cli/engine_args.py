@@ -134,8 +134,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="seed of the engine's random sampling")
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=d.attention_backend,
                    help="attention kernels: auto (flashinfer on CUDA when installed and the KV cache is "
-                        "not quantized, else Triton on CUDA; the CPU kernels on CPU), triton, flashinfer "
-                        "or torch")
+                        "not quantized, else Triton on CUDA; the CPU kernels on CPU; a latent (MLA) cache "
+                        "takes Triton on CUDA for flashinfer too), triton, flashinfer or torch")
     g.add_argument("--enforce-eager", action="store_true", default=d.enforce_eager,
                    help="run the model eagerly: no compiled forward (--compile-cpu), no CUDA graphs")
     g.add_argument("--linear-kernel", choices=LINEAR_KERNELS, default=d.linear_kernel,

@@ -36,7 +36,7 @@ from engine.models.causal_lm import CausalLM
 from engine.scheduler import SchedulerOutput
 from engine.tp_group import Call, CallReply, StepPlan, Stop, TpGroup, run_handler
 from kernels import AttentionBackend, AttentionMetadata, get_attention_backend
-from kernels.mla import MlaTorchBackend
+from kernels.mla_backends import mla_backend
 
 if TYPE_CHECKING:
     from engine.compiled import CompiledDecoder
@@ -117,9 +117,10 @@ class ModelRunner:
 
     def _new_backend(self) -> AttentionBackend:
         """A KV group's attention backend: MLA's (``kernels/mla.py``) for a latent cache."""
-        if self.model_config.mla is not None:
-            return cast(AttentionBackend, MlaTorchBackend())
         name = self.config.attention_backend
+        if self.model_config.mla is not None:
+            return cast(AttentionBackend, mla_backend(self.device, name, self.config.native_kernels,
+                                                      self.config.torch_dtype))
         if name == "auto" and self.device.type == "cpu" and not self.config.native_kernels:
             name = "torch"
         return get_attention_backend(self.device, name, self.config.kv_quantized)

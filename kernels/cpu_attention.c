@@ -116,13 +116,8 @@ static inline vw reducew(const vw a[16]) {
     return __builtin_shuffle(z[0], z[1], even128) + __builtin_shuffle(z[0], z[1], odd128);
 }
 
-static inline float hsumw(vw a) {
-    return hsum(__builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
-                __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15));
-}
 #else
 static inline vw reducew(const vw a[8]) { return reduce8(a); }
-static inline float hsumw(vw a) { return hsum(a); }
 #endif
 
 /* the max of the lanes, by halves (the max of floats does not depend on the order, NaN aside) */

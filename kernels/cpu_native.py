@@ -3,8 +3,9 @@
 The same library holds ``cpu_attention_blocked.c`` (the kernel for prompt chunks), ``cpu_ops.c`` (the
 per-layer small ops and the few-row product;
 ``kernels/native_ops.py`` wraps them), ``cpu_decoder.c`` (every layer of a few-row step in one call;
-``kernels/native_decoder.py``) and ``cpu_greedy.c`` (the greedy head's screen;
-``kernels/greedy_head.py``). All run their threads through OpenMP
+``kernels/native_decoder.py``), ``cpu_greedy.c`` (the greedy head's screen;
+``kernels/greedy_head.py``) and ``cpu_mla.c`` (latent attention's absorbed decode form;
+``kernels/mla_backends.py``). All run their threads through OpenMP
 (``-fopenmp``): the library's ``libgomp.so.1`` resolves to the copy torch already
 loaded, so the kernels share torch's thread team instead of starting threads that
 compete with its spinning ones for the same cores.
@@ -46,7 +47,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("cpu_attention.c", "cpu_attention_blocked.c", "cpu_attention_plan.c",
-                             "cpu_ops.c", "cpu_packed.c", "cpu_decoder.c", "cpu_greedy.c"))
+                             "cpu_ops.c", "cpu_packed.c", "cpu_decoder.c", "cpu_greedy.c", "cpu_mla.c"))
 # included by the sources: part of the build's hash
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_simd.h", "cpu_internal.h"))
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-shared", "-fPIC", "-fopenmp")
@@ -132,8 +133,8 @@ def load_library() -> ctypes.CDLL | None:
 
 
 def bind_ops(lib: ctypes.CDLL) -> None:
-    """Declare the signatures of ``cpu_ops.c``'s, ``cpu_packed.c``'s and ``cpu_decoder.c``'s functions
-    (pointers as ``c_void_p``)."""
+    """Declare the signatures of ``cpu_ops.c``'s, ``cpu_packed.c``'s, ``cpu_decoder.c``'s and
+    ``cpu_mla.c``'s functions (pointers as ``c_void_p``)."""
     ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
     signatures = {
         "pdserve_pack_f32": [ptr, ptr, i64, i64],  # w, packed, n, k
@@ -148,6 +149,13 @@ def bind_ops(lib: ctypes.CDLL) -> None:
         fn = getattr(lib, name)
         fn.restype = None
         fn.argtypes = argtypes
+    mla = lib.pdserve_mla_decode
+    mla.restype = i32
+    mla.argtypes = [
+        ptr, ptr, ptr, ptr, ptr,  # q, out, cache, block scales, code values
+        ptr, ptr, i32, i32,  # seq_lens, block tables, sequences, table width
+        i32, i32, i32, i32, f32, i32, i32,  # heads, latent dim, rank, block size, scale, dtype, threads
+    ]
     candidates = lib.pdserve_screen_candidates
     candidates.restype = i64
     candidates.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, i64]  # y, c, x, m, n, k, out, cap

@@ -72,6 +72,7 @@ static inline vw loadw(const void *p, int bf16) {
 
 static inline vw splatw(float x) { return (vw){0} + x; }
 
+
 static inline float load1(const void *p, int64_t i, int bf16) {
     if (bf16) {
         union { uint32_t u; float f; } c = {.u = (uint32_t)((const uint16_t *)p)[i] << 16};
@@ -101,6 +102,16 @@ static inline v8 vmax8(v8 a, v8 b) {
 
 static inline float hsum(v8 a) {
     return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
+}
+
+/* the sum of the lanes, by halves */
+static inline float hsumw(vw a) {
+#if VW == 16
+    return hsum(__builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
+                __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15));
+#else
+    return hsum(a);
+#endif
 }
 
 #endif

@@ -35,11 +35,13 @@ from kernels.kv_quant import codes_to_float, write_quantized_rows
 
 
 @dataclass
-class _Seqs:
+class SeqGroup:
     tokens: slice | torch.Tensor  # the group's rows of the step's tokens
     q_len: int
     rows: torch.Tensor  # int64 [n, L]: cache rows (block * block_size + offset) of each key position
     mask: torch.Tensor  # bool [n, q_len, L]
+    lens: torch.Tensor  # int32 [n]: each sequence's length (the kernels' seq_lens)
+    tables: torch.Tensor  # int32 [n, ceil(L / block_size)]: each sequence's blocks, zero-padded
 
 
 class MlaTorchBackend:
@@ -50,7 +52,7 @@ class MlaTorchBackend:
     def __init__(self, absorb: bool | None = None) -> None:
         self.absorb = absorb  # None: absorbed for decode rows, expanded for prompt chunks
         self._meta: AttentionMetadata | None = None
-        self._groups: list[_Seqs] = []
+        self._groups: list[SeqGroup] = []
 
     def prepare(self, meta: AttentionMetadata) -> None:
         self._meta = meta
@@ -69,18 +71,19 @@ class MlaTorchBackend:
         self._groups = groups
 
     @staticmethod
-    def _plan(meta: AttentionMetadata, seqs: list[int], tokens: slice | torch.Tensor, q_len: int) -> _Seqs:
+    def _plan(meta: AttentionMetadata, seqs: list[int], tokens: slice | torch.Tensor, q_len: int) -> SeqGroup:
         bs = meta.block_size
         lens = torch.tensor([meta.seq_lens_list[s] for s in seqs], dtype=torch.int64)
         width = int(lens.max())
         tables = [meta.block_tables_list[s][: -(-width // bs)] for s in seqs]
-        tables = [t + [0] * (-(-width // bs) - len(t)) for t in tables]
+        table = torch.tensor([t + [0] * (-(-width // bs) - len(t)) for t in tables], dtype=torch.int64)
         pos = torch.arange(width, dtype=torch.int64)
-        rows = torch.tensor(tables, dtype=torch.int64)[:, pos // bs] * bs + pos % bs
+        rows = table[:, pos // bs] * bs + pos % bs
         last = lens[:, None] - q_len + torch.arange(q_len, dtype=torch.int64)[None, :]
         mask = pos[None, None, :] <= last[:, :, None]
         device = meta.slot_mapping.device
-        return _Seqs(tokens, q_len, rows.to(device), mask.to(device))
+        return SeqGroup(tokens, q_len, rows.to(device), mask.to(device), lens.to(device, torch.int32),
+                     table.to(device, torch.int32))
 
     def forward(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor,
                 kv_layer: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float,
@@ -98,15 +101,30 @@ class MlaTorchBackend:
             write_quantized_rows(kv_layer, kv_scales, latent[:, None, None, :], slots, meta.block_size)
         out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], w_uv.shape[1])
         for group in self._groups:
-            rows = _gather(group, flat, kv_scales, meta.block_size)
+            q_n, q_r = _split(group, q_nope[group.tokens]), _split(group, q_rope[group.tokens])
             absorbed = group.q_len == 1 if self.absorb is None else self.absorb
-            attend = _absorbed if absorbed else _expanded
-            out[group.tokens] = attend(group, q_nope[group.tokens], q_rope[group.tokens], rows, w_uk, w_uv,
-                                       scale).to(out.dtype)
+            if absorbed:
+                query = torch.cat((torch.einsum("nqhd,hdr->nqhr", q_n, w_uk.float()), q_r), dim=-1)
+                mixed = self.mix(group, query.contiguous(), kv_layer, kv_scales, w_uk.shape[2], scale)
+                res = torch.einsum("nqhr,hvr->nqhv", mixed, w_uv.float())
+            else:
+                res = _expanded(group, q_n, q_r, _gather(group, flat, kv_scales, meta.block_size), w_uk, w_uv,
+                                scale)
+            out[group.tokens] = res.reshape(-1, *res.shape[2:]).to(out.dtype)
         return out
 
+    def mix(self, group: SeqGroup, query: torch.Tensor, kv_layer: torch.Tensor,
+            kv_scales: torch.Tensor | None, rank: int, scale: float) -> torch.Tensor:
+        """The absorbed form's attention: for absorbed queries ``[n, q_len, heads, latent_dim]`` (float32),
+        each query's softmax mix of the cached latents, ``[n, q_len, heads, rank]`` float32. The native
+        and Triton backends (``kernels/mla_backends.py``) replace it for decode rows."""
+        rows = _gather(group, kv_layer.view(-1, kv_layer.shape[-1]), kv_scales, kv_layer.shape[2])
+        scores = torch.einsum("nqhc,nlc->nhql", query, rows) * scale
+        probs = _softmax(scores, group.mask[:, None])
+        return torch.einsum("nhql,nlr->nqhr", probs, rows[..., :rank])
 
-def _gather(group: _Seqs, flat: torch.Tensor, kv_scales: torch.Tensor | None, block_size: int
+
+def _gather(group: SeqGroup, flat: torch.Tensor, kv_scales: torch.Tensor | None, block_size: int
             ) -> torch.Tensor:
     """The group's cached rows ``[n, L, latent_dim]`` in float32 (dequantized with their blocks' scales)."""
     index = group.rows.reshape(-1)
@@ -119,7 +137,7 @@ def _gather(group: _Seqs, flat: torch.Tensor, kv_scales: torch.Tensor | None, bl
     return rows.view(*group.rows.shape, -1)
 
 
-def _split(group: _Seqs, q: torch.Tensor) -> torch.Tensor:
+def _split(group: SeqGroup, q: torch.Tensor) -> torch.Tensor:
     """``[n * q_len, heads, d]`` -> ``[n, q_len, heads, d]`` in float32."""
     return q.float().reshape(group.rows.shape[0], group.q_len, *q.shape[1:])
 
@@ -128,27 +146,15 @@ def _softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
 
 
-def _absorbed(group: _Seqs, q_nope: torch.Tensor, q_rope: torch.Tensor, rows: torch.Tensor,
+def _expanded(group: SeqGroup, q_nope: torch.Tensor, q_rope: torch.Tensor, rows: torch.Tensor,
               w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float) -> torch.Tensor:
-    rank = w_uk.shape[2]
-    q_lat = torch.einsum("nqhd,hdr->nqhr", _split(group, q_nope), w_uk.float())
-    query = torch.cat((q_lat, _split(group, q_rope)), dim=-1)  # [n, q, heads, D]
-    scores = torch.einsum("nqhc,nlc->nhql", query, rows) * scale
-    probs = _softmax(scores, group.mask[:, None])
-    mixed = torch.einsum("nhql,nlr->nqhr", probs, rows[..., :rank])
-    out = torch.einsum("nqhr,hvr->nqhv", mixed, w_uv.float())
-    return out.reshape(-1, *out.shape[2:])
-
-
-def _expanded(group: _Seqs, q_nope: torch.Tensor, q_rope: torch.Tensor, rows: torch.Tensor,
-              w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float) -> torch.Tensor:
+    """``[n, q_len, heads, v_dim]`` for split float32 queries, from the up-projected keys and values."""
     rank = w_uk.shape[2]
     latent, k_rope = rows[..., :rank], rows[..., rank:]
     k_nope = torch.einsum("nlr,hdr->nlhd", latent, w_uk.float())
     values = torch.einsum("nlr,hvr->nlhv", latent, w_uv.float())
     keys = torch.cat((k_nope, k_rope[:, :, None].expand(-1, -1, k_nope.shape[2], -1)), dim=-1)
-    query = torch.cat((_split(group, q_nope), _split(group, q_rope)), dim=-1)
+    query = torch.cat((q_nope, q_rope), dim=-1)
     scores = torch.einsum("nqhd,nlhd->nhql", query, keys) * scale
     probs = _softmax(scores, group.mask[:, None])
-    out = torch.einsum("nhql,nlhv->nqhv", probs, values)
-    return out.reshape(-1, *out.shape[2:])
+    return torch.einsum("nhql,nlhv->nqhv", probs, values)

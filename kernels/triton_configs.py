@@ -1,7 +1,8 @@
 """Every Triton kernel configuration pdserve launches, from one place.
 
-``launch_configs`` is what ``kernels/triton_backend.py`` looks its launches up in, and
-``moe_launch`` / ``moe_sum_launch`` what ``kernels/triton_moe.py`` does; the ahead-of-time
+``launch_configs`` is what ``kernels/triton_backend.py`` looks its launches up in,
+``moe_launch`` / ``moe_sum_launch`` what ``kernels/triton_moe.py`` does and ``mla_launch`` what
+``kernels/mla_backends.py`` does; the ahead-of-time
 compile test walks both (``tests/unit/test_triton_aot.py``), so a configuration that does
 not compile (or spills registers) for sm_80 / sm_90 is found on a CPU-only machine before
 any GPU sees it.
@@ -22,10 +23,12 @@ from kernels.moe import ACTIVATIONS
 ATTENTION = "paged_attention_kernel"
 WRITE = "write_kv_kernel"
 WRITE_QUANTIZED = "write_kv_quantized_kernel"
+MLA_DECODE = "mla_decode_kernel"
 MOE_GEMM = "moe_gemm_kernel"
 MOE_SUM = "moe_sum_kernel"
 ATTENTION_MODULE = "kernels.triton_attention"
 MOE_MODULE = "kernels.triton_moe"
+MLA_MODULE = "kernels.triton_mla"
 
 
 def attention_tiles(model_dtype: torch.dtype, head_dim: int, decode: bool, fp8_softcap: bool = False
@@ -229,3 +232,53 @@ def moe_launch_configs(model_dtype: torch.dtype) -> list[KernelLaunch]:
             out += [moe_launch(model_dtype, tokens, 8, True, act, has_bias)
                     for act in range(len(ACTIVATIONS))]
     return out
+
+
+MLA_SHAPES = ((512, 64),)  # (kv_lora_rank, qk_rope_head_dim): every DeepSeek-V2/V3 config's
+
+
+def mla_tiles(model_dtype: torch.dtype, quantized: bool) -> tuple[int, int, int]:
+    """(BLOCK_H, BLOCK_N, num_warps) of the latent decode kernel. ``BLOCK_H`` 16 is the smallest MMA
+    M; the accumulator is ``BLOCK_H x 512`` float32, so 16 keys a step. Chosen with the AOT check
+    (``kernels/triton_aot.py``): no build spills on sm_80 or sm_90. Dequantizing a tile of codes
+    takes registers of its own: 4 warps spill 16-bit quantized builds on sm_90 (8 do not). A float32
+    model over a quantized latent spills 2 KB of stack at 8 and 16 warps alike, so it has no build:
+    ``mla_supported`` says no and the backend takes the torch reference's form for it."""
+    if model_dtype == torch.float32:
+        return (16, 16, 8)
+    return (16, 16, 8 if quantized else 4)
+
+
+def mla_supported(model_dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
+    """Whether ``mla_decode_kernel`` has a build for this pair (see ``mla_tiles``)."""
+    quantized = kv_format(kv_dtype).quantized
+    return model_dtype in MODEL_DTYPES and not (model_dtype == torch.float32 and quantized)
+
+
+def mla_launch(model_dtype: torch.dtype, kv_dtype: torch.dtype, rank: int, rope: int,
+               interpret: bool = False) -> KernelLaunch:
+    """``mla_decode_kernel``'s launch for a latent of ``rank`` + ``rope`` values per token; the
+    queries are in ``model_dtype`` (float32 when interpreting), the output float32."""
+    fmt = kv_format(kv_dtype)
+    block_h, block_n, num_warps = mla_tiles(model_dtype, fmt.quantized)
+    constexprs: dict[str, int | float | bool] = dict(
+        RANK=rank, ROPE=rope, BLOCK_R=block_d(rank), BLOCK_P=block_d(rope), BLOCK_H=block_h,
+        BLOCK_N=block_n, KV_KIND=fmt.kind, MANT=fmt.mant, BIAS=fmt.bias,
+        DOT_FP32=interpret or model_dtype == torch.float32,
+    )
+    q = "fp32" if interpret else _TRITON_TYPES[model_dtype]
+    signature = {
+        **_ptrs("q_ptr", q), **_ptrs("out_ptr", "fp32"),
+        **_ptrs("cache_ptr", _TRITON_TYPES[storage_dtype(kv_dtype)]),
+        **_ptrs("scales_ptr", "fp32"), **_ptrs("tables_ptr lens_ptr", "i32"), "sm_scale_log2": "fp32",
+        **_ints("heads block_size stride_qs stride_qh stride_os stride_oh stride_tab stride_row"),
+        **{k: "constexpr" for k in constexprs},
+    }
+    return KernelLaunch(MLA_DECODE, constexprs, signature, num_warps, MLA_MODULE)
+
+
+def mla_launch_configs(model_dtype: torch.dtype) -> list[KernelLaunch]:
+    """Everything a latent cache under ``model_dtype`` can launch: a plain cache in the model dtype
+    and every quantized one it has a build for, at every DeepSeek latent shape."""
+    kv_dtypes = [kv for kv in (model_dtype, *QUANTIZED_KV) if mla_supported(model_dtype, kv)]
+    return [mla_launch(model_dtype, kv, rank, rope) for rank, rope in MLA_SHAPES for kv in kv_dtypes]

@@ -83,6 +83,7 @@ IN_PROCESS_BENCHMARKS: dict[str, tuple[str, ...]] = {
     "bench.lab.step_profile": ("engine", "kernels"),
     "bench.lab.moe_step": ("engine",),
     "bench.lab.mla_step": ("engine",),
+    "bench.lab.mla_attention": ("kernels",),
     "bench.lab.moe_models": ("engine.loader",),  # the cache folder the models are saved under
     "bench.lab.handoff_bytes": ("engine", "messages", "prefill.worker", "decode.worker"),  # in process
     "bench.lab.gpu": ("engine", "kernels", "transfer", "messages.codec"),

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from kernels.moe import ACTIVATIONS
 from kernels.triton_aot import CompileResult, all_launches, compile_kernel, compile_launch
-from kernels.triton_configs import attention_launch, moe_launch, moe_sum_launch, write_launch
+from kernels.triton_configs import attention_launch, mla_launch, moe_launch, moe_sum_launch, write_launch
 
 
 @triton.jit
@@ -37,10 +37,10 @@ def fp8_cast_kernel(x_ptr, y_ptr):
 
 
 def covering() -> list[tuple[str, CompileResult]]:
-    """Every kernel, every KV kind, both dot paths, the attention features and the MoE products at the
-    largest head dim and tile sizes, on sm_80 and sm_90: generic builds (no alignment hints, the most
-    registers) and a few aligned ones (pipelined, as real shapes compile), including the
-    configurations nearest the register limit."""
+    """Every kernel, every KV kind, both dot paths, the attention features, the MoE products and the
+    latent decode kernel at the largest head dim and tile sizes, on sm_80 and sm_90: generic builds
+    (no alignment hints, the most registers) and a few aligned ones (pipelined, as real shapes
+    compile), including the configurations nearest the register limit."""
     bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
     e4m3, e5m2, int8 = torch.float8_e4m3fn, torch.float8_e5m2, torch.int8
     swiglu, gelu = ACTIVATIONS.index("swiglu_oai"), ACTIVATIONS.index("gelu_tanh")
@@ -70,6 +70,14 @@ def covering() -> list[tuple[str, CompileResult]]:
     out.append(("moe down fp16 bias sm_80 aligned",
                 compile_launch(moe_launch(fp16, many, 8, False, 0, True), 80, aligned=True)))
     out.append(("moe sum bf16 sm_80", compile_launch(moe_sum_launch(bf16), 80)))
+    # the latent decode kernel at DeepSeek's 512 + 64: the plain 16-bit build, the quantized ones
+    # nearest the register limit (255 and 8 warps), and float32's
+    out.append(("mla decode bf16 sm_80", compile_launch(mla_launch(bf16, bf16, 512, 64), 80)))
+    mla = mla_launch(bf16, bf16, 512, 64)
+    out.append(("mla decode bf16 sm_90 aligned", compile_launch(mla, 90, aligned=True)))
+    out.append(("mla decode bf16/e4m3 sm_90", compile_launch(mla_launch(bf16, e4m3, 512, 64), 90)))
+    out.append(("mla decode fp16/int8 sm_80", compile_launch(mla_launch(fp16, int8, 512, 64), 80)))
+    out.append(("mla decode fp32 sm_90", compile_launch(mla_launch(fp32, fp32, 512, 64), 90)))
     return out
 
 
