@@ -119,6 +119,11 @@ def iter_tensors(reader: GGUFFile, config: ModelConfig,
     fmt = family(config.architecture).gguf
     if fmt is None:
         raise ValueError(f"the {config.architecture} family reads no GGUF files")
+    return fmt.merge(_fixed(reader, config, shard, fmt), config)
+
+
+def _fixed(reader: GGUFFile, config: ModelConfig, shard: TpShard | None,
+           fmt: GgufFormat) -> Iterator[tuple[str, torch.Tensor]]:
     for tensor in reader.tensors:
         target = fmt.target(tensor.name)
         if target is None:

@@ -145,6 +145,8 @@ class TpShard:
             if part == "kv_b_proj":
                 per_head = mla.qk_nope_head_dim + mla.v_head_dim
                 return WeightSlice(0, q0 * per_head, q1 * per_head)
+            if part in ("k_b_proj", "v_b_proj"):  # GGUF's halves of kv_b_proj, [heads, ., .]
+                return WeightSlice(0, q0, q1)
             if part == "o_proj" and kind == "weight":
                 return WeightSlice(1, q0 * mla.v_head_dim, q1 * mla.v_head_dim)
             if part in ("q_a_proj", "kv_a_proj_with_mqa"):

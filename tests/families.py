@@ -101,8 +101,11 @@ def _deepseek_v2() -> PreTrainedModel:
 
 def _deepseek_v3() -> PreTrainedModel:
     # a query LoRA, sigmoid top-2 of 8 experts chosen from the best 2 of 4 groups, a shared expert
+    # (``scoring_func`` as DeepSeek-V3's published config states it: transformers' V3 is sigmoid whatever it
+    # says, llama.cpp's converter writes it as the gating function)
+    published: dict[str, Any] = {"scoring_func": "sigmoid"}
     return DeepseekV3ForCausalLM(DeepseekV3Config(n_routed_experts=8, n_group=4, topk_group=2, q_lora_rank=24,
-                                                  **MLA))
+                                                  **published, **MLA))
 
 
 def _llama() -> PreTrainedModel:

@@ -2,10 +2,12 @@
 ``convert_hf_to_gguf.py`` writes them, from the folder transformers saved.
 
 Per family, what the converter does (its ``Qwen3Model``, ``Qwen3MoeModel``, ``LlamaModel`` for Mixtral,
-``Gemma3Model`` and ``GptOssModel``): the metadata its ``set_gguf_parameters`` writes, the tensors renamed
-by ``gguf``'s own name map (``gguf.get_tensor_name_map``), experts stacked into 3-D ``*_exps`` tensors,
+``Gemma3Model``, ``GptOssModel`` and ``DeepseekV2Model`` for both DeepSeeks): the metadata its
+``set_gguf_parameters`` writes, the tensors renamed by ``gguf``'s own name map
+(``gguf.get_tensor_name_map``), experts stacked into 3-D ``*_exps`` tensors,
 Mixtral's Q/K rows permuted (``LlamaModel.permute``), Gemma's norms stored as ``1 + w``, gpt-oss's fused
-experts de-interleaved and transposed to ``[out, in]``, its sinks named ``attn_sinks.weight``; and a
+experts de-interleaved and transposed to ``[out, in]``, its sinks named ``attn_sinks.weight``,
+DeepSeek's ``kv_b_proj`` split per head into ``attn_k_b`` (transposed) and ``attn_v_b``; and a
 byte-level (``gpt2``) vocabulary of the folder's words. Matrices may be quantized with
 ``gguf.quants.quantize`` (norms and biases stay float32, as the converter keeps them).
 
@@ -30,23 +32,29 @@ from gguf import GGMLQuantizationType
 from safetensors.torch import load_file
 
 ARCHITECTURES = {"qwen3": "qwen3", "qwen3_moe": "qwen3moe", "mixtral": "llama", "gemma3": "gemma3",
-                 "gpt_oss": "gpt-oss"}
+                 "gpt_oss": "gpt-oss", "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2"}
 MODEL_TYPES = {"qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "gemma3_text": "gemma3",
-               "gpt_oss": "gpt_oss"}
+               "gpt_oss": "gpt_oss", "deepseek_v2": "deepseek_v2", "deepseek_v3": "deepseek_v3"}
 
 
-def write_gguf(folder: Path, path: Path, qtype: GGMLQuantizationType | None = None, only: str = "") -> Path:
+def write_gguf(folder: Path, path: Path, qtype: GGMLQuantizationType | None = None, only: str = "",
+               kv_b_whole: bool = False) -> Path:
     """Convert the HF folder ``folder`` into the GGUF file ``path``; with ``qtype``, every weight matrix
-    (experts' stacks too) whose GGUF name contains ``only`` is stored quantized."""
+    (experts' stacks too) whose GGUF name contains ``only`` is stored quantized. ``kv_b_whole``: DeepSeek's
+    ``kv_b_proj`` as converters before the ``attn_k_b``/``attn_v_b`` split wrote it (with the per-head
+    key and value widths as ``key_length``/``value_length``)."""
     config = json.loads((folder / "config.json").read_text())
     family = MODEL_TYPES[config["model_type"]]
     writer = gguf.GGUFWriter(str(path), ARCHITECTURES[family])
-    _metadata(writer, family, config)
+    if family.startswith("deepseek"):
+        _deepseek_metadata(writer, config, kv_b_whole)
+    else:
+        _metadata(writer, family, config)
     _vocabulary(writer, folder, config["vocab_size"])
     arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == ARCHITECTURES[family])
     names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
     dense = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config["num_hidden_layers"])
-    for name, tensor in _converted(family, config, load_file(str(folder / "model.safetensors"))):
+    for name, tensor in _converted(family, config, load_file(str(folder / "model.safetensors")), kv_b_whole):
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         if gguf_name is None:  # the dense layer of the Qwen3-MoE model (see the module docstring)
             gguf_name = dense.get_name(name, try_suffixes=(".weight", ".bias"))
@@ -124,6 +132,48 @@ def _metadata(writer: gguf.GGUFWriter, family: str, config: dict[str, Any]) -> N
         writer.add_expert_feed_forward_length(config["intermediate_size"])
 
 
+def _deepseek_metadata(writer: gguf.GGUFWriter, config: dict[str, Any], kv_b_whole: bool) -> None:
+    """``DeepseekV2Model.set_gguf_parameters`` (on ``TextModel``'s): the latent as MQA of one KV head."""
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(1)
+    _rope(writer, config)
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_expert_count(config["n_routed_experts"])
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    if config.get("n_group") is not None:
+        writer.add_expert_group_count(config["n_group"])
+    if config.get("topk_group") is not None:
+        writer.add_expert_group_used_count(config["topk_group"])
+    if config.get("scoring_func") == "sigmoid":
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_leading_dense_block_count(config["first_k_dense_replace"])
+    writer.add_vocab_size(config["vocab_size"])
+    if config.get("q_lora_rank") is not None:
+        writer.add_q_lora_rank(config["q_lora_rank"])
+    rank, nope, rope = config["kv_lora_rank"], config["qk_nope_head_dim"], config["qk_rope_head_dim"]
+    writer.add_kv_lora_rank(rank)
+    if kv_b_whole:
+        writer.add_key_length(nope + rope)
+        writer.add_value_length(config["v_head_dim"])
+    else:
+        writer.add_key_length(rank + rope)
+        writer.add_value_length(rank)
+        writer.add_key_length_mla(nope + rope)
+        writer.add_value_length_mla(config["v_head_dim"])
+    writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    writer.add_expert_shared_count(config.get("n_shared_experts", 0))
+    if config.get("routed_scaling_factor") is not None:
+        writer.add_expert_weights_scale(config["routed_scaling_factor"])
+    if config.get("norm_topk_prob"):
+        writer.add_expert_weights_norm(True)
+    writer.add_rope_dimension_count(rope)
+
+
 def _vocabulary(writer: gguf.GGUFWriter, folder: Path, vocab_size: int) -> None:
     vocab = json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"]
     tokens = [token for token, _ in sorted(vocab.items(), key=lambda item: item[1])]
@@ -149,10 +199,14 @@ def _stacked(tensors: dict[str, torch.Tensor], layers: int, experts: int, source
             yield target.format(layer), torch.stack([tensors.pop(n) for n in names])
 
 
-def _converted(family: str, config: dict[str, Any], tensors: dict[str, torch.Tensor]
+def _converted(family: str, config: dict[str, Any], tensors: dict[str, torch.Tensor], kv_b_whole: bool
                ) -> Iterator[tuple[str, torch.Tensor]]:
     layers = config["num_hidden_layers"]
-    experts = int(config.get("num_local_experts") or config.get("num_experts") or 0)
+    experts = int(config.get("num_local_experts") or config.get("num_experts")
+                  or config.get("n_routed_experts") or 0)
+    if family.startswith("deepseek"):
+        yield from _deepseek(config, tensors, experts, kv_b_whole)
+        return
     if family == "qwen3_moe":
         for w in ("gate_proj", "up_proj", "down_proj"):
             yield from _stacked(tensors, layers, experts, "model.layers.{}.mlp.experts.{}." + w + ".weight",
@@ -192,3 +246,23 @@ def _gpt_oss(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tenso
         yield f"{prefix}.up_proj.bias", tensor[..., 1::2]
     else:
         yield name, tensor
+
+
+def _deepseek(config: dict[str, Any], tensors: dict[str, torch.Tensor], experts: int,
+              kv_b_whole: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """``DeepseekV2Model.modify_tensors``: experts stacked, ``kv_b_proj`` split per head into the key half
+    (transposed) and the value half, the router's correction bias as a ``.bias``."""
+    for w in ("gate_proj", "up_proj", "down_proj"):
+        source = "model.layers.{}.mlp.experts.{}." + w + ".weight"
+        yield from _stacked(tensors, config["num_hidden_layers"], experts, source,
+                            "model.layers.{}.mlp.experts." + w + ".weight")
+    heads, nope, v = config["num_attention_heads"], config["qk_nope_head_dim"], config["v_head_dim"]
+    for name, tensor in tensors.items():
+        if name.endswith("kv_b_proj.weight") and not kv_b_whole:
+            k_b, v_b = tensor.view(heads, nope + v, tensor.shape[-1]).split([nope, v], dim=1)
+            yield name.replace("kv_b_proj", "k_b_proj"), k_b.transpose(1, 2)
+            yield name.replace("kv_b_proj", "v_b_proj"), v_b
+        elif name.endswith("e_score_correction_bias"):
+            yield name.replace("e_score_correction_bias", "e_score_correction.bias"), tensor
+        else:
+            yield name, tensor

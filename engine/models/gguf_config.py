@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,6 +58,7 @@ _LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GLOBAL = re.compile(r"(\w+)\.(weight|bias)")
 
 TensorFix = Callable[[str, torch.Tensor, ModelConfig], torch.Tensor]
+Named = Iterator[tuple[str, torch.Tensor]]
 
 
 def unchanged(name: str, tensor: torch.Tensor, config: ModelConfig) -> torch.Tensor:
@@ -68,6 +69,10 @@ def always(reader: GGUFFile) -> bool:
     return True
 
 
+def one_to_one(tensors: Named, config: ModelConfig) -> Named:
+    yield from tensors
+
+
 @dataclass(frozen=True)
 class GgufFormat:
     """How one family reads the GGUF files of its ``ModelFamily.gguf_architectures``.
@@ -76,12 +81,15 @@ class GgufFormat:
     the module docstring); ``fix(library_name, tensor, config)``: undoes the converter's change to one
     tensor (given a tensor-parallel slice of whole heads or rows, it must fix the slice alone);
     ``accepts``: whether this family, of those listing the file's architecture, reads it (llama.cpp
-    writes Llama and Mixtral both as ``llama``)."""
+    writes Llama and Mixtral both as ``llama``); ``merge(tensors, config)``: the fixed tensors as the
+    model takes them, where the converter split one tensor into several (DeepSeek's ``kv_b_proj``): it
+    gets and yields library names, a tensor-parallel rank's slices when a rank reads them."""
 
     config: Callable[[GGUFFile, Path], ModelConfig]
     layers: Mapping[str, str] = field(default_factory=lambda: LLAMA_LAYERS)
     fix: TensorFix = unchanged
     accepts: Callable[[GGUFFile], bool] = always
+    merge: Callable[[Named, ModelConfig], Named] = one_to_one
 
     def target(self, gguf_name: str) -> str | None:
         """The library name of GGUF tensor ``gguf_name`` (``{expert}`` left in for stacked experts), or
@@ -256,9 +264,11 @@ def _token_ids(reader: GGUFFile, *keys: str) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def base_fields(reader: GGUFFile, path: Path, architecture: str) -> dict[str, Any]:
+def base_fields(reader: GGUFFile, path: Path, architecture: str,
+                partial_rope: bool = False) -> dict[str, Any]:
     """The ``ModelConfig`` fields every family reads the same way, under the file's GGUF architecture
-    (``architecture``: the family's ``ModelConfig.architecture``)."""
+    (``architecture``: the family's ``ModelConfig.architecture``); ``partial_rope``: the family reads
+    ``rope.dimension_count`` itself (DeepSeek's rotary part of each head)."""
     arch = str(reader.fields.get("general.architecture"))
     embed = tensor(reader, "token_embd.weight")
     if embed is None:
@@ -267,7 +277,7 @@ def base_fields(reader: GGUFFile, path: Path, architecture: str) -> dict[str, An
     heads = integer(reader, f"{arch}.attention.head_count", path)
     head_dim = integer(reader, f"{arch}.attention.key_length", path, hidden // heads)
     rotated = integer(reader, f"{arch}.rope.dimension_count", path, head_dim)
-    if rotated != head_dim:
+    if rotated != head_dim and not partial_rope:
         raise ValueError(f"unsupported partial rope in {path}: {arch}.rope.dimension_count is {rotated}, "
                          f"the head dimension {head_dim}")
     theta = number(reader, f"{arch}.rope.freq_base", path, 10000.0) or 10000.0

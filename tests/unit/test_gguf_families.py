@@ -30,8 +30,9 @@ from tests.gguf_families import ARCHITECTURES, write_gguf
 
 FAMILIES = tuple(ARCHITECTURES)  # the new families whose GGUF architecture llama.cpp defines
 Q8, MXFP4 = GGMLQuantizationType.Q8_0, GGMLQuantizationType.MXFP4
-# one quantized file per kind: every matrix of the Qwen3-MoE model in Q8_0, gpt-oss's experts in MXFP4
-QUANTIZED = {"qwen3_moe": (Q8, ""), "gpt_oss": (MXFP4, "_exps")}
+# one quantized file per kind: every matrix of the Qwen3-MoE model in Q8_0, gpt-oss's experts in MXFP4,
+# DeepSeek-V3's routed and shared experts in Q8_0 (its tiny attention's rows are shorter than a Q8_0 block)
+QUANTIZED = {"qwen3_moe": (Q8, ""), "gpt_oss": (MXFP4, "_exps"), "deepseek_v3": (Q8, "exp")}
 NEW_TOKENS = 8
 
 
@@ -151,7 +152,7 @@ def test_quantized_files_dequantize_as_gguf_does(converted: dict[str, Converted]
     quantized = dict(iter_gguf_weights(path))
     changed = 0
     for key, tensor in quantized.items():
-        expert = ".experts." in key and not key.endswith(".bias")
+        expert = (".experts." in key or ".shared_experts." in key) and not key.endswith(".bias")
         if tensor.dim() > 1 and (expert or not only):
             assert torch.equal(tensor, _through_gguf(plain[key], qtype)), key
             assert not torch.equal(tensor, plain[key]), key
@@ -160,7 +161,8 @@ def test_quantized_files_dequantize_as_gguf_does(converted: dict[str, Converted]
             assert torch.equal(tensor, plain[key]), key
     config = read_gguf_config(path)
     assert config.moe is not None
-    experts = 3 * config.moe.num_experts * (config.num_layers - len(config.moe.dense_layers))
+    shared = 1 if config.moe.shared_intermediate_size else 0
+    experts = 3 * (config.moe.num_experts + shared) * (config.num_layers - len(config.moe.dense_layers))
     assert changed == (experts if only else len([t for t in plain.values() if t.dim() > 1]))
 
 
@@ -177,6 +179,26 @@ def test_greedy_from_gguf_equals_transformers(converted: dict[str, Converted], n
     assert llm.engine.source.kind == "gguf" and llm.engine.model_config.architecture == name
     outputs = llm.generate(batch, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
     assert [o.token_ids for o in outputs] == reference
+
+
+def test_deepseek_files_from_before_the_kv_b_split(converted: dict[str, Converted], tmp_path: Path) -> None:
+    """A ``deepseek2`` file with ``attn_kv_b`` whole and the head widths as ``key_length``/``value_length``
+    (llama.cpp's converter before it split ``kv_b_proj``) reads as the split one does; a file missing one
+    half of the split is refused by name."""
+    case = converted["deepseek_v2"]
+    whole = write_gguf(case.folder, tmp_path / "deepseek_v2.gguf", kv_b_whole=True)
+    assert read_gguf_config(whole) == read_gguf_config(case.path)
+    names = {t.name for t in gguf.GGUFReader(str(whole)).tensors}
+    assert "blk.0.attn_kv_b.weight" in names and "blk.0.attn_k_b.weight" not in names
+    ours, split = dict(iter_gguf_weights(whole)), dict(iter_gguf_weights(case.path))
+    assert ours.keys() == split.keys()
+    assert all(torch.equal(ours[k], split[k]) for k in ours)
+    config = read_gguf_config(case.path)
+    fmt = family(config.architecture).gguf
+    assert fmt is not None
+    halves = [("model.layers.1.self_attn.k_b_proj.weight", torch.zeros(4, 32, 16))]
+    with pytest.raises(ValueError, match="only one of attn_k_b and attn_v_b for model.layers.1.self_attn"):
+        dict(fmt.merge(iter(halves), config))
 
 
 def _write_bare(path: Path, arch: str, tensors: dict[str, np.ndarray], **counts: int) -> Path:
@@ -199,9 +221,11 @@ def test_unknown_architectures_and_tensors_are_clear_errors(tmp_path: Path) -> N
     embed: dict[str, np.ndarray] = {"token_embd.weight": np.zeros((8, 4), np.float32)}
     sizes = dict(block_count=1, context_length=16, embedding_length=4, feed_forward_length=8,
                  **{"attention.head_count": 1})
-    with pytest.raises(ValueError, match="unsupported GGUF architecture 'deepseek2'") as info:
+    with pytest.raises(ValueError, match="unsupported GGUF architecture 'glm4moe'") as info:
+        load_model_source(_write_bare(tmp_path / "glm.gguf", "glm4moe", embed, **sizes))
+    assert "supported: llama, qwen2, qwen3, qwen3moe, gemma3, gpt-oss, deepseek2" in str(info.value)
+    with pytest.raises(ValueError, match="missing required metadata 'deepseek2.rope.dimension_count'"):
         load_model_source(_write_bare(tmp_path / "ds.gguf", "deepseek2", embed, **sizes))
-    assert "supported: llama, qwen2, qwen3, qwen3moe, gemma3, gpt-oss" in str(info.value)
     shared = {**embed, "blk.0.ffn_gate_shexp.weight": np.zeros((8, 4), np.float32)}
     with pytest.raises(ValueError, match="unsupported tensors .*blk.0.ffn_gate_shexp.weight"):
         load_model_source(_write_bare(tmp_path / "q.gguf", "qwen3moe", shared, **sizes, expert_count=2,
