@@ -47,8 +47,6 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, overload
 from urllib.parse import unquote
 
-import llguidance
-
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
@@ -236,11 +234,18 @@ def close_objects(schema: Schema | bool, strict: bool = False) -> Schema | bool:
     return _Closer(copy.deepcopy(schema), strict).run()
 
 
+def _matcher() -> Any:
+    """llguidance's ``LLMatcher``, imported on first use: an engine serving no grammar never loads it."""
+    import llguidance
+
+    return llguidance.LLMatcher
+
+
 def json_schema_grammar(schema: dict[str, Any] | bool) -> str:
     """An llguidance grammar for ``schema`` (compact JSON separators)."""
     if isinstance(schema, bool):
         schema = {} if schema else {"not": {}}
-    return str(llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS))
+    return str(_matcher().grammar_from_json_schema(schema, defaults=JSON_OPTIONS))
 
 
 def lark_string(text: str) -> str:
@@ -261,7 +266,7 @@ def build(so: StructuredOutput) -> str:
             raise GrammarError("the schema must be a JSON object")
         return json_schema_grammar(close_objects(schema))
     if so.kind == "regex":
-        return str(llguidance.LLMatcher.grammar_from_regex(so.spec))
+        return str(_matcher().grammar_from_regex(so.spec))
     if so.kind == "choice":
         try:
             choices = json.loads(so.spec)
@@ -269,17 +274,17 @@ def build(so: StructuredOutput) -> str:
             choices = None
         if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):
             raise GrammarError("choices must be a non-empty list of strings")
-        return str(llguidance.LLMatcher.grammar_from_lark(
+        return str(_matcher().grammar_from_lark(
             "start: " + " | ".join(lark_string(c) for c in choices)))
     if so.kind == "lark":
-        return str(llguidance.LLMatcher.grammar_from_lark(so.spec))
+        return str(_matcher().grammar_from_lark(so.spec))
     raise GrammarError(f"unknown kind {so.kind!r}")
 
 
 def check(so: StructuredOutput) -> str:
     """Build and validate ``so`` without a tokenizer; returns the grammar, raises GrammarError."""
     grammar = build(so)
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    is_error, messages = _matcher().validate_grammar_with_warnings(grammar)
     if is_error:
         raise GrammarError((messages[0] if messages else "invalid grammar").strip())
     return grammar

@@ -32,15 +32,17 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import llguidance
-import llguidance.hf
 import numpy as np
 import torch
 
 from engine.grammar import GrammarError, check
 from engine.sampling_params import SamplingParams, StructuredOutput
 from engine.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # imported where a grammar is first compiled: an engine serving none never loads it
+    import llguidance
 
 MAX_ROLLBACK = 64
 
@@ -123,34 +125,6 @@ class Guide:
         return bool(self.matcher.validate_tokens([token_id]) == 1)
 
 
-class _TokenBytes(llguidance.TokenizerWrapper):
-    """Each token's bytes taken from decoding it alone (for tokenizers llguidance cannot convert);
-    text is tokenized by greedy longest match over those bytes."""
-
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
-        self.eos_token_id = eos_token_ids[0] if eos_token_ids else 0
-        self.bos_token_id = tokenizer.bos_token_id
-        self.tokens = [tokenizer.decode([i], skip_special_tokens=False).encode() for i in range(vocab_size)]
-        self.special_token_ids = []
-        self.is_tokenizer_wrapper = True
-        self._ids = {b: i for i, b in reversed(list(enumerate(self.tokens))) if b}
-        self._longest = max(map(len, self._ids), default=1)
-
-    def __call__(self, text: str | bytes) -> list[int]:
-        data = text.encode() if isinstance(text, str) else text
-        out, at = [], 0
-        while at < len(data):
-            for size in range(min(self._longest, len(data) - at), 0, -1):
-                token = self._ids.get(data[at:at + size])
-                if token is not None:
-                    out.append(token)
-                    at += size
-                    break
-            else:
-                at += 1  # a byte no token spells: skipped
-        return out
-
-
 class Grammars:
     """Compiled grammars for one tokenizer and one vocabulary size (the model's logits width)."""
 
@@ -167,6 +141,11 @@ class Grammars:
         self._pool: ThreadPoolExecutor | None = None
 
     def _tokenizer(self) -> llguidance.LLTokenizer:
+        import llguidance
+        import llguidance.hf
+
+        from engine.token_bytes import TokenBytes
+
         with self._lock:
             if self._lltok is None:
                 try:
@@ -174,8 +153,8 @@ class Grammars:
                                                                n_vocab=self.vocab_size,
                                                                eos_token=self.eos_token_ids or None)
                 except ValueError:  # a tokenizer llguidance cannot read itself (e.g. no decoder)
-                    self._lltok = llguidance.LLTokenizer(_TokenBytes(self.tokenizer, self.vocab_size,
-                                                                     self.eos_token_ids))
+                    self._lltok = llguidance.LLTokenizer(TokenBytes(self.tokenizer, self.vocab_size,
+                                                                    self.eos_token_ids))
             return self._lltok
 
     def cached(self, so: StructuredOutput) -> bool:
@@ -190,6 +169,8 @@ class Grammars:
                 self._cache.move_to_end(so.key)
                 self.stats.cache_hits += 1
                 return hit
+        import llguidance
+
         started = time.perf_counter()
         grammar = check(so)
         matcher = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0)

@@ -12,7 +12,8 @@ Contract (every rank of one worker, all on one host):
   ``timeout_s / 3`` (a thread) so the others' wait for the next plan stays bounded too;
 - order: rank 0 holds ``lock`` around every use (a step's plan and its forward's collectives, a
   keep-alive), so collectives never interleave across threads;
-- plans: once per step rank 0 broadcasts a ``StepPlan`` (msgspec bytes: a length, then the bytes);
+- plans: once per step rank 0 broadcasts a ``StepPlan`` (``engine/tp_messages.py``; its bytes from
+  ``engine/tp_wire.py``: a length, then the bytes);
   ``Stop`` ends the other ranks' loop;
 - calls: ``call(name, payload, local)`` (rank 0, under ``lock``) broadcasts a ``Call``; every other
   rank runs its handler for ``name`` (``ModelRunner.follow``'s ``handlers``) while rank 0 runs
@@ -29,59 +30,15 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-import msgspec
 import torch
 import torch.distributed as dist
 
+from engine.tp_messages import Call, CallReply, KeepAlive, Plan, StepPlan, Stop, run_handler
+
+__all__ = ["Call", "CallReply", "KeepAlive", "Plan", "StepPlan", "Stop", "TpError", "TpGroup", "run_handler"]
+
 DEFAULT_TP_TIMEOUT_S = 120.0
 START_TIMEOUT_S = 300.0  # joining the group: the other ranks are still starting and loading weights
-
-
-class StepPlan(msgspec.Struct, tag="step", frozen=True):
-    """What every rank needs to run one step's forward: flat tokens, positions, per-sequence lengths and
-    block tables (identical block ids on every rank), the rows to compute logits for."""
-
-    input_ids: list[int]
-    positions: list[int]
-    query_lens: list[int]
-    seq_lens: list[int]
-    tables: list[list[int]]  # KV group 0's table of each sequence
-    sample_rows: list[int]
-    group_tables: list[list[list[int]]] = []  # a hybrid model's other groups (engine/kv_groups.py)
-
-
-class KeepAlive(msgspec.Struct, tag="keepalive", frozen=True):
-    pass
-
-
-class Stop(msgspec.Struct, tag="stop", frozen=True):
-    pass
-
-
-class Call(msgspec.Struct, tag="call", frozen=True):
-    """Run the handler ``name`` on every rank with ``payload``; each answers a ``CallReply``."""
-
-    name: str
-    payload: bytes
-
-
-class CallReply(msgspec.Struct, frozen=True):
-    data: bytes = b""
-    error: str = ""  # non-empty: the handler raised (type and message)
-
-
-Plan = StepPlan | KeepAlive | Stop | Call
-_REPLY_DECODER = msgspec.msgpack.Decoder(CallReply)
-_ENCODER = msgspec.msgpack.Encoder()
-_DECODER = msgspec.msgpack.Decoder(Plan)
-
-
-def run_handler(handler: Callable[[], bytes]) -> CallReply:
-    """``handler()``'s bytes as a reply; an exception it raises as the reply's ``error``."""
-    try:
-        return CallReply(handler())
-    except Exception as exc:  # noqa: BLE001 - every rank must answer the gather, whatever happened
-        return CallReply(error=f"{type(exc).__name__}: {exc}")
 
 
 class TpError(RuntimeError):
@@ -178,7 +135,9 @@ class TpGroup:
     def send_plan(self, plan: Plan) -> None:
         """Rank 0: the plan to every other rank (caller holds ``lock``)."""
         t0 = time.perf_counter()
-        data = _ENCODER.encode(plan)
+        from engine.tp_wire import encode_plan
+
+        data = encode_plan(plan)
         self._broadcast(torch.tensor([len(data)], dtype=torch.int64))
         self._broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8))
         self._last_send = time.monotonic()
@@ -192,7 +151,9 @@ class TpGroup:
         self._broadcast(n)
         buf = torch.empty(int(n.item()), dtype=torch.uint8)
         self._broadcast(buf)
-        return _DECODER.decode(buf.numpy().tobytes())
+        from engine.tp_wire import decode_plan
+
+        return decode_plan(buf.numpy().tobytes())
 
     def call(self, name: str, payload: bytes, local: Callable[[], bytes]) -> list[CallReply]:
         """Rank 0: run ``name`` on every other rank and ``local`` here; the replies, rank 0's first."""
@@ -202,7 +163,9 @@ class TpGroup:
 
     def gather_replies(self, mine: CallReply) -> list[CallReply]:
         """Every rank's reply to the current ``Call``, gathered to rank 0 (others get ``[mine]``)."""
-        data = _ENCODER.encode(mine)
+        from engine.tp_wire import decode_reply, encode_reply
+
+        data = encode_reply(mine)
         longest = torch.tensor([len(data)], dtype=torch.int64)
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp(dist.ReduceOp.MAX)
@@ -221,7 +184,7 @@ class TpGroup:
         replies = []
         for part in parts:
             n = int(part[:8].view(torch.int64).item())
-            replies.append(_REPLY_DECODER.decode(part[8:8 + n].numpy().tobytes()))
+            replies.append(decode_reply(part[8:8 + n].numpy().tobytes()))
         return replies
 
     def _keep_alive(self) -> None:

@@ -34,8 +34,6 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, cast
 
-import msgspec
-
 from engine.config import EngineConfig
 from engine.tp_group import TpError, TpGroup
 
@@ -65,6 +63,8 @@ def load_extension(name: str) -> Callable[[ModelRunner], RankExtension]:
 
 def rank_main(rank: int, size: int, port: int, model: str, config_json: bytes, extension: str = "") -> None:
     """Entry point of rank ``rank`` (1..size-1): build the shard, follow rank 0's plans."""
+    import msgspec
+
     from engine.engine import build_runner
     from engine.loader import load_model_source
 
@@ -107,6 +107,8 @@ class RankProcesses:
         size = config.tensor_parallel_size
         self.grace_s = grace_s
         self.group = TpGroup(0, size, 0, config.tp_timeout_s, config.device)
+        import msgspec  # only a group of several ranks needs it
+
         ctx = multiprocessing.get_context("spawn")
         payload = msgspec.json.encode(config)
         self.processes: list[BaseProcess] = [
