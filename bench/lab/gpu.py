@@ -45,20 +45,25 @@ BLOCK_SIZE = 16
 
 
 def versions() -> dict[str, str]:
-    out = {"torch": torch.__version__, "cuda": str(torch.version.cuda), "gpu": torch.cuda.get_device_name()}
-    for lib in ("triton", "flashinfer-python", "transformers", "nixl"):
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
+    out = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": str(torch.version.cuda),
+           "gpu": gpu}
+    for lib in ("triton", "flashinfer-python", "transformers", "nixl", "gguf", "msgspec"):
         try:
             out[lib] = importlib.metadata.version(lib)
         except importlib.metadata.PackageNotFoundError:
             out[lib] = "not installed"
-    smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                         capture_output=True, text=True, check=False)
-    out["driver"] = smi.stdout.strip() or "unknown"
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, check=False, timeout=30)
+        out["driver"] = smi.stdout.strip() or "unknown"
+    except (OSError, subprocess.TimeoutExpired):
+        out["driver"] = "no nvidia-smi"
     return out
 
 
-def random_model(config: ModelConfig) -> CausalLM:
-    model = CausalLM(config, torch.bfloat16, "cuda")
+def random_model(config: ModelConfig, device: str = "cuda") -> CausalLM:
+    model = CausalLM(config, torch.bfloat16, device)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.02)
@@ -66,24 +71,25 @@ def random_model(config: ModelConfig) -> CausalLM:
 
 
 def cuda_time(fn: Callable[[], object], repeats: int) -> float:
-    """Seconds per call, after one warm-up call."""
+    """Seconds per call, after one warm-up call (synchronized when CUDA is there)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     fn()
-    torch.cuda.synchronize()
+    sync()
     start = time.perf_counter()
     for _ in range(repeats):
         fn()
-    torch.cuda.synchronize()
+    sync()
     return (time.perf_counter() - start) / repeats
 
 
 def decode_step(model: CausalLM, kv: torch.Tensor, backend_name: str, batch: int,
-                ctx: int) -> Callable[[], object]:
+                ctx: int, device: str = "cuda") -> Callable[[], object]:
     blocks = -(-(ctx + 1) // BLOCK_SIZE)
     tables = [list(range(b * blocks, (b + 1) * blocks)) for b in range(batch)]
-    meta = AttentionMetadata.build(BLOCK_SIZE, [1] * batch, [ctx + 1] * batch, tables, "cuda")
-    backend = get_attention_backend("cuda", backend_name)
-    ids = torch.zeros(batch, dtype=torch.int64, device="cuda")
-    pos = torch.full((batch,), ctx, dtype=torch.int64, device="cuda")
+    meta = AttentionMetadata.build(BLOCK_SIZE, [1] * batch, [ctx + 1] * batch, tables, device)
+    backend = get_attention_backend(device, backend_name)
+    ids = torch.zeros(batch, dtype=torch.int64, device=device)
+    pos = torch.full((batch,), ctx, dtype=torch.int64, device=device)
 
     @torch.inference_mode()
     def step() -> object:
@@ -94,13 +100,13 @@ def decode_step(model: CausalLM, kv: torch.Tensor, backend_name: str, batch: int
 
 
 def graphed_decode_step(model: CausalLM, kv: torch.Tensor, backend_name: str, batch: int,
-                        ctx: int) -> Callable[[], object] | None:
+                        ctx: int, device: str = "cuda") -> Callable[[], object] | None:
     """``decode_step`` through the engine's decode graphs (None when the backend cannot be captured);
     ``kv``'s last block is their scratch block."""
     blocks = -(-(ctx + 1) // BLOCK_SIZE)
-    config = EngineConfig(device="cuda", dtype="bfloat16", attention_backend=backend_name,
+    config = EngineConfig(device=device, dtype="bfloat16", attention_backend=backend_name,
                           block_size=BLOCK_SIZE, max_num_seqs=batch)
-    backend = get_attention_backend("cuda", backend_name)
+    backend = get_attention_backend(device, backend_name)
     if graph_mode(config, backend) != "capture":
         return None
     runner = DecodeGraphRunner(model, kv, None, config, "capture", blocks, backend)
@@ -170,11 +176,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def prefill_seconds(model: CausalLM, kv: torch.Tensor, backend_name: str, n: int) -> float:
-    meta = AttentionMetadata.build(BLOCK_SIZE, [n], [n], [list(range(-(-n // BLOCK_SIZE)))], "cuda")
-    backend = get_attention_backend("cuda", backend_name)
-    ids = torch.zeros(n, dtype=torch.int64, device="cuda")
-    pos = torch.arange(n, device="cuda")
+def prefill_seconds(model: CausalLM, kv: torch.Tensor, backend_name: str, n: int,
+                    device: str = "cuda") -> float:
+    meta = AttentionMetadata.build(BLOCK_SIZE, [n], [n], [list(range(-(-n // BLOCK_SIZE)))], device)
+    backend = get_attention_backend(device, backend_name)
+    ids = torch.zeros(n, dtype=torch.int64, device=device)
+    pos = torch.arange(n, device=device)
 
     @torch.inference_mode()
     def prefill() -> object:
@@ -184,7 +191,7 @@ def prefill_seconds(model: CausalLM, kv: torch.Tensor, backend_name: str, n: int
     return cuda_time(prefill, repeats=3)
 
 
-def transformers_decode(config: ModelConfig, ctx: int, new_tokens: int = 64) -> float:
+def transformers_decode(config: ModelConfig, ctx: int, new_tokens: int = 64, device: str = "cuda") -> float:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     hf = LlamaForCausalLM(LlamaConfig(
@@ -193,16 +200,11 @@ def transformers_decode(config: ModelConfig, ctx: int, new_tokens: int = 64) -> 
         num_attention_heads=config.num_heads,
         num_key_value_heads=config.num_kv_heads, max_position_embeddings=config.max_position_embeddings,
     ))
-    hf = hf.to(device="cuda", dtype=torch.bfloat16).eval()  # type: ignore[call-arg]
-    prompt = torch.zeros(1, ctx, dtype=torch.int64, device="cuda")
+    hf = hf.to(device=device, dtype=torch.bfloat16).eval()  # type: ignore[call-arg]
+    prompt = torch.zeros(1, ctx, dtype=torch.int64, device=device)
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                   cache_implementation="static")
-    hf.generate(prompt, **kwargs)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    hf.generate(prompt, **kwargs)
-    torch.cuda.synchronize()
-    return new_tokens / (time.perf_counter() - start)
+    return new_tokens / cuda_time(lambda: hf.generate(prompt, **kwargs), repeats=1)
 
 
 if __name__ == "__main__":

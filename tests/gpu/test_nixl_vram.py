@@ -1,5 +1,5 @@
 """NIXL READ between two processes' CUDA KV caches (VRAM to VRAM over UCX): the listed blocks arrive
-bit for bit, no other block is written. Skips without CUDA."""
+bit for bit, no other block is written. Skips without CUDA, or without NIXL's and msgspec's wheels."""
 
 from __future__ import annotations
 
@@ -10,8 +10,11 @@ from multiprocessing.connection import Connection
 import pytest
 import torch
 
-from messages.codec import pack, unpack
-from transfer.wire import AgentInfo, KvHandle, KvLayout
+pytest.importorskip("nixl", reason="NIXL's wheels are not installed (docs/gpu.md: carry them)")
+pytest.importorskip("msgspec", reason="msgspec's wheel is not installed (docs/gpu.md: carry it with NIXL's)")
+
+from messages.codec import pack, unpack  # noqa: E402 - after the skips: the device image may lack both
+from transfer.wire import AgentInfo, KvHandle, KvLayout  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -87,6 +87,7 @@ IN_PROCESS_BENCHMARKS: dict[str, tuple[str, ...]] = {
     "bench.lab.moe_models": ("engine.loader",),  # the cache folder the models are saved under
     "bench.lab.handoff_bytes": ("engine", "messages", "prefill.worker", "decode.worker"),  # in process
     "bench.lab.gpu": ("engine", "kernels", "transfer", "messages.codec"),
+    "bench.lab.first_light": ("engine",),  # bench.lab.gpu's steps in child processes, within a deadline
     "bench.lab.transfer": ("transfer", "messages.codec"),
     "bench.lab.tp_transfer": ("engine", "worker.tp_kv", "transfer"),
     "bench.lab.disagg": ("router", "cluster.workers", "engine", "messages"),

@@ -1,0 +1,42 @@
+"""bfloat16 greedy against float32 on the GPU, on a tiny random Llama that transformers builds and saves
+(the default model's GGUF, 98 MB, cannot travel to the device machine). Skipped without CUDA, except in
+the first-light dry run (``PDSERVE_FIRST_LIGHT_DRY=1``, ``bench/lab/first_light.py``), which runs it on
+CPU so that a Python error shows before a device is lent.
+
+The tiny model's weights are scaled so that float32's greedy picks are clear (``tests/families.py``);
+bfloat16 rounds every product, so the test asserts the first 32 tokens of each prompt equal and
+records the share of all 48 that do."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from tests.families import prompt, save
+
+DRY = os.environ.get("PDSERVE_FIRST_LIGHT_DRY") == "1"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# not marked ``gpu`` (which tests/conftest.py skips without CUDA): the dry run runs it on CPU
+pytestmark = pytest.mark.skipif(DEVICE != "cuda" and not DRY, reason="needs a CUDA device")
+NEW_TOKENS = 48
+
+
+def test_bf16_greedy_equals_float32(tmp_path: Path, record_property: Callable[[str, object], None]) -> None:
+    save("llama", tmp_path)
+    prompts = [prompt(n, seed=n) for n in (5, 17, 40)]
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    runs = {}
+    for dtype in ("float32", "bfloat16"):
+        llm = LLM(model=str(tmp_path), dtype=dtype, device=DEVICE, num_kv_blocks=64, block_size=16)
+        runs[dtype] = [o.token_ids for o in llm.generate(prompts, params)]
+        del llm
+    pairs = zip(runs["float32"], runs["bfloat16"], strict=True)
+    same = sum(a == b for f, h in pairs for a, b in zip(f, h, strict=True))
+    record_property("bf16_equal_share", same / (len(prompts) * NEW_TOKENS))
+    for f, h in zip(runs["float32"], runs["bfloat16"], strict=True):
+        assert h[:32] == f[:32]
