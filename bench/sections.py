@@ -42,3 +42,24 @@ def replace_section(doc: Path, section: str, begin: str, end: str) -> None:
     else:
         text = text.rstrip("\n") + "\n\n" + section + "\n"
     doc.write_text(text)
+
+
+def opening(begin: str, title: str, command: str, started: str, setting: str, repeats: int,
+            subject: str = "the engine's speed") -> list[str]:
+    """A tool's section up to its description: the begin marker, the title, the line that says which
+    command wrote it, where and when (``started``: ``machine()``) and under which ``setting``, and a
+    warning when ``repeats`` (timed steps a row) is too few for the figures to mean ``subject``."""
+    lines = [begin, "", f"### {title}", "",
+             f"Written by `{command}` (not edited by hand). Machine: {started}; {setting}.", ""]
+    if repeats < 5:
+        lines += [f"**A smoke run (timed steps a row: {repeats}): the figures show the command works, not "
+                  f"{subject}.**", ""]
+    return lines
+
+
+def publish(section: str, doc: Path, write: bool, begin: str, end: str) -> None:
+    """Print ``section``; with ``write``, put it into ``doc`` in place of its markers' old one."""
+    print("\n" + section)
+    if write:
+        replace_section(doc, section, begin, end)
+        print(f"updated {doc}")

@@ -26,6 +26,7 @@ sequence of ``L`` tokens with ``q_len`` new sits at ``L - q_len + i``).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -36,12 +37,30 @@ from kernels.kv_quant import codes_to_float, write_quantized_rows
 
 @dataclass
 class SeqGroup:
+    """Sequences of one step attended together: every decode row, or one prompt chunk."""
+
     tokens: slice | torch.Tensor  # the group's rows of the step's tokens
     q_len: int
-    rows: torch.Tensor  # int64 [n, L]: cache rows (block * block_size + offset) of each key position
-    mask: torch.Tensor  # bool [n, q_len, L]
+    block_size: int
+    width: int  # L: the longest sequence's length
     lens: torch.Tensor  # int32 [n]: each sequence's length (the kernels' seq_lens)
     tables: torch.Tensor  # int32 [n, ceil(L / block_size)]: each sequence's blocks, zero-padded
+
+    @functools.cached_property
+    def rows(self) -> torch.Tensor:
+        """int64 ``[n, L]``: the cache row (block * block_size + offset) of each key position (the torch
+        forms' gather; the kernels read the tables)."""
+        bs = self.block_size
+        pos = torch.arange(self.width, device=self.tables.device)
+        return self.tables.long()[:, pos // bs] * bs + pos % bs
+
+    @functools.cached_property
+    def mask(self) -> torch.Tensor:
+        """bool ``[n, q_len, L]``: which key positions each query sees (causal)."""
+        device = self.lens.device
+        pos = torch.arange(self.width, device=device)
+        last = self.lens.long()[:, None] - self.q_len + torch.arange(self.q_len, device=device)[None, :]
+        return pos[None, None, :] <= last[:, :, None]
 
 
 class MlaTorchBackend:
@@ -73,17 +92,13 @@ class MlaTorchBackend:
     @staticmethod
     def _plan(meta: AttentionMetadata, seqs: list[int], tokens: slice | torch.Tensor, q_len: int) -> SeqGroup:
         bs = meta.block_size
-        lens = torch.tensor([meta.seq_lens_list[s] for s in seqs], dtype=torch.int64)
-        width = int(lens.max())
-        tables = [meta.block_tables_list[s][: -(-width // bs)] for s in seqs]
-        table = torch.tensor([t + [0] * (-(-width // bs) - len(t)) for t in tables], dtype=torch.int64)
-        pos = torch.arange(width, dtype=torch.int64)
-        rows = table[:, pos // bs] * bs + pos % bs
-        last = lens[:, None] - q_len + torch.arange(q_len, dtype=torch.int64)[None, :]
-        mask = pos[None, None, :] <= last[:, :, None]
+        lens = [meta.seq_lens_list[s] for s in seqs]
+        blocks = -(-max(lens) // bs)
+        tables = [meta.block_tables_list[s][:blocks] for s in seqs]
         device = meta.slot_mapping.device
-        return SeqGroup(tokens, q_len, rows.to(device), mask.to(device), lens.to(device, torch.int32),
-                     table.to(device, torch.int32))
+        return SeqGroup(tokens, q_len, bs, max(lens), torch.tensor(lens, dtype=torch.int32, device=device),
+                        torch.tensor([t + [0] * (blocks - len(t)) for t in tables], dtype=torch.int32,
+                                     device=device))
 
     def forward(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor,
                 kv_layer: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float,

@@ -34,7 +34,7 @@ import torch
 
 from bench.lab.moe_step import positive_list
 from bench.lab.step_profile import read_bandwidth
-from bench.sections import machine, replace_section
+from bench.sections import machine, opening, publish
 from kernels.attention import AttentionMetadata
 from kernels.mla import MlaTorchBackend
 from kernels.mla_backends import MlaNativeBackend
@@ -143,12 +143,10 @@ def main(argv: list[str] | None = None) -> int:
             for batch in args.batches:
                 rows.append(run_row(batch, context, dtype, args.repeats, bandwidth))
                 print(table(rows[-1:])[-1], flush=True)
-    lines = [BEGIN, "", "### Latent attention's decode rows: the native kernel", "",
-             f"Written by `{command.strip()}` (not edited by hand). Machine: {started}; torch threads: "
-             f"{torch.get_num_threads()}; read bandwidth {bandwidth / 1e9:.1f} GB/s (a torch `sum`).", ""]
-    if args.repeats < 5:
-        lines += [f"**A smoke run ({args.repeats} timed steps a row): the figures show the command works, "
-                  "not the kernel's speed.**", ""]
+    setting = (f"torch threads: {torch.get_num_threads()}; read bandwidth {bandwidth / 1e9:.1f} GB/s "
+               "(a torch `sum`)")
+    lines = opening(BEGIN, "Latent attention's decode rows: the native kernel", command.strip(), started,
+                    setting, args.repeats, "the kernel's speed")
     lines += ["One layer's latent attention for decode rows (`bench/lab/mla_attention.py`): DeepSeek's "
               f"latent (512 + 64) and {HEADS} heads (V2-Lite's; V3's 128 over 8 ranks), one forward of "
               "`MlaTorchBackend` (rows gathered, then einsums) against `MlaNativeBackend` "
@@ -158,11 +156,7 @@ def main(argv: list[str] | None = None) -> int:
               f"2 x {HEADS} x (576 + 512) flops for 576 values read (the GFLOP/s column counts those flops "
               "over the native forward's whole time, the query absorption and value projection included).",
               "", *table(rows), "", END]
-    section = "\n".join(lines)
-    print("\n" + section)
-    if not args.no_doc:
-        replace_section(args.doc, section, BEGIN, END)
-        print(f"updated {args.doc}")
+    publish("\n".join(lines), args.doc, not args.no_doc, BEGIN, END)
     return 0
 
 

@@ -31,7 +31,7 @@ import torch
 
 from bench.lab.handoff_bytes import model_dir
 from bench.lab.moe_step import WARM_STEPS, add_step_arguments, engine_for, positive_list, run_row, table
-from bench.sections import machine, replace_section
+from bench.sections import machine, opening, publish
 from engine.models.size import parameter_count
 
 BEGIN, END = "<!-- bench-mla-step:begin -->", "<!-- bench-mla-step:end -->"
@@ -88,12 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     for batch in args.batches:
         rows.append(run_row(engine, "deepseek_v2_lite", batch, args.context, args.repeats, args.bw_bytes))
         print(table(rows[-1:])[-1], flush=True)
-    lines = [BEGIN, "", "### Latent attention and DeepSeek's experts against what a step reads", "",
-             f"Written by `{command.strip()}` (not edited by hand). Machine: {started}; torch threads: "
-             f"{torch.get_num_threads()}.", ""]
-    if args.repeats < 5:
-        lines += [f"**A smoke run (timed steps a row: {args.repeats}): the figures show the command works, "
-                  "not the engine's speed.**", ""]
+    title = "Latent attention and DeepSeek's experts against what a step reads"
+    lines = opening(BEGIN, title, command.strip(), started, f"torch threads: {torch.get_num_threads()}",
+                    args.repeats)
     lines += [f"DeepSeek-V2-Lite's widths with {args.layers} of its 27 layers (`bench/lab/mla_step.py`), "
               f"random float32 weights: {count.total / 1e9:.2f} B parameters, {count.active / 1e9:.2f} B "
               f"active per token; forward path: {engine.runner.model.execution_path}. Decode rows attend in "
@@ -102,11 +99,7 @@ def main(argv: list[str] | None = None) -> int:
               "table above (weights read whole + one expert's bytes x the distinct experts read + the "
               "latent rows attended over, / a torch `sum`'s read bandwidth).", "",
               *table(rows), "", END]
-    section = "\n".join(lines)
-    print("\n" + section)
-    if not args.no_doc:
-        replace_section(args.doc, section, BEGIN, END)
-        print(f"updated {args.doc}")
+    publish("\n".join(lines), args.doc, not args.no_doc, BEGIN, END)
     return 0
 
 

@@ -42,7 +42,7 @@ import torch
 
 from bench.lab.moe_models import MODELS, Shape, model_dir
 from bench.lab.step_profile import read_bandwidth, start_scenario, timed_step, weight_bytes
-from bench.sections import machine, replace_section
+from bench.sections import machine, opening, publish
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.layers.moe import MoE
@@ -220,12 +220,8 @@ def table(rows: Sequence[Row]) -> list[str]:
 def render(rows: Sequence[Row], infos: dict[str, ModelInfo], shape: Shape, context: int, repeats: int,
            bw_bytes: int, started: str, command: str) -> str:
     s = shape
-    lines = [BEGIN, "", "### A mixture of experts against the experts it reads", "",
-             f"Written by `{command}` (not edited by hand). Machine: {started}; "
-             f"torch threads: {torch.get_num_threads()}.", ""]
-    if repeats < 5:
-        lines += [f"**A smoke run (timed steps a row: {repeats}): the figures show the command works, not "
-                  "the engine's speed.**", ""]
+    lines = opening(BEGIN, "A mixture of experts against the experts it reads", command, started,
+                    f"torch threads: {torch.get_num_threads()}", repeats)
     lines += [f"Random float32 weights built by transformers from a config (`bench/lab/moe_models.py`): "
               f"hidden {s.hidden}, {s.layers} layers, {s.heads} query / {s.kv_heads} KV heads of "
               f"{s.head_dim}, vocabulary {s.vocab:,} (tied). `qwen3_moe`: every layer {s.experts} experts of "
@@ -328,10 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         del engine
         gc.collect()
     section = render(rows, infos, shape, args.context, args.repeats, args.bw_bytes, started, command.strip())
-    print("\n" + section)
-    if not args.no_doc:
-        replace_section(args.doc, section, BEGIN, END)
-        print(f"updated {args.doc}")
+    publish(section, args.doc, not args.no_doc, BEGIN, END)
     if args.json:
         figures = {"shape": asdict(shape), "models": [asdict(i) for i in infos.values()],
                    "rows": [asdict(r) for r in rows]}
