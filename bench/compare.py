@@ -179,8 +179,9 @@ def render(c: Comparer, offline_results: dict[str, Any] | None, started: str, co
         lines += ["### Offline engine against transformers", "", f"Machine: {started}. Model: {model}. "
                   f"Workload: {cfg['num_prompts']} random prompts of {cfg['input_len']} tokens. "
                   f"Command: `python -m bench.lab.offline --num-prompts {cfg['num_prompts']} --input-len "
-                  f"{cfg['input_len']} --output-len {cfg['output_len']}` (one batch, greedy, same weights "
-                  "and dtype; the method of \"Offline throughput against transformers\").", "",
+                  f"{cfg['input_len']} --output-len {cfg['output_len']}` (one batch after an untimed "
+                  "warm-up, greedy, exactly the requested tokens, the same weights and dtype; output tok/s = "
+                  "generated tokens / the batch's wall time).", "",
                   "| system | elapsed (s) | output tok/s |", "|---|---:|---:|"]
         for res in offline_results["results"]:
             lines.append(f"| {res['system']} | {res['elapsed_s']:.1f} | {res['output_tokens_per_s']:.1f} |")

@@ -122,7 +122,7 @@ class PDClient:
         self.chooser.block_size = layouts[0].block_size
         self.table.index = PrefixIndex(layouts[0].block_size, seed_for(layouts[0].model))
         await self.table.refresh()
-        self.table.start(self.config.refresh_interval)
+        self.table.start(self.config.refresh_interval, self.config.idle_refresh_interval)
         self._started = True
 
     async def close(self) -> None:

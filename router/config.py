@@ -24,7 +24,8 @@ class ClientConfig:
     prefill_timeout: float = 120.0
     call_timeout: float = 30.0
     stream_timeout: float = 300.0
-    refresh_interval: float = 0.1
+    refresh_interval: float = 0.1  # worker stats and KV events while anything moves ...
+    idle_refresh_interval: float = 1.0  # ... and once nothing has (router/worker_table.py)
     pending_ttl: float = 30.0  # how long a prompt sent to a worker counts as held there, at most
     settle_ttl: float = 5.0  # ... and once served there, waiting for its KV events
 

@@ -52,6 +52,7 @@ class Chooser:
         worker.inflight_tokens += charge
         worker.add_pending(req.request_id, hashes, self.pending_ttl)
         self._charges[(id(worker), req.request_id)] = charge
+        self.table.poke()
         return Choice(worker, chosen.prefix_tokens)
 
     def release(self, worker: WorkerState, request_id: str, ok: bool) -> None:

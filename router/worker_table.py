@@ -2,7 +2,12 @@
 
 A background task refreshes every worker's stats and folds its KV events into
 the ``PrefixIndex`` every ``interval`` seconds (a missed batch triggers a
-snapshot resync). Load is tracked locally as well, so routing reacts to the
+snapshot resync) while anything moves, and every ``idle_interval`` seconds once
+nothing has for ``ACTIVE_LINGER_S`` (no load charged, no pending prefix, no
+worker running, queuing, reserving, holding a KV block or a lease, no drain or
+revival: ``active``); ``poke`` (every routing pick) ends an idle wait at once.
+An idle cluster is thus polled once a second instead of ten times, which was
+most of an idle server's CPU. Load is tracked locally as well, so routing reacts to the
 requests this client just sent without waiting for the next refresh, and so
 are the prompt blocks of requests in flight on each worker (``pending``): a
 prefix sent to a worker counts as held there from the moment it is sent,
@@ -44,6 +49,10 @@ from router.prefix_index import PrefixIndex
 from transfer.wire import AgentInfo
 
 log = logging.getLogger(__name__)
+
+# how long the refresh stays at its busy interval after the cluster was last seen active: the events of
+# blocks freed or cached just after a request ends are folded in at the busy pace
+ACTIVE_LINGER_S = 2.0
 
 
 @dataclass
@@ -125,6 +134,8 @@ class WorkerTable:
         self.revive_timeout = 600.0
         self._revivals: dict[int, asyncio.Task[None]] = {}
         self._next_index = {"prefill": len(self.prefill), "decode": len(self.decode)}
+        self._wake = asyncio.Event()
+        self._active_until = 0.0
 
     def all(self) -> list[WorkerState]:
         return self.prefill + self.decode
@@ -246,9 +257,31 @@ class WorkerTable:
         except Exception as exc:  # a slow worker must not stop the refresh of the others
             log.warning("refresh of %s failed: %r", w.worker_id or w.role, exc)
 
-    def start(self, interval: float) -> None:
+    def active(self) -> bool:
+        """Whether anything is moving: load charged or a prefix pending on a worker, a worker that
+        (by its last stats) runs, queues or reserves a request or holds a KV block or a lease, a drain
+        or a revival under way."""
+        if self._revivals:
+            return True
+        for w in self.all():
+            if w.inflight_tokens or w.pending or w.draining:
+                return True
+            s = w.stats
+            if s is not None and (s.requests.running or s.requests.waiting or s.requests.reserved
+                                  or s.kv.used_blocks or s.leases.held):
+                return True
+        return False
+
+    def poke(self) -> None:
+        """Something was sent to a worker: end an idle wait now (see the module docstring)."""
+        self._wake.set()
+
+    def start(self, interval: float, idle_interval: float | None = None) -> None:
+        """Refresh every ``interval`` seconds while ``active``, every ``idle_interval`` (default:
+        ``interval``) once it has not been for ``ACTIVE_LINGER_S``."""
         if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._loop(interval))
+            idle = interval if idle_interval is None else max(interval, idle_interval)
+            self._task = asyncio.get_running_loop().create_task(self._loop(interval, idle))
 
     async def stop(self) -> None:
         for task in list(self._revivals.values()):
@@ -259,7 +292,16 @@ class WorkerTable:
                 await self._task
             self._task = None
 
-    async def _loop(self, interval: float) -> None:
+    async def _loop(self, interval: float, idle_interval: float) -> None:
         while True:
+            self._wake.clear()
             await self.refresh()
-            await asyncio.sleep(interval)
+            now = time.monotonic()
+            busy = self.active()
+            if busy:
+                self._active_until = now + ACTIVE_LINGER_S
+            if busy or now < self._active_until or idle_interval <= interval:
+                await asyncio.sleep(interval)
+                continue
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), idle_interval)

@@ -1,8 +1,8 @@
 """Every new family disaggregated in one process: a real prefill worker computes the prompt, a real decode
 worker pulls its KV over NIXL (every KV group's blocks, or the latent rows) and decodes; the tokens equal
 transformers' greedy ones; with an int8 latent (DeepSeek's cache quantized, one scale per block crossing
-beside it) they equal the colocated engine's int8 tokens. ``test_families_serve.py`` runs three of them
-(one of each KV kind) through ``pdserve serve`` over HTTP as well."""
+beside it) they equal the colocated engine's int8 tokens. ``test_families_serve.py`` runs two of them
+(one of each new KV kind) through ``pdserve serve`` over HTTP as well."""
 
 from __future__ import annotations
 

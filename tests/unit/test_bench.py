@@ -198,8 +198,10 @@ def test_replace_section_rewrites_between_its_markers_only(tmp_path: Path) -> No
 @pytest.mark.parametrize("module", ["bench.compare", "bench.compare_vllm"])
 def test_the_benchmarks_page_keeps_each_tools_markers_once(module: str) -> None:
     """docs/benchmarks.md stays regenerable: each tool's begin marker appears once, before its end marker,
-    so ``replace_section`` rewrites that tool's section and nothing else."""
+    so ``replace_section`` rewrites that tool's section and nothing else; or neither appears (a section
+    the page does not keep: a run appends it)."""
     tool = importlib.import_module(module)
     text = DOC.read_text()
-    assert text.count(tool.BEGIN) == 1 and text.count(tool.END) == 1
-    assert text.index(tool.BEGIN) < text.index(tool.END)
+    assert text.count(tool.BEGIN) == text.count(tool.END) <= 1
+    if tool.BEGIN in text:
+        assert text.index(tool.BEGIN) < text.index(tool.END)
