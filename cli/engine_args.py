@@ -69,7 +69,7 @@ def _device(text: str) -> str:
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Add the flags that configure an engine (model, memory, scheduler limits). Each flag's dest is
     an ``EngineConfig`` field and its default is that field's default (``engine_config_from_args``)."""
-    from engine.config import ATTENTION_BACKENDS, EngineConfig
+    from engine.config import ATTENTION_BACKENDS, QUANTIZATION_METHODS, EngineConfig
     from engine.spec_config import parse_speculative_config
     from kernels.linear import LINEAR_KERNELS
 
@@ -82,6 +82,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=("auto", *DTYPES), default=d.dtype,
                    help="dtype of weights, activations and KV cache; auto is bfloat16 on CUDA and float32 "
                         "on CPU")
+    g.add_argument("--quantization", choices=QUANTIZATION_METHODS, default=d.quantization,
+                   help="the method the checkpoint's quantization_config must name (fp8: e4m3 weights "
+                        "with per-tensor, per-channel or block scales; mxfp4: gpt-oss's experts); a "
+                        "quantized checkpoint is read whatever this says, its weights dequantized to "
+                        "--dtype at load")
     g.add_argument("--device", type=_device, default=d.device,
                    help="torch device: cpu, cuda or cuda:N")
     g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d.kv_cache_dtype,

@@ -30,6 +30,8 @@ HIDDEN_ACTS = ("silu", "gelu_tanh")
 MOE_ROUTERS = ("softmax_topk", "topk_softmax", "softmax_group_topk", "sigmoid_group_topk")
 MOE_ACTIVATIONS = ("silu", "swiglu_oai")
 ATTENTION_BACKENDS = ("auto", "triton", "flashinfer", "torch")
+# the quantized Hugging Face checkpoints read (``quant_method``; engine/checkpoint_quant.py)
+QUANTIZATION_METHODS = ("fp8", "mxfp4")
 
 _DTYPES = {
     "float32": torch.float32,
@@ -250,6 +252,8 @@ class EngineConfig:
     """Engine knobs. ``None`` means "derive it" (see the properties / engine)."""
 
     dtype: str = "auto"  # bfloat16 on CUDA, float32 elsewhere (see torch_dtype)
+    # what the checkpoint's quantization_config must say (None: whatever it says, or nothing)
+    quantization: str | None = None
     device: str = "cpu"
     block_size: int = 16
     kv_cache_memory: int = 512 * 1024**2
@@ -315,6 +319,9 @@ class EngineConfig:
             choices = ", ".join(ATTENTION_BACKENDS)
             raise ValueError(f"attention_backend must be one of {choices}, got {self.attention_backend!r}")
         parse_kv_cache_dtype(self.kv_cache_dtype)
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_METHODS)}, got "
+                             f"{self.quantization!r}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"--preemption-mode must be recompute or swap, got {self.preemption_mode!r}")
         if self.swap_space < 0:

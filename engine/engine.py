@@ -29,6 +29,7 @@ from typing import cast
 
 import torch
 
+from engine.checkpoint_quant import check_flag
 from engine.config import EngineConfig
 from engine.draft import DraftModel
 from engine.hashing import seed_for
@@ -102,6 +103,7 @@ def build_runner(source: ModelSource, config: EngineConfig, group: TpGroup | Non
     Every rank of a group calls this; the block count is the minimum over the ranks, so block ids
     mean the same slots everywhere.
     """
+    check_flag(config.quantization, source.kind, source.quant, source.path)
     size = config.tensor_parallel_size
     if size > 1 and (group is None or group.size != size):
         raise ValueError(f"tensor_parallel_size={size} needs a TpGroup of {size} ranks (LLM starts one)")

@@ -3,7 +3,8 @@
 
 Only local files are read; nothing here talks to a model hub. Weights come out
 lazily, one ``(hf_name, tensor)`` pair at a time, in the dtype they are stored in
-(callers cast). Tied embeddings are not repeated: a checkpoint without
+(callers cast), or, from a quantized checkpoint, dequantized to float32
+(``engine/checkpoint_quant.py``). Tied embeddings are not repeated: a checkpoint without
 ``lm_head.weight`` yields none. Given a tensor-parallel ``TpShard``, each tensor is read
 as the rank's slice only (``safe_open(...).get_slice``), not whole.
 """
@@ -16,6 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from engine.checkpoint_quant import CheckpointQuant, checkpoint_quant, dequantized
 from engine.config import ModelConfig
 from engine.models.hf_config import read_json
 from engine.models.registry import hf_family
@@ -67,14 +69,24 @@ def safetensors_files(folder: str | Path) -> list[Path]:
     return files
 
 
+def read_checkpoint_quant(folder: str | Path) -> CheckpointQuant | None:
+    """The folder's ``quantization_config`` (``engine/checkpoint_quant.py``); None: not quantized."""
+    folder = Path(folder)
+    return checkpoint_quant(read_json(folder / "config.json"), folder / "config.json")
+
+
 def iter_hf_weights(folder: str | Path, shard: TpShard | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, tensor)`` for every tensor in the folder's safetensors files (``shard``'s slice
-    of each when given).
+    of each when given); a quantized checkpoint's weights dequantized to float32, their scales consumed.
 
     The file list is checked now; tensors are read only as the iterator advances.
     """
-    return iter_safetensors_files(safetensors_files(folder),
-                                  shard if shard is not None and shard.size > 1 else None)
+    files = safetensors_files(folder)
+    shard = shard if shard is not None and shard.size > 1 else None
+    quant = read_checkpoint_quant(folder)
+    if quant is not None:
+        return dequantized(files, quant, shard)
+    return iter_safetensors_files(files, shard)
 
 
 def iter_safetensors_files(files: list[Path], shard: TpShard | None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -83,6 +95,9 @@ def iter_safetensors_files(files: list[Path], shard: TpShard | None) -> Iterator
     for path in files:
         with safe_open(str(path), framework="pt") as handle:
             for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+                if handle.get_slice(name).get_dtype().startswith("F8"):
+                    raise ValueError(f"{path}: {name} is fp8 but config.json has no quantization_config "
+                                     f"(its scales are unknown)")
                 cut = shard.weight_slice(name) if shard is not None else None
                 if cut is None:
                     yield name, handle.get_tensor(name)

@@ -17,10 +17,11 @@ from typing import Literal
 
 import torch
 
+from engine.checkpoint_quant import CheckpointQuant
 from engine.config import ModelConfig
 from engine.gguf_cache import cached_gguf_weights
 from engine.gguf_loader import open_gguf, read_gguf_config
-from engine.hf_loader import iter_hf_weights, read_hf_config, safetensors_files
+from engine.hf_loader import iter_hf_weights, read_checkpoint_quant, read_hf_config, safetensors_files
 from engine.tensor_parallel import TpShard
 from engine.tokenizer import Tokenizer
 
@@ -67,6 +68,7 @@ class ModelSource:
     config: ModelConfig
     path: Path
     kind: Literal["hf", "gguf"]
+    quant: CheckpointQuant | None = None  # a quantized HF checkpoint's quantization_config
 
     def iter_weights(self, shard: TpShard | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """``(hf_name, tensor)`` pairs, read lazily: float32 for GGUF, stored dtype for HF; with a
@@ -93,7 +95,7 @@ def load_model_source(path: str | Path) -> ModelSource:
     if path.is_dir():
         config = read_hf_config(path)
         safetensors_files(path)
-        return ModelSource(config=config, path=path, kind="hf")
+        return ModelSource(config=config, path=path, kind="hf", quant=read_checkpoint_quant(path))
     if path.suffix.lower() == ".gguf":
         return ModelSource(config=read_gguf_config(path), path=path, kind="gguf")
     raise ValueError(

@@ -8,7 +8,9 @@ query head, and alternates sliding-window and full layers (``layer_types``); rop
 Checkpoints store the experts fused: ``mlp.experts.gate_up_proj`` ``[E, hidden, 2I]`` with gate and up
 interleaved along the last dimension, ``down_proj`` ``[E, I, hidden]`` (both input-major), their biases,
 and the router as ``mlp.router``; ``canonical`` splits and transposes them into the layer library's
-per-expert ``[out, in]`` matrices. MXFP4-quantized experts (``*_blocks`` / ``*_scales``) are refused.
+per-expert ``[out, in]`` matrices. MXFP4-quantized experts (``*_blocks`` / ``*_scales``) arrive
+dequantized when ``quantization_config`` names mxfp4 (``engine/checkpoint_quant.py``); without it they are
+refused.
 """
 
 from __future__ import annotations
@@ -46,8 +48,8 @@ def gpt_oss_config(raw: dict[str, Any], source: Path) -> ModelConfig:
 def gpt_oss_names(weights: Weights, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     for name, tensor in weights:
         if name.endswith(("_blocks", "_scales")):
-            raise ValueError(f"{name}: MXFP4-quantized experts are not supported; load a checkpoint with "
-                             f"dequantized (bf16/fp32) expert weights")
+            raise ValueError(f"{name}: MXFP4 experts in a checkpoint whose config.json has no "
+                             f"quantization_config naming mxfp4")
         prefix, _, last = name.rpartition(".mlp.")
         if not prefix:
             yield name, tensor
