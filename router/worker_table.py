@@ -135,7 +135,6 @@ class WorkerTable:
         self._revivals: dict[int, asyncio.Task[None]] = {}
         self._next_index = {"prefill": len(self.prefill), "decode": len(self.decode)}
         self._wake = asyncio.Event()
-        self._active_until = 0.0
 
     def all(self) -> list[WorkerState]:
         return self.prefill + self.decode
@@ -293,14 +292,15 @@ class WorkerTable:
             self._task = None
 
     async def _loop(self, interval: float, idle_interval: float) -> None:
+        active_until = 0.0  # the busy pace lasts until then
         while True:
             self._wake.clear()
             await self.refresh()
             now = time.monotonic()
             busy = self.active()
             if busy:
-                self._active_until = now + ACTIVE_LINGER_S
-            if busy or now < self._active_until or idle_interval <= interval:
+                active_until = now + ACTIVE_LINGER_S
+            if busy or now < active_until or idle_interval <= interval:
                 await asyncio.sleep(interval)
                 continue
             with contextlib.suppress(TimeoutError):
