@@ -374,6 +374,13 @@ class EngineConfig:
                              f"{', '.join(named)} yet")
 
     @property
+    def keeps_gguf_blocks(self) -> bool:
+        """Whether a GGUF's Q4_0, Q4_1 and Q8_0 matrices stay in their blocks (``--dtype auto``, the
+        default; the products are bitwise those of the float32 weights, ``kernels/cpu_qpacked.c``).
+        An explicit ``--dtype`` dequantizes them."""
+        return self.dtype.lower() == "auto"
+
+    @property
     def torch_dtype(self) -> torch.dtype:
         """The model dtype; ``auto`` is bfloat16 on CUDA and float32 elsewhere."""
         if self.dtype.lower() == "auto":

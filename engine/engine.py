@@ -121,7 +121,8 @@ def build_runner(source: ModelSource, config: EngineConfig, group: TpGroup | Non
     net = CausalLM(source.config, config.torch_dtype, config.device, kernel, shard, group)
     net.use_native_ops, net.use_native_decoder = native, config.native_decoder
     net.use_greedy_head = config.greedy_head
-    net.load_weights(source.iter_weights(shard))
+    keep = config.keeps_gguf_blocks and net.takes_blocks
+    net.load_weights(source.iter_blocks(shard) if keep else source.iter_weights(shard))
     if shard.rank == 0:
         logger.info("%s (%s, %d layers): %s", source.config.name, source.config.architecture,
                     source.config.num_layers, net.execution_path)

@@ -7,7 +7,9 @@ what llama.cpp's converter changed (Q/K rows permuted for ``llama``-arch models,
 as ``1 + w``). This module is the generic part: tensors are dequantized with ``gguf.quants.dequantize``
 (every type it implements, MXFP4 included; any other is an error naming the tensor and its type) and
 reshaped to the Hugging Face layout (GGUF lists dimensions innermost first); llama.cpp's 3-D expert
-tensors come out as one tensor per expert. Given a tensor-parallel ``TpShard``, a tensor (or expert)
+tensors come out as one tensor per expert. ``iter_blocks`` keeps the Q4_0, Q4_1 and Q8_0 matrices in
+their blocks instead (``kernels/gguf_blocks.py``), for a model that computes on them. Given a
+tensor-parallel ``TpShard``, a tensor (or expert)
 split by rows is cut before it is dequantized (GGUF rows are whole quantization blocks), one split by
 columns after.
 """
@@ -19,6 +21,7 @@ import importlib.metadata
 import stat
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
@@ -27,11 +30,13 @@ from gguf.quants import dequantize
 
 from engine.config import ModelConfig
 from engine.gguf_file import GGUFFile
-from engine.models.gguf_config import GgufFormat, unpermute_qk
+from engine.models.gguf_config import GgufFormat, one_to_one, unpermute_qk
 from engine.models.registry import family, gguf_family
 from engine.tensor_parallel import TpShard, WeightSlice
+from kernels.gguf_blocks import BlockKind, BlockMatrix
 
-__all__ = ["gguf_config", "gguf_format", "iter_gguf_weights", "iter_tensors", "open_gguf", "read_gguf_config",
+__all__ = ["gguf_config", "gguf_format", "iter_blocks", "iter_gguf_weights", "iter_tensors", "open_gguf",
+           "read_gguf_config",
            "unpermute_qk"]
 
 
@@ -116,19 +121,45 @@ def iter_gguf_weights(path: str | Path, config: ModelConfig | None = None,
 def iter_tensors(reader: GGUFFile, config: ModelConfig,
                  shard: TpShard | None) -> Iterator[tuple[str, torch.Tensor]]:
     """``iter_gguf_weights`` over an open file."""
+    fmt = _format(config)
+    return fmt.merge(cast(Iterator[tuple[str, torch.Tensor]], _fixed(reader, config, shard, fmt)), config)
+
+
+def iter_blocks(reader: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor | BlockMatrix]]:
+    """The whole model's tensors as ``iter_tensors`` yields them, but each 2-D tensor of a kind
+    ``kernels.gguf_blocks.BlockKind`` names as a ``BlockMatrix`` of its rows as stored (row fixes, such as
+    llama's Q/K order, applied to the rows), not dequantized. A family that merges tensors
+    (``GgufFormat.merge``) gets floats only."""
+    fmt = _format(config)
+    if fmt.merge is not one_to_one:
+        return iter(iter_tensors(reader, config, None))
+    return _fixed(reader, config, None, fmt, keep=True)
+
+
+def _format(config: ModelConfig) -> GgufFormat:
     fmt = family(config.architecture).gguf
     if fmt is None:
         raise ValueError(f"the {config.architecture} family reads no GGUF files")
-    return fmt.merge(_fixed(reader, config, shard, fmt), config)
+    return fmt
 
 
-def _fixed(reader: GGUFFile, config: ModelConfig, shard: TpShard | None,
-           fmt: GgufFormat) -> Iterator[tuple[str, torch.Tensor]]:
+def _blocks(tensor_type: GGMLQuantizationType) -> BlockKind | None:
+    return BlockKind.__members__.get(tensor_type.name)
+
+
+def _fixed(reader: GGUFFile, config: ModelConfig, shard: TpShard | None, fmt: GgufFormat,
+           keep: bool = False) -> Iterator[tuple[str, torch.Tensor | BlockMatrix]]:
     for tensor in reader.tensors:
         target = fmt.target(tensor.name)
         if target is None:
             continue
         hf_shape = [int(d) for d in reversed(tensor.shape)]
+        matrix = len(hf_shape) == 2 and "{expert}" not in target
+        kind = _blocks(tensor.tensor_type) if keep and matrix else None
+        if kind is not None:
+            rows = torch.from_numpy(np.array(tensor.data, dtype=np.uint8, copy=True))
+            yield target, BlockMatrix(kind, fmt.fix(target, rows, config).contiguous(), hf_shape[1])
+            continue
         pieces = [(target, tensor.data, hf_shape)]
         if "{expert}" in target:  # [experts, out, in]: one tensor per expert
             pieces = [(target.replace("{expert}", str(e)), tensor.data[e], hf_shape[1:])

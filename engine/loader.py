@@ -20,10 +20,11 @@ import torch
 from engine.checkpoint_quant import CheckpointQuant
 from engine.config import ModelConfig
 from engine.gguf_cache import cached_gguf_weights
-from engine.gguf_loader import open_gguf, read_gguf_config
+from engine.gguf_loader import iter_blocks, open_gguf, read_gguf_config
 from engine.hf_loader import iter_hf_weights, read_checkpoint_quant, read_hf_config, safetensors_files
 from engine.tensor_parallel import TpShard
 from engine.tokenizer import Tokenizer
+from kernels.gguf_blocks import BlockMatrix
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SETUP_SCRIPT = "scripts/setup.sh"
@@ -77,6 +78,13 @@ class ModelSource:
         if self.kind == "gguf":
             return cached_gguf_weights(open_gguf(self.path), self.config, shard, weights_cache_dir())
         return iter_hf_weights(self.path, shard)
+
+    def iter_blocks(self, shard: TpShard | None = None) -> Iterator[tuple[str, torch.Tensor | BlockMatrix]]:
+        """``iter_weights``, but a GGUF read whole keeps its Q4_0, Q4_1 and Q8_0 matrices in their blocks
+        (``BlockMatrix``; not dequantized, not cached: ``engine.gguf_loader.iter_blocks``)."""
+        if self.kind == "gguf" and (shard is None or shard.size == 1):
+            return iter_blocks(open_gguf(self.path), self.config)
+        return self.iter_weights(shard)
 
     def load_tokenizer(self) -> Tokenizer:
         eos = self.config.eos_token_ids

@@ -14,7 +14,8 @@
  *   8. delta = act . Wdown^T                     features split
  * and after the last layer out = rms_norm(hidden += delta) * final_norm.
  *
- * The four matrices are packed (cpu_packed.c's layout) and the products split by whole panels, so the
+ * The four matrices are packed (cpu_packed.c's layout, or cpu_qpacked.c's GGUF blocks, bitwise the same products
+ * as their dequantized float panels) and the products split by whole panels, so the
  * intermediate width must be a multiple of PANEL (gate and up panels then line up with the activation's
  * share). Every value is computed by the same code as the per-op calls (cpu_packed.c, cpu_ops.c,
  * cpu_attention.c) in the same order, so the result is bitwise that of the per-op path: a product's
@@ -28,7 +29,10 @@
 
 #include "cpu_internal.h"
 
-enum { W_INPUT_NORM, W_QKV, W_QKV_BIAS, W_O, W_POST_NORM, W_GATE_UP, W_DOWN, W_PER_LAYER };
+/* per layer: pointers to the tensors, then the four matrices' formats (cpu_internal.h's WF_*), one byte each
+ * from the lowest: qkv, o, gate/up, down (WF_F32: cpu_packed.c's panels; the others cpu_qpacked.c's blocks) */
+enum { W_INPUT_NORM, W_QKV, W_QKV_BIAS, W_O, W_POST_NORM, W_GATE_UP, W_DOWN, W_FORMATS, W_PER_LAYER };
+#define FORMAT(lw, i) ((int32_t)((lw[W_FORMATS] >> (8 * (i))) & 0xff))
 
 /* thread t's share [*q0, *q1) of the panels of n output features, as evenly as they go */
 static inline void panel_share(int64_t n, int t, int nt, int64_t *q0, int64_t *q1) {
@@ -86,12 +90,12 @@ int pdserve_decoder_f32(const int64_t *layer_weights, int32_t num_layers, float 
         const int64_t gate_panels = I / PANEL;
         for (int layer = 0; layer < num_layers; layer++) {
             const int64_t *lw = layer_weights + (int64_t)layer * W_PER_LAYER;
-            const float *w_qkv = (const float *)lw[W_QKV], *bias = (const float *)lw[W_QKV_BIAS];
-            const float *w_gu = (const float *)lw[W_GATE_UP];
+            const void *w_qkv = (const void *)lw[W_QKV], *w_gu = (const void *)lw[W_GATE_UP];
+            const float *bias = (const float *)lw[W_QKV_BIAS];
             float *kv = kv_cache + layer * kv_layer_stride;
             norm_rows(hidden, layer ? delta : 0, (const float *)lw[W_INPUT_NORM], x, T, H, eps, t, nt);
 #pragma omp barrier
-            pdserve_packed_panels(w_qkv, x, bias, qkv, T, qkv_width, H, q0, q1);
+            pdserve_any_panels(FORMAT(lw, 0), w_qkv, x, bias, qkv, T, qkv_width, H, q0, q1);
 #pragma omp barrier
             for (int64_t tok = t; tok < T; tok += nt) {
                 float *row = qkv + tok * qkv_width;
@@ -107,18 +111,18 @@ int pdserve_decoder_f32(const int64_t *layer_weights, int32_t num_layers, float 
                 pdserve_plan_work(&la, &plan, &taken[layer]);
             }
 #pragma omp barrier
-            pdserve_packed_panels((const float *)lw[W_O], attn, 0, delta, T, H, q_width, h0, h1);
+            pdserve_any_panels(FORMAT(lw, 1), (const void *)lw[W_O], attn, 0, delta, T, H, q_width, h0, h1);
 #pragma omp barrier
             norm_rows(hidden, delta, (const float *)lw[W_POST_NORM], x, T, H, eps, t, nt);
 #pragma omp barrier
-            pdserve_packed_panels(w_gu, x, 0, gate_up, T, 2 * I, H, g0, g1);
-            pdserve_packed_panels(w_gu, x, 0, gate_up, T, 2 * I, H, gate_panels + g0, gate_panels + g1);
+            pdserve_any_panels(FORMAT(lw, 2), w_gu, x, 0, gate_up, T, 2 * I, H, g0, g1);
+            pdserve_any_panels(FORMAT(lw, 2), w_gu, x, 0, gate_up, T, 2 * I, H, gate_panels + g0, gate_panels + g1);
             for (int64_t r = 0; r < T; r++) {
                 const float *g = gate_up + r * 2 * I;
                 pdserve_silu_mul_range(g, g + I, act + r * I, g0 * PANEL, g1 * PANEL);
             }
 #pragma omp barrier
-            pdserve_packed_panels((const float *)lw[W_DOWN], act, 0, delta, T, H, I, h0, h1);
+            pdserve_any_panels(FORMAT(lw, 3), (const void *)lw[W_DOWN], act, 0, delta, T, H, I, h0, h1);
 #pragma omp barrier
         }
         norm_rows(hidden, num_layers ? delta : 0, final_norm, out, T, H, eps, t, nt);

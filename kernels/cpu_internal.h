@@ -88,7 +88,23 @@ INTERNAL void pdserve_silu_mul_range(const float *g, const float *u, float *o, i
 /* cpu_packed.c: the product against packed weights (its header comment has the layout). Output panels
  * q0..q1-1 (PANEL features each) of every row; cpu_decoder.c splits them over its threads. */
 #define PANEL 16
+#if defined(__AVX512F__)
+#define PACKED_TILE_PANELS 3 /* the panels of one register tile (cpu_packed.c) */
+#else
+#define PACKED_TILE_PANELS 1
+#endif
 INTERNAL void pdserve_packed_panels(const float *p, const float *x, const float *bias, float *y, int64_t m,
                                     int64_t n, int64_t k, int64_t q0, int64_t q1);
+/* m rows of x (row stride k) against v <= PACKED_TILE_PANELS panels at `panels`; y and bias start at the group's
+ * first column, `cols` of its columns are written (rows of y ldy apart) */
+INTERNAL void pdserve_packed_group(const float *panels, int64_t v, int64_t k, const float *x, int64_t m, float *y,
+                                   int64_t ldy, const float *bias, int64_t cols);
+
+/* cpu_qpacked.c: weights kept in GGUF blocks (its header comment has the layout). Formats of a packed matrix: */
+enum { WF_F32 = 0, WF_Q4_0 = 1, WF_Q4_1 = 2, WF_Q8_0 = 3 };
+#define TILE_ROWS_MAX 8 /* the most rows of one register tile: fewer rows read the weights once */
+/* output panels q0..q1-1 of every row for a matrix of format fmt (WF_F32: pdserve_packed_panels) */
+INTERNAL void pdserve_any_panels(int32_t fmt, const void *p, const float *x, const float *bias, float *y, int64_t m,
+                                 int64_t n, int64_t k, int64_t q0, int64_t q1);
 
 #endif

@@ -37,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -47,7 +48,8 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("cpu_attention.c", "cpu_attention_blocked.c", "cpu_attention_plan.c",
-                             "cpu_ops.c", "cpu_packed.c", "cpu_decoder.c", "cpu_greedy.c", "cpu_mla.c"))
+                             "cpu_ops.c", "cpu_packed.c", "cpu_qpacked.c", "cpu_decoder.c", "cpu_greedy.c",
+                             "cpu_mla.c"))
 # included by the sources: part of the build's hash
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_simd.h", "cpu_internal.h"))
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-shared", "-fPIC", "-fopenmp")
@@ -148,6 +150,17 @@ def bind_ops(lib: ctypes.CDLL) -> None:
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
         fn.restype = None
+        fn.argtypes = argtypes
+    blocks: dict[str, tuple[Any, list[Any]]] = {  # cpu_qpacked.c: the format first
+        "pdserve_qpack": (i32, [i32, ptr, ptr, i64, i64]),  # raw rows, packed, n, k
+        "pdserve_qdequantize": (i32, [i32, ptr, ptr, i64, i64]),  # packed, float panels, n, k
+        # packed, x, bias, y, m, n, k, threads
+        "pdserve_qpacked_f32": (i32, [i32, ptr, ptr, ptr, ptr, i64, i64, i64, i32]),
+        "pdserve_qrecord_bytes": (i64, [i32]),
+    }
+    for name, (restype, argtypes) in blocks.items():
+        fn = getattr(lib, name)
+        fn.restype = restype
         fn.argtypes = argtypes
     mla = lib.pdserve_mla_decode
     mla.restype = i32

@@ -29,11 +29,11 @@
 #if defined(__AVX512F__)
 #define VW 16 /* floats per vector register */
 #define TILE_ROWS 8
-#define TILE_PANELS 3
+#define TILE_PANELS PACKED_TILE_PANELS
 #else
 #define VW 8
 #define TILE_ROWS 6
-#define TILE_PANELS 1
+#define TILE_PANELS PACKED_TILE_PANELS
 #endif
 #define VPP (PANEL / VW)              /* vectors per panel's k step */
 #define MC_BYTES (256 * 1024)         /* activation rows per chunk: about this many bytes of x */
@@ -139,6 +139,14 @@ void pdserve_packed_panels(const float *p, const float *x, const float *bias, fl
                 TILES[v - 1][rows - 1](panels, k, x + r * k, k, y + r * n + col, n, b, cols, r == m0 ? next : 0);
             }
         }
+    }
+}
+
+void pdserve_packed_group(const float *panels, int64_t v, int64_t k, const float *x, int64_t m, float *y, int64_t ldy,
+                          const float *bias, int64_t cols) {
+    for (int64_t r = 0; r < m; r += TILE_ROWS) {
+        const int64_t rows = m - r < TILE_ROWS ? m - r : TILE_ROWS;
+        TILES[v - 1][rows - 1](panels, k, x + r * k, k, y + r * ldy, ldy, bias, cols, 0);
     }
 }
 

@@ -32,6 +32,12 @@ Kernels (``kernel=``):
   prompts round alike (or disaggregated and colocated outputs could differ).
 - ``"plain"``: ``F.linear`` (torch's default). Other dtypes and devices always use it.
 
+A weight kept in its GGUF blocks (``blocks=``, a ``kernels.gguf_blocks.BlockMatrix``; the
+``weight`` given beside it is the model's zero-stride stand-in of its shape) takes the native
+library's product over the blocks (``NativeOps.qpacked_linear``): bitwise the ``"native"`` product of
+the dequantized weight, reading the blocks' bytes. Where the native kernel is not in use the blocks
+are dequantized and the weight takes the kernel asked for, as a float weight would.
+
 Figures for each kernel, per row count: docs/benchmarks.md ("One packed product for every row count",
 "Prompt chunks on oneDNN's product off Intel CPUs"), measured with ``python -m bench.lab.linear_kernels``.
 """
@@ -44,6 +50,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from kernels.gguf_blocks import BlockKind, BlockMatrix
 from kernels.native_ops import native_ops
 
 LinearKernel = Literal["plain", "prepacked", "native"]
@@ -130,9 +137,16 @@ class PreparedLinear:
     """``x @ weight.T + bias`` with the weight prepared for ``kernel``; see the module docstring."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 kernel: LinearKernel = "prepacked") -> None:
+                 kernel: LinearKernel = "prepacked", blocks: BlockMatrix | None = None) -> None:
         if kernel not in LINEAR_KERNELS:
             raise ValueError(f"unknown linear kernel {kernel!r}; choose one of {LINEAR_KERNELS}")
+        self.kind: BlockKind | None = None  # set: ``packed`` holds GGUF blocks of this kind
+        if blocks is not None:
+            if tuple(blocks.shape) != tuple(weight.shape):
+                raise ValueError(f"blocks of shape {blocks.shape} for a weight of shape "
+                                 f"{tuple(weight.shape)}")
+            if kernel != "native" or native_ops() is None or not prepacked_available(weight):
+                weight, blocks = blocks.dequantize().to(device=weight.device, dtype=weight.dtype), None
         self.weight = weight.detach()
         self.bias = bias.detach() if bias is not None else None
         self.out_features, self.in_features = weight.shape
@@ -141,19 +155,33 @@ class PreparedLinear:
         if self.kernel == "native" and self._native is None:
             self.kernel = "prepacked"
         self.packed_row = mkl_pack(self.weight, 1) if self.kernel == "prepacked" else None
-        # "native": the weight in the native library's panels (cpu_packed.c)
-        self.packed = self._native.pack(self.weight) if self._native is not None else None
+        # "native": the weight in the native library's panels (cpu_packed.c), or its blocks (cpu_qpacked.c)
+        self.packed: torch.Tensor | None = None
+        if self._native is not None and blocks is not None:
+            self.kind, self.packed = blocks.kind, self._native.qpack(blocks)
+        elif self._native is not None:
+            self.packed = self._native.pack(self.weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._native is not None and self.packed is not None:
             if x.dtype != torch.float32 or x.device.type != "cpu":
                 raise TypeError(f"the native product takes float32 CPU inputs, not {x.dtype} on {x.device}")
-            if x.dim() == 2:
-                return self._native.packed_linear(x, self.packed, self.out_features, self.bias)
-            y = self._native.packed_linear(x.reshape(-1, self.in_features), self.packed, self.out_features,
-                                           self.bias)
-            return y.view(*x.shape[:-1], self.out_features)
+            rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+            if self.kind is not None:
+                y = self._native.qpacked_linear(rows, self.packed, self.kind, self.out_features, self.bias)
+            else:
+                y = self._native.packed_linear(rows, self.packed, self.out_features, self.bias)
+            return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
         return prepared_linear(x, self.weight, self.packed_row, self.bias)
+
+    def unpacked(self) -> torch.Tensor:
+        """The ``[out, in]`` float weight from the packed copy (bitwise the weight packed, or the blocks'
+        dequantized values)."""
+        if self.packed is None or self._native is None:
+            raise ValueError(f"only the native kernel holds a packed copy, not {self.kernel!r}")
+        if self.kind is not None:
+            return self._native.qunpack(self.packed, self.kind, self.out_features)
+        return self._native.unpack(self.packed, self.out_features)
 
     def release_weight(self, placeholder: torch.Tensor) -> None:
         """Drop the reference to the ``[out, in]`` weight (the native kernel reads the packed copy only),

@@ -17,7 +17,8 @@ Contract:
   mixed steps alike: the packed product and the attention plan take every row count), float32 CPU
   hidden states, a contiguous float32 cache of this model's shape, no KV scales (quantized caches take
   the per-op path), and the ``NativeCpuAttentionBackend`` prepared for the step (``paged_arrays``).
-- Weights: the four matrices packed (``NativeOps.pack``, as the layers' ``PreparedLinear`` holds them),
+- Weights: the four matrices packed (``NativeOps.pack``, or ``NativeOps.qpack`` for a matrix kept in its
+  GGUF blocks, as the layers' ``PreparedLinear`` holds them; bitwise the same products),
   the norms and the bias as they are; the intermediate width a multiple of ``PANEL`` (the products are
   split by whole panels; every Llama-family model's is). The tensors are read in place through pointers
   taken when the decoder is built; it keeps a reference to every tensor, and must be rebuilt when the
@@ -37,7 +38,8 @@ import torch
 
 from kernels.attention import AttentionBackend
 from kernels.cpu_native import NativeCpuAttentionBackend, load_library
-from kernels.native_ops import PANEL, NativeOps
+from kernels.gguf_blocks import BlockKind
+from kernels.native_ops import PANEL, NativeOps, native_ops
 
 KEEP_WORKSPACE_BYTES = 64 << 20  # scratch kept between calls (a decode step of SmolLM2 needs 29 KB a token)
 
@@ -45,7 +47,8 @@ KEEP_WORKSPACE_BYTES = 64 << 20  # scratch kept between calls (a decode step of 
 @dataclass(frozen=True)
 class DecoderLayerWeights:
     """One layer's tensors, Llama layout: ``qkv`` rows are q heads, k heads, v heads; ``gate_up`` rows
-    are gate, then up; every matrix an ``[out, in]`` weight packed by ``NativeOps.pack``."""
+    are gate, then up; every matrix an ``[out, in]`` weight packed by ``NativeOps.pack``, or kept in GGUF
+    blocks and packed by ``NativeOps.qpack`` (its ``kinds`` entry then names the blocks' kind)."""
 
     input_norm: torch.Tensor
     qkv: torch.Tensor
@@ -54,11 +57,17 @@ class DecoderLayerWeights:
     post_norm: torch.Tensor
     gate_up: torch.Tensor
     down_proj: torch.Tensor
+    kinds: tuple[BlockKind | None, ...] = (None, None, None, None)  # qkv, o, gate/up, down
 
     def tensors(self) -> tuple[torch.Tensor | None, ...]:
         """In the order of the C side's per-layer pointer table."""
         return (self.input_norm, self.qkv, self.qkv_bias, self.o_proj, self.post_norm, self.gate_up,
                 self.down_proj)
+
+    @property
+    def formats(self) -> int:
+        """The C side's formats word: one byte per matrix (0: float32 panels)."""
+        return sum(int(kind or 0) << (8 * i) for i, kind in enumerate(self.kinds))
 
 
 @dataclass(frozen=True)
@@ -81,6 +90,15 @@ class DecoderShape:
         return tokens * per_row
 
 
+def _packed_shape(kind: BlockKind | None, out_features: int, in_features: int) -> tuple[int, ...]:
+    if kind is None:
+        return NativeOps.packed_shape(out_features, in_features)
+    ops = native_ops()
+    if ops is None:
+        raise RuntimeError("native CPU kernel library is unavailable")
+    return ops.qpacked_shape(kind, out_features, in_features)
+
+
 class NativeDecoder:
     """The decoder stack as one native call; see the module docstring."""
 
@@ -94,31 +112,33 @@ class NativeDecoder:
         s = shape
         if s.intermediate_size % PANEL:
             raise ValueError(f"intermediate size {s.intermediate_size} is not a multiple of {PANEL}")
-        packed = NativeOps.packed_shape
-        expected = (
-            (s.hidden_size,), packed(s.qkv_width, s.hidden_size), (s.qkv_width,),
-            packed(s.hidden_size, s.num_heads * s.head_dim), (s.hidden_size,),
-            packed(2 * s.intermediate_size, s.hidden_size), packed(s.hidden_size, s.intermediate_size),
-        )
+        matrices = ((s.qkv_width, s.hidden_size), (s.hidden_size, s.num_heads * s.head_dim),
+                    (2 * s.intermediate_size, s.hidden_size), (s.hidden_size, s.intermediate_size))
         pointers: list[list[int]] = []
         for i, layer in enumerate(layers):
+            shapes = [_packed_shape(kind, *dims) for kind, dims in zip(layer.kinds, matrices, strict=True)]
+            expected = ((s.hidden_size,), shapes[0], (s.qkv_width,), shapes[1], (s.hidden_size,), shapes[2],
+                        shapes[3])
+            kinds = (None, layer.kinds[0], None, layer.kinds[1], None, layer.kinds[2], layer.kinds[3])
             row = []
-            for tensor, want in zip(layer.tensors(), expected, strict=True):
+            for tensor, want, kind in zip(layer.tensors(), expected, kinds, strict=True):
                 if tensor is None:
                     row.append(0)
                     continue
-                if (tensor.dtype != torch.float32 or tensor.device.type != "cpu" or not tensor.is_contiguous()
+                dtype = torch.float32 if kind is None else torch.uint8
+                if (tensor.dtype != dtype or tensor.device.type != "cpu" or not tensor.is_contiguous()
                         or tuple(tensor.shape) != want):
                     raise ValueError(f"layer {i}: a weight of shape {tuple(tensor.shape)} {tensor.dtype} on "
                                      f"{tensor.device} (contiguous: {tensor.is_contiguous()}); the native "
-                                     f"decoder takes contiguous float32 CPU tensors of shape {want}")
+                                     f"decoder takes a contiguous {dtype} CPU tensor of shape {want} there")
                 row.append(tensor.data_ptr())
+            row.append(layer.formats)
             pointers.append(row)
         if (final_norm.dtype != torch.float32 or tuple(final_norm.shape) != (s.hidden_size,)
                 or not final_norm.is_contiguous()):
             raise ValueError(f"final norm of shape {tuple(final_norm.shape)} {final_norm.dtype}")
         self._layers = list(layers)  # the pointers below stay valid while these live
-        self._pointers = torch.tensor(pointers, dtype=torch.int64).reshape(len(pointers), 7)
+        self._pointers = torch.tensor(pointers, dtype=torch.int64).reshape(len(pointers), 8)
         self.num_layers = len(pointers)
         self._final_norm = final_norm
         self._work = torch.empty(0, dtype=torch.float32)

@@ -25,7 +25,12 @@ does each group in one call through ctypes, on float32 CPU tensors only:
   equal to ``F.linear`` to rounding;
 - ``unpack(packed, out_features)``: the weight back, bitwise;
 - ``linear(x, weight, bias)``: ``pack`` then ``packed_linear``, for one-off
-  products (bitwise the products of a packed layer with the same weight rows).
+  products (bitwise the products of a packed layer with the same weight rows);
+- ``qpack(matrix)``, ``qpacked_linear(x, packed, kind, out_features, bias)``,
+  ``qunpack(packed, kind, out_features)``: the same three for a weight kept in
+  its GGUF blocks (``kernels.gguf_blocks.BlockMatrix``, ``cpu_qpacked.c``):
+  the product is bitwise ``packed_linear`` over ``matrix.dequantize()``, and
+  ``qunpack`` gives that float32 weight.
 
 Callers check ``usable`` for their tensors (float32, CPU, contiguous where
 stated) and take the torch path otherwise. Threads: ``torch.get_num_threads()``
@@ -41,6 +46,7 @@ import functools
 import torch
 
 from kernels.cpu_native import load_library, native_available
+from kernels.gguf_blocks import QK, BlockKind, BlockMatrix
 
 PANEL = 16  # output features per packed panel (cpu_internal.h)
 
@@ -57,6 +63,10 @@ class NativeOps:
         self._norm = lib.pdserve_add_rms_norm_f32
         self._rope = lib.pdserve_rope_f32
         self._silu_mul = lib.pdserve_silu_mul_f32
+        self._qpack = lib.pdserve_qpack
+        self._qdequantize = lib.pdserve_qdequantize
+        self._qpacked = lib.pdserve_qpacked_f32
+        self._record_bytes = {kind: int(lib.pdserve_qrecord_bytes(kind)) for kind in BlockKind}
 
     @staticmethod
     def usable(*tensors: torch.Tensor) -> bool:
@@ -124,6 +134,43 @@ class NativeOps:
         y = x.new_empty(rows, out_features)
         self._packed(packed.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(),
                      y.data_ptr(), rows, out_features, in_features, torch.get_num_threads())
+        return y
+
+    def qpacked_shape(self, kind: BlockKind, out_features: int, in_features: int) -> tuple[int, int, int]:
+        """The packed blocks' shape (``uint8``): ``[panels, in / 32, record bytes]``."""
+        return (-(-out_features // PANEL), in_features // QK, self._record_bytes[kind])
+
+    def qpack(self, matrix: BlockMatrix) -> torch.Tensor:
+        """``matrix`` in ``cpu_qpacked.c``'s panels of blocks (a new ``uint8`` tensor)."""
+        out_features, in_features = matrix.shape
+        raw = matrix.rows.contiguous()
+        packed = torch.empty(self.qpacked_shape(matrix.kind, out_features, in_features), dtype=torch.uint8)
+        if self._qpack(matrix.kind, raw.data_ptr(), packed.data_ptr(), out_features, in_features):
+            raise ValueError(f"cannot pack a {matrix.kind.name} matrix of shape {matrix.shape}")
+        return packed
+
+    def qunpack(self, packed: torch.Tensor, kind: BlockKind, out_features: int) -> torch.Tensor:
+        """The float32 ``[out, in]`` weight of ``qpack``'s blocks (bitwise ``BlockMatrix.dequantize``)."""
+        panels, blocks, _ = packed.shape
+        floats = torch.empty((panels, blocks * QK, PANEL), dtype=torch.float32)
+        self._qdequantize(kind, packed.data_ptr(), floats.data_ptr(), panels * PANEL, blocks * QK)
+        return self.unpack(floats, out_features)
+
+    def qpacked_linear(self, x: torch.Tensor, packed: torch.Tensor, kind: BlockKind, out_features: int,
+                       bias: torch.Tensor | None) -> torch.Tensor:
+        """``packed_linear`` over the dequantized weight, for ``x`` of ``[rows, in]`` (bitwise)."""
+        in_features = packed.shape[1] * QK
+        want = self.qpacked_shape(kind, out_features, in_features)
+        if tuple(packed.shape) != want or not packed.is_contiguous():
+            raise ValueError(f"packed {kind.name} blocks of shape {tuple(packed.shape)} for {out_features} "
+                             f"outputs")
+        if x.shape[-1] != in_features:
+            raise ValueError(f"input of width {x.shape[-1]} for a product of {in_features} inputs")
+        x = x.contiguous()
+        bias = None if bias is None else bias.contiguous()
+        y = x.new_empty(x.shape[0], out_features)
+        self._qpacked(kind, packed.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(),
+                      y.data_ptr(), x.shape[0], out_features, in_features, torch.get_num_threads())
         return y
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

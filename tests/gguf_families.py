@@ -33,7 +33,10 @@ from safetensors.torch import load_file
 
 ARCHITECTURES = {"qwen3": "qwen3", "qwen3_moe": "qwen3moe", "mixtral": "llama", "gemma3": "gemma3",
                  "gpt_oss": "gpt-oss", "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2"}
-MODEL_TYPES = {"qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "gemma3_text": "gemma3",
+# and plain Llama (the layout of most GGUF files, and of the default model), written as its LlamaModel does
+WRITTEN = {**ARCHITECTURES, "llama": "llama"}
+MODEL_TYPES = {"llama": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral",
+               "gemma3_text": "gemma3",
                "gpt_oss": "gpt_oss", "deepseek_v2": "deepseek_v2", "deepseek_v3": "deepseek_v3"}
 
 
@@ -45,13 +48,13 @@ def write_gguf(folder: Path, path: Path, qtype: GGMLQuantizationType | None = No
     key and value widths as ``key_length``/``value_length``)."""
     config = json.loads((folder / "config.json").read_text())
     family = MODEL_TYPES[config["model_type"]]
-    writer = gguf.GGUFWriter(str(path), ARCHITECTURES[family])
+    writer = gguf.GGUFWriter(str(path), WRITTEN[family])
     if family.startswith("deepseek"):
         _deepseek_metadata(writer, config, kv_b_whole)
     else:
         _metadata(writer, family, config)
     _vocabulary(writer, folder, config["vocab_size"])
-    arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == ARCHITECTURES[family])
+    arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == WRITTEN[family])
     names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
     dense = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config["num_hidden_layers"])
     for name, tensor in _converted(family, config, load_file(str(folder / "model.safetensors")), kv_b_whole):
@@ -112,7 +115,7 @@ def _metadata(writer: gguf.GGUFWriter, family: str, config: dict[str, Any]) -> N
     writer.add_key_length(config["head_dim"])
     writer.add_value_length(config["head_dim"])
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    if family == "mixtral":  # LlamaModel
+    if family in ("llama", "mixtral"):  # LlamaModel
         writer.add_vocab_size(config["vocab_size"])
         writer.add_rope_dimension_count(config["head_dim"])
     if family == "qwen3_moe":  # Qwen2MoeModel
@@ -216,9 +219,9 @@ def _converted(family: str, config: dict[str, Any], tensors: dict[str, torch.Ten
             yield from _stacked(tensors, layers, experts, "model.layers.{}.block_sparse_moe.experts.{}." + w
                                 + ".weight", "layers.{}.feed_forward.experts." + w + ".weight")
     for name, tensor in tensors.items():
-        if family == "mixtral" and name.endswith("q_proj.weight"):
+        if family in ("llama", "mixtral") and name.endswith("q_proj.weight"):
             tensor = _permute(tensor, config["num_attention_heads"])
-        elif family == "mixtral" and name.endswith("k_proj.weight"):
+        elif family in ("llama", "mixtral") and name.endswith("k_proj.weight"):
             tensor = _permute(tensor, config["num_key_value_heads"])
         elif family == "gemma3" and name.endswith("norm.weight"):
             tensor = tensor + 1

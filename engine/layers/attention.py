@@ -50,8 +50,9 @@ class Attention(Prepared):
         self.prepare_linears("plain")
 
     def _build_linears(self, kernel: LinearKernel) -> None:
-        self.qkv_linear = PreparedLinear(self.qkv, self.qkv_bias, kernel)
-        self.o_linear = PreparedLinear(self.o_proj, self.o_bias if self.ctx.rank0 else None, kernel)
+        self.qkv_linear = PreparedLinear(self.qkv, self.qkv_bias, kernel, self.blocks("qkv"))
+        self.o_linear = PreparedLinear(self.o_proj, self.o_bias if self.ctx.rank0 else None, kernel,
+                                       self.blocks("o_proj"))
 
     def _matrices(self) -> list[tuple[nn.Parameter, list[PreparedLinear]]]:
         return [(self.qkv, [self.qkv_linear]), (self.o_proj, [self.o_linear])]
@@ -61,6 +62,12 @@ class Attention(Prepared):
         """Llama's attention exactly: what the fused native paths compute."""
         return (self.q_norm is None and self.window is None and self.sinks is None and self.softcap is None
                 and self.o_bias is None and self.rope == 0)
+
+    def block_targets(self, prefix: str) -> dict[str, tuple[str, int]]:
+        """Hugging Face name -> (matrix, first row) for the matrices that take GGUF blocks."""
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return {f"{prefix}.q_proj.weight": ("qkv", 0), f"{prefix}.k_proj.weight": ("qkv", q),
+                f"{prefix}.v_proj.weight": ("qkv", q + kv), f"{prefix}.o_proj.weight": ("o_proj", 0)}
 
     def hf_targets(self, prefix: str) -> dict[str, torch.Tensor]:
         """Hugging Face name (under ``prefix``, e.g. ``model.layers.0.self_attn``) -> the tensor it fills."""

@@ -66,7 +66,19 @@ class DecoderLayer(Prepared):
         if qkv is None or o is None or gate_up is None or down is None:
             return None
         bias = None if attn.qkv_bias is None else attn.qkv_bias.data
-        return DecoderLayerWeights(self.input_norm.data, qkv, bias, o, self.post_norm.data, gate_up, down)
+        linears = (attn.qkv_linear, attn.o_linear, mlp.gate_up_linear, mlp.down_linear)
+        return DecoderLayerWeights(self.input_norm.data, qkv, bias, o, self.post_norm.data, gate_up, down,
+                                   tuple(lin.kind for lin in linears))
+
+    def block_targets(self, prefix: str) -> dict[str, tuple[Prepared, str, int]]:
+        """Hugging Face name -> (module, matrix, first row) of the matrices that can be built from GGUF
+        blocks (dense attention's and the dense MLP's; ``Prepared.set_blocks``)."""
+        found: dict[str, tuple[Prepared, str, int]] = {}
+        for module, sub in ((self.attn, "self_attn"), (self.mlp, "mlp")):
+            if isinstance(module, (Attention, GatedMLP)):
+                found |= {name: (module, attr, row)
+                          for name, (attr, row) in module.block_targets(f"{prefix}.{sub}").items()}
+        return found
 
     def hf_targets(self, prefix: str) -> dict[str, torch.Tensor]:
         """Hugging Face name (under ``prefix``, e.g. ``model.layers.0``) -> the tensor it fills."""

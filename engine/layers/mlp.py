@@ -28,11 +28,17 @@ class GatedMLP(Prepared):
         self.prepare_linears("plain")
 
     def _build_linears(self, kernel: LinearKernel) -> None:
-        self.gate_up_linear = PreparedLinear(self.gate_up, None, kernel)
-        self.down_linear = PreparedLinear(self.down_proj, None, kernel)
+        self.gate_up_linear = PreparedLinear(self.gate_up, None, kernel, self.blocks("gate_up"))
+        self.down_linear = PreparedLinear(self.down_proj, None, kernel, self.blocks("down_proj"))
 
     def _matrices(self) -> list[tuple[nn.Parameter, list[PreparedLinear]]]:
         return [(self.gate_up, [self.gate_up_linear]), (self.down_proj, [self.down_linear])]
+
+    def block_targets(self, prefix: str) -> dict[str, tuple[str, int]]:
+        """Hugging Face name -> (matrix, first row) for the matrices that take GGUF blocks."""
+        inter = self.gate_up.shape[0] // 2
+        return {f"{prefix}.gate_proj.weight": ("gate_up", 0), f"{prefix}.up_proj.weight": ("gate_up", inter),
+                f"{prefix}.down_proj.weight": ("down_proj", 0)}
 
     def hf_targets(self, prefix: str) -> dict[str, torch.Tensor]:
         self.restore_plain()

@@ -8,6 +8,12 @@ packed copy; unless ``keep_plain``, the plain matrices are then released (``rele
 becomes a zero-stride stand-in of its shape, 4 bytes) so the weights are in memory once, and
 ``restore_plain`` brings them back bitwise from the packed copies (loading weights, another kernel
 and the compiled path read them).
+
+A matrix may arrive in GGUF blocks instead (``set_blocks(name, matrix)`` before the build, with the
+parameter left unfilled): the build hands the blocks to its ``PreparedLinear``, which keeps them packed
+(``kernels/gguf_blocks.py``), and forgets them; from then on the packed copy is the one copy, and
+``restore_plain`` (or a build that keeps the plain matrices) fills the parameter with their dequantized
+values. Only the native kernel takes blocks (the model dequantizes at load for any other).
 """
 
 from __future__ import annotations
@@ -15,8 +21,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels.gguf_blocks import BlockMatrix
 from kernels.linear import LinearKernel, PreparedLinear
-from kernels.native_ops import NativeOps
 
 
 def weight(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
@@ -43,13 +49,29 @@ class Prepared(nn.Module):
     def _parts(self) -> list[Prepared]:
         return [m for m in self.children() if isinstance(m, Prepared)]
 
+    def set_blocks(self, name: str, matrix: BlockMatrix) -> None:
+        """Build matrix ``name`` (an attribute of this module) from GGUF blocks at the next build."""
+        if tuple(getattr(self, name).shape) != tuple(matrix.shape):
+            raise ValueError(f"blocks of shape {matrix.shape} for {name} of shape "
+                             f"{tuple(getattr(self, name).shape)}")
+        self.__dict__.setdefault("_pending_blocks", {})[name] = matrix
+
+    def blocks(self, name: str) -> BlockMatrix | None:
+        """The blocks ``set_blocks`` gave for ``name`` and no build has taken yet."""
+        return self.__dict__.get("_pending_blocks", {}).get(name)
+
     def prepare_linears(self, kernel: LinearKernel, keep_plain: bool = False) -> None:
         if self._built:  # not the first build: the matrices may be released
             self._restore_own()
         self._build_linears(kernel)
         self._built = True
+        self.__dict__.pop("_pending_blocks", None)
         if not keep_plain:
             self._release_own()
+        else:  # a matrix built from blocks was never filled
+            for param, linears in self._matrices():
+                if linears and linears[0].kind is not None:
+                    param.data = linears[0].unpacked()
         for part in self._parts():
             part.prepare_linears(kernel, keep_plain)
 
@@ -74,13 +96,11 @@ class Prepared(nn.Module):
         for param, linears in self._matrices():
             if not linears or not released(param) or any(lin.packed is None for lin in linears):
                 continue
-            rows = param.shape[-2]
             if param.dim() == 2:
-                param.data = NativeOps.unpack(linears[0].packed, rows)  # type: ignore[arg-type]
+                param.data = linears[0].unpacked()
                 linears[0].weight = param.data
             else:
-                param.data = torch.stack([NativeOps.unpack(lin.packed, rows)  # type: ignore[arg-type]
-                                          for lin in linears])
+                param.data = torch.stack([lin.unpacked() for lin in linears])
                 for i, lin in enumerate(linears):
                     lin.weight = param.data[i]
 

@@ -31,6 +31,7 @@ where ``kernels/greedy_head.py`` applies (the native float32 LM head on one rank
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -41,11 +42,13 @@ from engine.kv_groups import KvGroup, layer_slots
 from engine.layers.attention import Attention
 from engine.layers.context import LayerContext
 from engine.layers.decoder import DecoderLayer
-from engine.layers.prepared import weight
+from engine.layers.prepared import Prepared, released, weight
+from engine.models.family import as_is
 from engine.models.registry import family
 from engine.tensor_parallel import TpShard
 from engine.tp_group import TpGroup
 from kernels.attention import AttentionBackend, AttentionMetadata
+from kernels.gguf_blocks import BlockMatrix, cat_rows
 from kernels.greedy_head import GreedyHead
 from kernels.linear import LinearKernel, PreparedLinear
 from kernels.native_decoder import DecoderShape, NativeDecoder
@@ -92,6 +95,9 @@ class CausalLM(nn.Module):
             local = RotaryEmbedding(config.head_dim, config.local_rope_theta, RopeScaling(), device)
             self.rotaries.append(local)
         self.lm_head_linear = PreparedLinear(self.lm_head, None, "plain")
+        # the embedding and head kept in GGUF blocks (``takes_blocks``); None: the tables hold floats
+        self.embed_blocks: BlockMatrix | None = None
+        self.head_blocks: BlockMatrix | None = None
         self.greedy_head: GreedyHead | None = None
         self.use_native_ops = True
         self.use_native_decoder = True
@@ -137,10 +143,28 @@ class CausalLM(nn.Module):
             self.linear_kernel = kernel
         for layer in self.decoder_layers():
             layer.prepare_linears(self.linear_kernel, keep_plain=self.keep_plain_weights)
-        self.lm_head_linear = PreparedLinear(self.lm_head, None, self.linear_kernel)
-        screened = self.group is None and self.use_greedy_head
+        self.lm_head_linear = PreparedLinear(self.lm_head, None, self.linear_kernel, self.head_blocks)
+        if self.head_blocks is not None and self.lm_head_linear.kind is None:  # no native product: floats
+            self._fill_embedding()
+        for param, blocks in ((self.embed_tokens, self.embed_blocks), (self.lm_head, self.head_blocks)):
+            if blocks is not None and not released(param):  # the blocks stand for this table
+                param.data = torch.zeros((), dtype=param.dtype, device=param.device).expand(param.shape)
+        if self.lm_head_linear.kind is not None:
+            self.lm_head_linear.release_weight(self.lm_head.data)
+        # a head in blocks reads fewer bytes than the screen's half-precision copy: no screen
+        screened = self.group is None and self.use_greedy_head and self.lm_head_linear.kind is None
         self.greedy_head = GreedyHead.build(self.lm_head_linear) if screened else None
         self.native_decoder = self._build_native_decoder()
+
+    def _fill_embedding(self) -> None:
+        """The embedding and head tables as floats from their blocks (which are then forgotten)."""
+        for param, blocks in ((self.embed_tokens, self.embed_blocks), (self.lm_head, self.head_blocks)):
+            if blocks is not None:
+                param.data = blocks.dequantize().to(device=param.device, dtype=param.dtype)
+        if self.config.tie_word_embeddings:
+            self.lm_head = self.embed_tokens
+        self.embed_blocks = self.head_blocks = None
+        self.lm_head_linear = PreparedLinear(self.lm_head, None, self.linear_kernel)
 
     def restore_plain_weights(self) -> None:
         """Keep every layer's ``[out, in]`` matrices from now on (``keep_plain_weights``): the compiled
@@ -148,6 +172,9 @@ class CausalLM(nn.Module):
         self.keep_plain_weights = True
         for layer in self.decoder_layers():
             layer.restore_plain()
+        if self.embed_blocks is not None or self.head_blocks is not None:
+            self._fill_embedding()
+            self.greedy_head = None
 
     def _build_native_decoder(self) -> NativeDecoder | None:
         """The one-call decoder over the current weights, when every layer is fusable and every product
@@ -175,16 +202,25 @@ class CausalLM(nn.Module):
         return targets
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | BlockMatrix]]) -> None:
         """Copy Hugging Face-named tensors in, cast to the model dtype.
 
         Raises ``ValueError`` naming the first unexpected, duplicated or
         mis-shaped parameter, or every missing one. With tied embeddings a
-        ``lm_head.weight`` is accepted and ignored (state dicts carry it).
+        ``lm_head.weight`` is accepted and ignored (state dicts carry it). A ``BlockMatrix``
+        (``ModelSource.iter_blocks``) is kept in its blocks where ``takes_blocks`` and the matrix (the
+        embedding, the head, dense attention's and MLP's; a fused matrix whose parts are all blocks of one
+        kind) can be; anywhere else it is dequantized.
         """
+        self._drop_embedding_blocks()
         targets = self._hf_targets()
+        block_targets = self._block_targets() if self.takes_blocks else {}
+        pieces: dict[tuple[Prepared, str], list[tuple[int, str, BlockMatrix]]] = {}
         loaded: set[str] = set()
-        for name, tensor in self.family.canonical(weights, self.config):
+        # families that rename or split tensors get floats only (``takes_blocks``)
+        named = cast(Iterable[tuple[str, torch.Tensor | BlockMatrix]],
+                     self.family.canonical(cast(Iterable[tuple[str, torch.Tensor]], weights), self.config))
+        for name, tensor in named:
             if name.endswith(_IGNORED_SUFFIXES):
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
@@ -194,6 +230,12 @@ class CausalLM(nn.Module):
                 raise ValueError(f"unexpected parameter {name!r} for a {self.config.architecture} model")
             if name in loaded:
                 raise ValueError(f"parameter {name!r} given twice")
+            if isinstance(tensor, BlockMatrix):
+                fits = tuple(tensor.shape) == tuple(target.shape)
+                if fits and self._take_blocks(name, tensor, block_targets, pieces):
+                    loaded.add(name)
+                    continue
+                tensor = tensor.dequantize()
             cut = self.shard.weight_slice(name) if self.shard.size > 1 else None
             if (cut is not None and tuple(tensor.shape) != tuple(target.shape) and tensor.dim() > cut.dim
                     and tensor.shape[cut.dim] >= cut.stop):  # a whole tensor: cut this rank's part
@@ -208,7 +250,71 @@ class CausalLM(nn.Module):
         if missing:
             shown = ", ".join(missing[:8]) + (f" (and {len(missing) - 8} more)" if len(missing) > 8 else "")
             raise ValueError(f"missing parameters: {shown}")
+        for (module, attr), parts in pieces.items():
+            parts.sort(key=lambda part: part[0])
+            joined = cat_rows([matrix for _, _, matrix in parts])
+            if joined is not None and tuple(joined.shape) == tuple(getattr(module, attr).shape):
+                module.set_blocks(attr, joined)
+            else:  # kinds differ within one fused matrix (a mixed file): dequantize its parts
+                for _, name, matrix in parts:
+                    targets[name].copy_(matrix.dequantize())
         self.prepare_linears()
+
+    def weight_bytes(self) -> int:
+        """Bytes the model's weights hold in memory: each storage once, among the parameters (a released
+        matrix's stand-in is 4 bytes), the prepared products' packed copies, the greedy head's half copy
+        and the embedding's GGUF blocks."""
+        tensors: list[torch.Tensor] = [p.data for p in self.parameters()]
+        linears: list[PreparedLinear] = [self.lm_head_linear]
+        for module in self.modules():
+            for value in vars(module).values():
+                found = value if isinstance(value, list) else [value]
+                linears += [lin for lin in found if isinstance(lin, PreparedLinear)]
+        tensors += [t for lin in linears for t in (lin.weight, lin.packed, lin.packed_row) if t is not None]
+        if self.greedy_head is not None:
+            tensors.append(self.greedy_head.half)
+        tensors += [b.rows for b in (self.embed_blocks, self.head_blocks) if b is not None]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+        return sum(storages.values())
+
+    @property
+    def takes_blocks(self) -> bool:
+        """Whether ``load_weights`` keeps GGUF blocks (``kernels.gguf_blocks.BlockMatrix``) as they come:
+        float32 CPU weights with the native product on one rank, for a family that reads its tensors as
+        they are named. Blocks it does not keep (other matrices, or when this is False) are dequantized."""
+        return (self.dtype == torch.float32 and self.linear_kernel == "native" and self.group is None
+                and self.family.canonical is as_is and native_ops() is not None
+                and self.embed_tokens.device.type == "cpu")
+
+    def _block_targets(self) -> dict[str, tuple[Prepared, str, int]]:
+        found: dict[str, tuple[Prepared, str, int]] = {}
+        for i, layer in enumerate(self.decoder_layers()):
+            found |= layer.block_targets(f"model.layers.{i}")
+        return found
+
+    def _take_blocks(self, name: str, matrix: BlockMatrix,
+                     block_targets: dict[str, tuple[Prepared, str, int]],
+                     pieces: dict[tuple[Prepared, str], list[tuple[int, str, BlockMatrix]]]) -> bool:
+        """Keep ``matrix`` for ``name`` in its blocks, or say it is not taken (the caller dequantizes)."""
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            if name == "model.embed_tokens.weight":
+                self.embed_blocks = matrix
+            if name == "lm_head.weight" or self.config.tie_word_embeddings:
+                self.head_blocks = matrix
+            return True
+        found = block_targets.get(name)
+        if found is None:
+            return False
+        module, attr, row = found
+        pieces.setdefault((module, attr), []).append((row, name, matrix))
+        return True
+
+    def _drop_embedding_blocks(self) -> None:
+        """Before a load: the embedding and head take floats again unless blocks arrive."""
+        for param in (self.embed_tokens, self.lm_head):
+            if released(param):
+                param.data = torch.zeros(param.shape, dtype=param.dtype, device=param.device)
+        self.embed_blocks = self.head_blocks = None
 
     def forward(
         self,
@@ -258,7 +364,9 @@ class CausalLM(nn.Module):
         return self.norm_fn(hidden, self.norm, self.config.rms_norm_eps)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.group is None:
+        if self.embed_blocks is not None:
+            rows = self.embed_blocks.lookup(input_ids).to(self.dtype)
+        elif self.group is None:
             rows = F.embedding(input_ids, self.embed_tokens)
         else:
             start, stop = self.shard.vocab_range

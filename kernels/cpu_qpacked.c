@@ -1,0 +1,328 @@
+/* The product of a linear layer whose weight stays in its GGUF blocks (Q4_0, Q4_1, Q8_0): y = x . W^T (+ bias),
+ * with W dequantized in registers as it is read, never as a float32 copy in memory.
+ *
+ * Packed layout (pdserve_qpack): the weight in panels of PANEL output features as cpu_packed.c's, each panel
+ * a run of records, one per block of QK = 32 inputs (panel q, block b at (q * blocks + b) * record bytes):
+ *   d[PANEL]   float16 scales, feature-minor (the block's d of each feature)
+ *   m[PANEL]   float16 minimums (Q4_1 only)
+ *   codes      Q4: 16 pairs of inputs (2j, 2j+1), PANEL bytes each, byte f = code(f, 2j) | code(f, 2j+1) << 4;
+ *              Q8: 32 inputs, PANEL signed bytes each
+ * so a record's codes for one input widen to one vector of PANEL codes, with no shuffles. A record holds the
+ * file's bytes rearranged (Q4_0 18 bytes per 32 weights, Q4_1 20, Q8_0 34): the weights take in memory
+ * what they take on disk. The last panel's missing features are zero.
+ *
+ * Values: a weight is w = d * q (Q8_0), d * (q - 8) (Q4_0), d * q + m (Q4_1), in float32, which is exactly what
+ * gguf.quants.dequantize gives (each product is exact in float32: d has 11 significant bits, q at most 8, so
+ * the one rounding is Q4_1's add, the same in an FMA), and every output is one FMA chain over the inputs in
+ * order (acc = w * x + acc from 0, then + bias), cpu_packed.c's chain. So a product here is bitwise the
+ * float32 packed product of the dequantized weight: the model's tokens are those of the dequantized float32
+ * model, exactly, and a token rounds alike in a prompt chunk and a decode step.
+ *
+ * Two paths, one result: up to TILE_ROWS rows (decode steps) a register tile of rows x QTILE_PANELS panels
+ * widens each record's codes into weights in registers and uses them for every row (the weight bytes read
+ * once, 5-6x fewer than float32's for Q4); more rows (batched decode, prompt chunks) dequantize a group of
+ * panels once per chunk of rows into a thread's scratch in cpu_packed.c's float layout and run its tile,
+ * which is bound by arithmetic there, not by the weight stream.
+ */
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_internal.h"
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#define QK 32 /* inputs per GGUF block */
+#define VPP (PANEL / VW)
+#if defined(__AVX512F__)
+#define QTILE_PANELS 2
+#else
+#define QTILE_PANELS 1
+#endif
+#define MC_BYTES (256 * 1024) /* activation rows per chunk, as cpu_packed.c */
+
+static int64_t file_block_bytes(int32_t fmt) {
+    return fmt == WF_Q4_0 ? 18 : fmt == WF_Q4_1 ? 20 : fmt == WF_Q8_0 ? 34 : 0;
+}
+
+int64_t pdserve_qrecord_bytes(int32_t fmt) {
+    switch (fmt) {
+    case WF_Q4_0: return 2 * PANEL + 16 * PANEL;
+    case WF_Q4_1: return 4 * PANEL + 16 * PANEL;
+    case WF_Q8_0: return 2 * PANEL + 32 * PANEL;
+    default: return 0;
+    }
+}
+
+static inline uint8_t q4_code(const uint8_t *qs, int e) { return e < 16 ? qs[e] & 15 : qs[e - 16] >> 4; }
+
+/* raw: n rows of k / QK GGUF blocks each; packed: pdserve_qrecord_bytes(fmt) * ceil(n / PANEL) * k / QK bytes */
+int32_t pdserve_qpack(int32_t fmt, const uint8_t *raw, uint8_t *packed, int64_t n, int64_t k) {
+    const int64_t rec = pdserve_qrecord_bytes(fmt), fb = file_block_bytes(fmt);
+    if (!rec || k % QK) return -1;
+    const int64_t blocks = k / QK, panels = (n + PANEL - 1) / PANEL, row_bytes = blocks * fb;
+    memset(packed, 0, (size_t)(panels * blocks * rec));
+    for (int64_t q = 0; q < panels; q++)
+        for (int64_t b = 0; b < blocks; b++) {
+            uint8_t *r = packed + (q * blocks + b) * rec;
+            const int64_t head = fmt == WF_Q4_1 ? 4 * PANEL : 2 * PANEL;
+            for (int f = 0; f < PANEL && q * PANEL + f < n; f++) {
+                const uint8_t *src = raw + (q * PANEL + f) * row_bytes + b * fb;
+                memcpy(r + 2 * f, src, 2);
+                if (fmt == WF_Q4_1) memcpy(r + 2 * PANEL + 2 * f, src + 2, 2);
+                const uint8_t *qs = src + (fmt == WF_Q4_1 ? 4 : 2);
+                if (fmt == WF_Q8_0) {
+                    for (int i = 0; i < QK; i++) r[head + i * PANEL + f] = qs[i];
+                } else {
+                    for (int j = 0; j < QK / 2; j++)
+                        r[head + j * PANEL + f] = (uint8_t)(q4_code(qs, 2 * j) | q4_code(qs, 2 * j + 1) << 4);
+                }
+            }
+        }
+    return 0;
+}
+
+/* IEEE half to float, exactly (the scalar path and the unpacking) */
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 31, man = h & 1023;
+    union { uint32_t u; float f; } c;
+    if (exp == 31) {
+        c.u = sign | 0x7f800000u | man << 13;
+    } else if (exp) {
+        c.u = sign | (exp + 112) << 23 | man << 13;
+    } else {
+        c.f = (float)man * 5.9604644775390625e-8f; /* 2^-24: subnormal halves are exact in float */
+        c.u |= sign;
+    }
+    return c.f;
+}
+
+/* PANEL float16 values -> VPP vectors */
+static inline void load_halves(const uint8_t *p, vw out[VPP]) {
+#if defined(__AVX512F__)
+    out[0] = (vw)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+#elif defined(__AVX2__) && defined(__F16C__)
+    for (int h = 0; h < VPP; h++) out[h] = (vw)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16 * h)));
+#else
+    for (int h = 0; h < VPP; h++)
+        for (int l = 0; l < VW; l++) {
+            uint16_t v;
+            memcpy(&v, p + 2 * (h * VW + l), 2);
+            out[h][l] = half_to_float(v);
+        }
+#endif
+}
+
+/* PANEL bytes -> VPP vectors of int32 (unsigned or signed bytes) */
+static inline void widen(const uint8_t *p, iw out[VPP], const int is_signed) {
+#if defined(__AVX512F__)
+    const __m128i b = _mm_loadu_si128((const __m128i *)p);
+    out[0] = (iw)(is_signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
+#elif defined(__AVX2__)
+    for (int h = 0; h < VPP; h++) {
+        const __m128i b = _mm_loadl_epi64((const __m128i *)(p + 8 * h));
+        out[h] = (iw)(is_signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
+    }
+#else
+    for (int h = 0; h < VPP; h++)
+        for (int l = 0; l < VW; l++) out[h][l] = is_signed ? (int32_t)(int8_t)p[h * VW + l] : (int32_t)p[h * VW + l];
+#endif
+}
+
+/* The weights of inputs (i, i + 1) (Q4) or i (Q8: `hi` untouched) of one record, VPP vectors each. */
+static inline __attribute__((always_inline)) void weights_at(const int fmt, const uint8_t *codes, int j,
+                                                             const vw *d, const vw *m, vw *lo, vw *hi) {
+    iw c[VPP];
+    if (fmt == WF_Q8_0) {
+        widen(codes + j * PANEL, c, 1);
+        for (int h = 0; h < VPP; h++) lo[h] = __builtin_convertvector(c[h], vw) * d[h];
+        return;
+    }
+    widen(codes + j * PANEL, c, 0);
+    for (int h = 0; h < VPP; h++) {
+        iw a = c[h] & 15, b = c[h] >> 4;
+        if (fmt == WF_Q4_0) {
+            lo[h] = __builtin_convertvector(a - 8, vw) * d[h];
+            hi[h] = __builtin_convertvector(b - 8, vw) * d[h];
+        } else {
+            lo[h] = __builtin_convertvector(a, vw) * d[h] + m[h];
+            hi[h] = __builtin_convertvector(b, vw) * d[h] + m[h];
+        }
+    }
+}
+
+/* R rows x V panels, weights widened in registers; `pf`: the next panels' records to prefetch (or 0) */
+static inline __attribute__((always_inline)) void qtile(const int fmt, const uint8_t *p, int64_t blocks,
+                                                        int64_t panel_bytes, const float *x, int64_t ldx, float *y,
+                                                        int64_t ldy, const float *bias, int64_t cols,
+                                                        const uint8_t *pf, const int R, const int V) {
+    const int64_t rec = pdserve_qrecord_bytes(fmt), head = fmt == WF_Q4_1 ? 4 * PANEL : 2 * PANEL;
+    vw acc[TILE_ROWS_MAX][QTILE_PANELS * VPP];
+    for (int r = 0; r < R; r++)
+        for (int u = 0; u < V * VPP; u++) acc[r][u] = (vw){0};
+    for (int64_t b = 0; b < blocks; b++) {
+        vw d[QTILE_PANELS * VPP], m[QTILE_PANELS * VPP];
+        const uint8_t *codes[QTILE_PANELS];
+        for (int v = 0; v < V; v++) {
+            const uint8_t *r = p + v * panel_bytes + b * rec;
+            load_halves(r, d + v * VPP);
+            if (fmt == WF_Q4_1) load_halves(r + 2 * PANEL, m + v * VPP);
+            codes[v] = r + head;
+            if (pf)
+                for (int64_t line = 0; line < rec; line += 64) __builtin_prefetch(pf + v * panel_bytes + b * rec + line, 0, 3);
+        }
+        const float *xb = x + b * QK;
+        if (fmt == WF_Q8_0) {
+            for (int i = 0; i < QK; i++) {
+                vw w[QTILE_PANELS * VPP], unused[VPP];
+                for (int v = 0; v < V; v++) weights_at(fmt, codes[v], i, d + v * VPP, m + v * VPP, w + v * VPP, unused);
+                for (int r = 0; r < R; r++) {
+                    const vw s = (vw){0} + xb[r * ldx + i];
+                    for (int u = 0; u < V * VPP; u++) acc[r][u] = w[u] * s + acc[r][u];
+                }
+            }
+        } else {
+            for (int j = 0; j < QK / 2; j++) {
+                vw lo[QTILE_PANELS * VPP], hi[QTILE_PANELS * VPP];
+                for (int v = 0; v < V; v++) weights_at(fmt, codes[v], j, d + v * VPP, m + v * VPP, lo + v * VPP, hi + v * VPP);
+                for (int r = 0; r < R; r++) {
+                    const vw s = (vw){0} + xb[r * ldx + 2 * j];
+                    for (int u = 0; u < V * VPP; u++) acc[r][u] = lo[u] * s + acc[r][u];
+                }
+                for (int r = 0; r < R; r++) {
+                    const vw s = (vw){0} + xb[r * ldx + 2 * j + 1];
+                    for (int u = 0; u < V * VPP; u++) acc[r][u] = hi[u] * s + acc[r][u];
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        float row[QTILE_PANELS * PANEL];
+        for (int u = 0; u < V * VPP; u++) memcpy(row + u * VW, &acc[r][u], sizeof(vw));
+        for (int64_t c = 0; c < cols; c++) y[r * ldy + c] = bias ? row[c] + bias[c] : row[c];
+    }
+}
+
+typedef void (*qtile_fn)(const uint8_t *, int64_t, int64_t, const float *, int64_t, float *, int64_t, const float *,
+                         int64_t, const uint8_t *);
+#define QTILE_FN(F, R, V)                                                                                      \
+    static void qtile_##F##_##R##_##V(const uint8_t *p, int64_t blocks, int64_t pb, const float *x, int64_t ldx, \
+                                      float *y, int64_t ldy, const float *bias, int64_t cols, const uint8_t *pf) { \
+        qtile(F, p, blocks, pb, x, ldx, y, ldy, bias, cols, pf, R, V);                                          \
+    }
+#define QTILE_ROWS(F, V) QTILE_FN(F, 1, V) QTILE_FN(F, 2, V) QTILE_FN(F, 3, V) QTILE_FN(F, 4, V) \
+    QTILE_FN(F, 5, V) QTILE_FN(F, 6, V) QTILE_FN(F, 7, V) QTILE_FN(F, 8, V)
+#define QTILE_TABLE(F, V) {qtile_##F##_1_##V, qtile_##F##_2_##V, qtile_##F##_3_##V, qtile_##F##_4_##V, \
+    qtile_##F##_5_##V, qtile_##F##_6_##V, qtile_##F##_7_##V, qtile_##F##_8_##V}
+QTILE_ROWS(1, 1) QTILE_ROWS(2, 1) QTILE_ROWS(3, 1)
+#if QTILE_PANELS == 2
+QTILE_ROWS(1, 2) QTILE_ROWS(2, 2) QTILE_ROWS(3, 2)
+static const qtile_fn QTILES[3][QTILE_PANELS][TILE_ROWS_MAX] = {
+    {QTILE_TABLE(1, 1), QTILE_TABLE(1, 2)}, {QTILE_TABLE(2, 1), QTILE_TABLE(2, 2)}, {QTILE_TABLE(3, 1), QTILE_TABLE(3, 2)}};
+#else
+static const qtile_fn QTILES[3][QTILE_PANELS][TILE_ROWS_MAX] = {{QTILE_TABLE(1, 1)}, {QTILE_TABLE(2, 1)}, {QTILE_TABLE(3, 1)}};
+#endif
+
+/* panels q0..q0+v-1 dequantized into `out` in cpu_packed.c's float layout ([v][k][PANEL]) */
+static void dequantize_panels(int32_t fmt, const uint8_t *p, int64_t k, int64_t q0, int64_t v, float *out) {
+    const int64_t blocks = k / QK, rec = pdserve_qrecord_bytes(fmt), head = fmt == WF_Q4_1 ? 4 * PANEL : 2 * PANEL;
+    for (int64_t g = 0; g < v; g++)
+        for (int64_t b = 0; b < blocks; b++) {
+            const uint8_t *r = p + ((q0 + g) * blocks + b) * rec;
+            vw d[VPP], m[VPP] = {0}, lo[VPP], hi[VPP];
+            load_halves(r, d);
+            if (fmt == WF_Q4_1) load_halves(r + 2 * PANEL, m);
+            float *dst = out + (g * k + b * QK) * PANEL;
+            const int steps = fmt == WF_Q8_0 ? QK : QK / 2;
+            for (int j = 0; j < steps; j++) {
+                if (fmt == WF_Q8_0) weights_at(WF_Q8_0, r + head, j, d, m, lo, hi);
+                else if (fmt == WF_Q4_0) weights_at(WF_Q4_0, r + head, j, d, m, lo, hi);
+                else weights_at(WF_Q4_1, r + head, j, d, m, lo, hi);
+                const int per = fmt == WF_Q8_0 ? 1 : 2;
+                for (int h = 0; h < VPP; h++) {
+                    memcpy(dst + (per * j) * PANEL + h * VW, &lo[h], sizeof(vw));
+                    if (per == 2) memcpy(dst + (2 * j + 1) * PANEL + h * VW, &hi[h], sizeof(vw));
+                }
+            }
+        }
+}
+
+/* the whole weight as cpu_packed.c's float panels (bitwise gguf's dequantization; NativeOps.unpack reads it) */
+int32_t pdserve_qdequantize(int32_t fmt, const uint8_t *p, float *out, int64_t n, int64_t k) {
+    if (!pdserve_qrecord_bytes(fmt) || k % QK) return -1;
+    dequantize_panels(fmt, p, k, 0, (n + PANEL - 1) / PANEL, out);
+    return 0;
+}
+
+static __thread float *scratch;
+static __thread int64_t scratch_floats;
+
+static float *thread_scratch(int64_t floats) {
+    if (floats > scratch_floats) {
+        free(scratch);
+        scratch = (float *)aligned_alloc(64, (size_t)((floats * 4 + 63) / 64 * 64));
+        scratch_floats = scratch ? floats : 0;
+    }
+    return scratch;
+}
+
+void pdserve_any_panels(int32_t fmt, const void *p, const float *x, const float *bias, float *y, int64_t m, int64_t n,
+                        int64_t k, int64_t q0, int64_t q1) {
+    if (fmt == WF_F32) {
+        pdserve_packed_panels((const float *)p, x, bias, y, m, n, k, q0, q1);
+        return;
+    }
+    const uint8_t *w = (const uint8_t *)p;
+    const int64_t blocks = k / QK, panel_bytes = blocks * pdserve_qrecord_bytes(fmt);
+    if (m <= TILE_ROWS_MAX) {
+        for (int64_t q = q0; q < q1; q += QTILE_PANELS) {
+            const int64_t v = q1 - q < QTILE_PANELS ? q1 - q : QTILE_PANELS;
+            const int64_t col = q * PANEL, cols = n - col < v * PANEL ? n - col : v * PANEL;
+            const uint8_t *next = q + QTILE_PANELS < q1 ? w + (q + QTILE_PANELS) * panel_bytes : 0;
+            QTILES[fmt - 1][v - 1][m - 1](w + q * panel_bytes, blocks, panel_bytes, x, k, y + col, n,
+                                          bias ? bias + col : 0, cols, next);
+        }
+        return;
+    }
+    float *buf = thread_scratch(k * PACKED_TILE_PANELS * PANEL);
+    int64_t mc = (MC_BYTES / 4 / (k > 0 ? k : 1)) / TILE_ROWS_MAX * TILE_ROWS_MAX;
+    if (mc < TILE_ROWS_MAX) mc = TILE_ROWS_MAX;
+    for (int64_t m0 = 0; m0 < m; m0 += mc) {
+        const int64_t m1 = m0 + mc < m ? m0 + mc : m;
+        for (int64_t q = q0; q < q1; q += PACKED_TILE_PANELS) {
+            const int64_t v = q1 - q < PACKED_TILE_PANELS ? q1 - q : PACKED_TILE_PANELS;
+            const int64_t col = q * PANEL, cols = n - col < v * PANEL ? n - col : v * PANEL;
+            if (buf) {
+                dequantize_panels(fmt, w, k, q, v, buf);
+                pdserve_packed_group(buf, v, k, x + m0 * k, m1 - m0, y + m0 * n + col, n, bias ? bias + col : 0, cols);
+            } else { /* no scratch: the register tile, row by row groups (the same values) */
+                for (int64_t r = m0; r < m1; r += TILE_ROWS_MAX) {
+                    const int64_t rows = m1 - r < TILE_ROWS_MAX ? m1 - r : TILE_ROWS_MAX;
+                    pdserve_any_panels(fmt, p, x + r * k, bias, y + r * n, rows, n, k, q, q + v);
+                }
+            }
+        }
+    }
+}
+
+int32_t pdserve_qpacked_f32(int32_t fmt, const uint8_t *p, const float *x, const float *bias, float *y, int64_t m,
+                            int64_t n, int64_t k, int32_t num_threads) {
+    if (!pdserve_qrecord_bytes(fmt) || k % QK) return -1;
+    const int64_t panels = (n + PANEL - 1) / PANEL;
+    int threads = num_threads < 1 ? 1 : num_threads;
+    if (threads > panels) threads = (int)(panels > 0 ? panels : 1);
+    if (m < 1) return 0;
+    if (threads == 1) {
+        pdserve_any_panels(fmt, p, x, bias, y, m, n, k, 0, panels);
+        return 0;
+    }
+#pragma omp parallel num_threads(threads)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        pdserve_any_panels(fmt, p, x, bias, y, m, n, k, panels * t / nt, panels * (t + 1) / nt);
+    }
+    return 0;
+}
