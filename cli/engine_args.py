@@ -81,7 +81,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "$PDSERVE_CACHE/models (fetched by scripts/fetch_model.py)")
     g.add_argument("--dtype", choices=("auto", *DTYPES), default=d.dtype,
                    help="dtype of weights, activations and KV cache; auto is bfloat16 on CUDA and float32 "
-                        "on CPU")
+                        "on CPU, where a GGUF's Q4_0, Q4_1 and Q8_0 matrices stay in their blocks (the "
+                        "same results as float32); an explicit dtype dequantizes them")
     g.add_argument("--quantization", choices=QUANTIZATION_METHODS, default=d.quantization,
                    help="the method the checkpoint's quantization_config must name (fp8: e4m3 weights "
                         "with per-tensor, per-channel or block scales; mxfp4: gpt-oss's experts); a "

@@ -21,13 +21,17 @@ weights are re-prepared between them), and each phase keeps its best time of
 - ``sampling``: ``LLMEngine.sample``, the LM head included (the greedy head where it applies:
   ``kernels/greedy_head.py``); ``output``: ``LLMEngine.process``.
 
-Floors, measured in the same run: ``bw_floor`` = (weight bytes + KV bytes
-read) / read bandwidth (a torch ``sum`` over ``--bw-bytes`` bytes, best of 5);
+Floors, measured in the same run: ``bw_floor`` = (weight bytes a decode step
+reads + KV bytes read) / read bandwidth (a torch ``sum`` over ``--bw-bytes`` bytes,
+best of 5), the weight bytes as the model holds them for its products
+(``step_weight_bytes``: packed float32 panels, or GGUF blocks under ``--dtype
+auto``, and the LM head as the step reads it);
 ``gemm_floor`` = the step's GEMMs at the best time any candidate kernel
 (``bench.lab.linear_kernels``) reaches at that shape and row count.
 
     python -m bench.lab.step_profile [--configs plain,prepacked] [--batches 1,16,64]
-        [--prefill 2048] [--repeats 10] [--threads N] [--json out.json] [--md out.md]
+        [--prefill 2048] [--repeats 10] [--threads N] [--dtype auto|float32] [--json out.json]
+        [--md out.md]
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from bench.lab.step_ops import OP_CLASSES, op_class_split
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.sampling import SamplingParams
-from kernels.linear import LinearKernel
+from kernels.linear import LinearKernel, PreparedLinear
 
 PHASES = ("schedule", "metadata", "forward", "sampling", "output")
 
@@ -63,7 +67,7 @@ def _timed(fn: object) -> float:
 
 
 def weight_bytes(engine: LLMEngine) -> int:
-    """Bytes of every distinct weight tensor a decode step reads (tied embeddings counted once)."""
+    """Bytes of every distinct weight parameter (tied embeddings counted once; a float model's)."""
     seen: set[int] = set()
     total = 0
     for p in engine.runner.model.parameters():
@@ -71,6 +75,29 @@ def weight_bytes(engine: LLMEngine) -> int:
             seen.add(p.data_ptr())
             total += p.numel() * p.element_size()
     return total
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def step_weight_bytes(engine: LLMEngine) -> int:
+    """Bytes of weights a decode step reads: each layer's products as they are held (the packed copy, GGUF
+    blocks or the plain matrix) and its norms, the final norm, and the LM head as the step reads it (the
+    greedy head's half-precision copy where it screens, else the head's product; its float32 rechecks of a
+    few rows are left out). The embedding rows a step looks up are left out."""
+    model = engine.runner.model
+    total = _nbytes(model.norm)
+    for layer in model.decoder_layers():
+        for module in layer.modules():
+            for value in vars(module).values():
+                if isinstance(value, PreparedLinear):
+                    total += _nbytes(value.packed if value.packed is not None else value.weight)
+        total += sum(_nbytes(p) for name, p in layer.named_parameters() if "norm" in name)
+    head = model.lm_head_linear
+    if model.greedy_head is not None:
+        return total + _nbytes(model.greedy_head.half)
+    return total + _nbytes(head.packed if head.packed is not None else head.weight)
 
 
 def gemm_floor(engine: LLMEngine, rows: int, head_rows: int, repeats: int) -> float:
@@ -189,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--bw-bytes", type=int, default=2 * 1024**3)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--dtype", default="auto",
+                        help="the engine's --dtype (auto: a GGUF's Q4_0/Q4_1/Q8_0 matrices in their blocks)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--md", default=None)
     args = parser.parse_args(argv)
@@ -202,9 +231,9 @@ def main(argv: list[str] | None = None) -> int:
         enable_prefix_caching=False, max_num_seqs=max(batches), kv_cache_memory=1024**3,
         # 2,048-token steps at least, so the batches' prompts are prefilled in a few steps, not hundreds
         max_num_batched_tokens=max(args.prefill, max(batches), 2048), compile_cpu="compiled" in configs,
-        num_threads=args.threads))
+        num_threads=args.threads, dtype=args.dtype))
     bandwidth = read_bandwidth(args.bw_bytes)
-    wbytes = weight_bytes(engine)
+    wbytes = step_weight_bytes(engine)
     kv_token = engine.model_config.kv_bytes_per_token(engine.config.kv_torch_dtype.itemsize)
     print(f"torch threads {torch.get_num_threads()}; read bandwidth {bandwidth / 1e9:.1f} GB/s; "
           f"weights {wbytes / 1e6:.0f} MB", flush=True)
@@ -226,8 +255,9 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(markdown([row], configs).splitlines()[2:]), flush=True)
     table = markdown(rows, configs)
     print("\n" + table)
-    meta = {"torch_threads": torch.get_num_threads(), "read_bandwidth_gbs": bandwidth / 1e9,
-            "weight_bytes": wbytes, "context": args.context, "repeats": args.repeats}
+    meta = {"torch_threads": torch.get_num_threads(), "dtype": args.dtype,
+            "read_bandwidth_gbs": bandwidth / 1e9, "weight_bytes": wbytes, "context": args.context,
+            "repeats": args.repeats}
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=2)
