@@ -35,7 +35,7 @@ case "$cmd" in
     model="${2:?usage: vllm_cpu.sh serve MODEL_DIR [PORT] [flags...]}"
     port="${3:-8001}"
     shift 3 || shift $#
-    # float32 matches pdserve's default dtype on CPU; KV space kept small for a 2-core box.
+    # dtype: VLLM_DTYPE, float32 unless set (vLLM's own CPU default is bfloat16); KV space kept small.
     export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-2}"
     # vLLM's default ('auto') binds its compute threads to all but one core (one on a 2-core host);
     # binding every core is faster there and uses the cores pdserve's workers use.
@@ -43,7 +43,7 @@ case "$cmd" in
     # The `vllm` command reads the version of a distribution named "vllm", which vllm-cpu is not;
     # the API server module is the same server without that lookup.
     exec "$VLLM_VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$model" --port "$port" \
-      --dtype float32 \
+      --dtype "${VLLM_DTYPE:-float32}" \
       --served-model-name "$(basename "$model")" --max-model-len 2048 "$@"
     ;;
   *)

@@ -83,6 +83,7 @@ IN_PROCESS_BENCHMARKS: dict[str, tuple[str, ...]] = {
     "bench.lab.step_profile": ("engine", "kernels"),
     "bench.lab.moe_step": ("engine",),
     "bench.lab.requantize": ("engine",),  # the default model's path
+    "bench.lab.weight_quality": ("engine",),
     "bench.lab.mla_step": ("engine",),
     "bench.lab.mla_attention": ("kernels",),
     "bench.lab.moe_models": ("engine.loader",),  # the cache folder the models are saved under
