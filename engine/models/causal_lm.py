@@ -43,12 +43,13 @@ from engine.layers.attention import Attention
 from engine.layers.context import LayerContext
 from engine.layers.decoder import DecoderLayer
 from engine.layers.prepared import Prepared, released, weight
+from engine.models.block_pieces import BlockPieces
 from engine.models.family import as_is
 from engine.models.registry import family
 from engine.tensor_parallel import TpShard
 from engine.tp_group import TpGroup
 from kernels.attention import AttentionBackend, AttentionMetadata
-from kernels.gguf_blocks import BlockMatrix, cat_rows
+from kernels.gguf_blocks import BlockMatrix
 from kernels.greedy_head import GreedyHead
 from kernels.linear import LinearKernel, PreparedLinear
 from kernels.native_decoder import DecoderShape, NativeDecoder
@@ -207,15 +208,13 @@ class CausalLM(nn.Module):
 
         Raises ``ValueError`` naming the first unexpected, duplicated or
         mis-shaped parameter, or every missing one. With tied embeddings a
-        ``lm_head.weight`` is accepted and ignored (state dicts carry it). A ``BlockMatrix``
-        (``ModelSource.iter_blocks``) is kept in its blocks where ``takes_blocks`` and the matrix (the
-        embedding, the head, dense attention's and MLP's; a fused matrix whose parts are all blocks of one
-        kind) can be; anywhere else it is dequantized.
+        ``lm_head.weight`` is accepted and ignored (state dicts carry it). A ``BlockMatrix`` is kept in its
+        blocks where ``takes_blocks`` and the matrix can (``_take_blocks``), dequantized anywhere else.
         """
         self._drop_embedding_blocks()
         targets = self._hf_targets()
         block_targets = self._block_targets() if self.takes_blocks else {}
-        pieces: dict[tuple[Prepared, str], list[tuple[int, str, BlockMatrix]]] = {}
+        pieces = BlockPieces()
         loaded: set[str] = set()
         # families that rename or split tensors get floats only (``takes_blocks``)
         named = cast(Iterable[tuple[str, torch.Tensor | BlockMatrix]],
@@ -250,14 +249,7 @@ class CausalLM(nn.Module):
         if missing:
             shown = ", ".join(missing[:8]) + (f" (and {len(missing) - 8} more)" if len(missing) > 8 else "")
             raise ValueError(f"missing parameters: {shown}")
-        for (module, attr), parts in pieces.items():
-            parts.sort(key=lambda part: part[0])
-            joined = cat_rows([matrix for _, _, matrix in parts])
-            if joined is not None and tuple(joined.shape) == tuple(getattr(module, attr).shape):
-                module.set_blocks(attr, joined)
-            else:  # kinds differ within one fused matrix (a mixed file): dequantize its parts
-                for _, name, matrix in parts:
-                    targets[name].copy_(matrix.dequantize())
+        pieces.finish(targets)
         self.prepare_linears()
 
     def weight_bytes(self) -> int:
@@ -294,8 +286,9 @@ class CausalLM(nn.Module):
 
     def _take_blocks(self, name: str, matrix: BlockMatrix,
                      block_targets: dict[str, tuple[Prepared, str, int]],
-                     pieces: dict[tuple[Prepared, str], list[tuple[int, str, BlockMatrix]]]) -> bool:
-        """Keep ``matrix`` for ``name`` in its blocks, or say it is not taken (the caller dequantizes)."""
+                     pieces: BlockPieces) -> bool:
+        """Keep ``matrix`` for ``name`` in its blocks (the embedding, the head, dense attention's and MLP's
+        matrices; a fused one's parts gathered in ``pieces``), or say it is not taken."""
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             if name == "model.embed_tokens.weight":
                 self.embed_blocks = matrix
@@ -306,7 +299,7 @@ class CausalLM(nn.Module):
         if found is None:
             return False
         module, attr, row = found
-        pieces.setdefault((module, attr), []).append((row, name, matrix))
+        pieces.add(module, attr, row, name, matrix)
         return True
 
     def _drop_embedding_blocks(self) -> None:
