@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from engine.config import EngineConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e5m2", "int8")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e5m2", "int8", "int4")
 _SIZE_UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
@@ -91,9 +91,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device", type=_device, default=d.device,
                    help="torch device: cpu, cuda or cuda:N")
     g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d.kv_cache_dtype,
-                   help="KV cache storage: auto (the --dtype), fp8 (e4m3), fp8_e5m2 or int8; quantized "
-                        "blocks keep float32 per-block, per-head scales and hold 2x the tokens of "
-                        "bf16 (4x of float32) per byte")
+                   help="KV cache storage: auto (the --dtype), fp8 (e4m3), fp8_e5m2, int8 or int4; fp8 "
+                        "and int8 blocks keep float32 per-block, per-head scales and hold 2x the tokens "
+                        "of bf16 (4x of float32) per byte; int4 packs two codes a byte with a float32 "
+                        "low and step per block, head and 16 channels (3.8x bf16's tokens at head dim "
+                        "64, block 16)")
     g.add_argument("--preemption-mode", choices=("recompute", "swap"), default=d.preemption_mode,
                    help="when KV runs out, the least important running request (highest priority value) "
                         "is preempted: recompute its KV on resume, or swap its blocks to host memory and "
@@ -114,6 +116,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="bounded KV for endless sessions: keep only the last N tokens' K/V (whole "
                         "blocks) plus the --kv-sinks first tokens; generation is then not limited by "
                         "the pool (default: off; refused beside a model's own sliding-window layers)")
+    g.add_argument("--kv-eviction", choices=("none", "h2o"), default=d.kv_eviction,
+                   help="h2o: keep each sequence within --kv-budget tokens by freeing, before each chunk, "
+                        "its whole blocks that received the least attention so far, outside the last "
+                        "--kv-recent tokens (attention runs on the torch kernel, which scores the blocks; "
+                        "colocated workers only; default: none)")
+    g.add_argument("--kv-budget", type=int, default=d.kv_budget, metavar="TOKENS",
+                   help="with --kv-eviction h2o: the KV tokens one sequence may hold")
+    g.add_argument("--kv-recent", type=int, default=d.kv_recent, metavar="TOKENS",
+                   help="with --kv-eviction h2o: the last tokens never evicted (default: half the budget)")
     g.add_argument("--hybrid-kv", action=argparse.BooleanOptionalAction, default=d.hybrid_kv,
                    help="a hybrid model's sliding-window layers keep only the KV blocks their window still "
                         "reads, in KV groups of their own (docs/models.md); --no-hybrid-kv keeps every block")

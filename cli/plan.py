@@ -160,6 +160,7 @@ def make_plan(model: ModelConfig, *, dtype: str = "bfloat16", kv_cache_dtype: st
         device_kv_budget,
         element_bytes,
         kv_block_bytes,
+        kv_bytes_per_layer_token,
         kv_dtype_name,
     )
 
@@ -182,7 +183,7 @@ def make_plan(model: ModelConfig, *, dtype: str = "bfloat16", kv_cache_dtype: st
     length = max_model_len or model.max_position_embeddings
     per_seq = blocks_per_sequence(groups, length, block_size)
     lengths = sorted({n for n in CONTEXT_LENGTHS if n < length} | {length})
-    quantized = ["fp8", "fp8_e5m2", "int8"]
+    quantized = ["fp8", "fp8_e5m2", "int8", "int4"]
     chosen = kv_dtype_name(kv_dtype)
     extra = [] if chosen in quantized else [chosen]
     names = dict.fromkeys([kv_dtype_name(weights_dtype), *extra, *quantized])
@@ -192,8 +193,8 @@ def make_plan(model: ModelConfig, *, dtype: str = "bfloat16", kv_cache_dtype: st
     return Plan(
         model=model.name, num_layers=model.num_layers, num_kv_heads=full_model.num_kv_heads,
         head_dim=model.head_dim, parameters=params, weight_bytes=weights, dtype=str(weights_dtype)[6:],
-        kv_cache_dtype=str(kv_dtype)[6:],
-        kv_bytes_per_token=model.kv_bytes_per_token(element_bytes(kv_dtype)),
+        kv_cache_dtype=kv_dtype_name(kv_dtype) if kv_dtype == torch.uint8 else str(kv_dtype)[6:],
+        kv_bytes_per_token=kv_bytes_per_layer_token(model, kv_dtype) * model.num_layers,
         block_size=block_size, kv_block_bytes=kv_block_bytes(model, block_size, kv_dtype, slots),
         device_memory=None if kv_cache_memory is not None else device_memory,
         gpu_memory_utilization=None if kv_cache_memory is not None else gpu_memory_utilization,
@@ -204,17 +205,16 @@ def make_plan(model: ModelConfig, *, dtype: str = "bfloat16", kv_cache_dtype: st
         tensor_parallel_size=tensor_parallel_size, kv_heads_per_device=model.num_kv_heads, role=role,
         architecture=full_model.architecture, active_parameters=counts.active,
         active_weight_bytes=counts.active * element_bytes(weights_dtype),
-        kv_groups=group_plans(model, groups, element_bytes(kv_dtype)), kv_block_slots=slots,
+        kv_groups=group_plans(model, groups, kv_bytes_per_layer_token(model, kv_dtype)), kv_block_slots=slots,
         latent_dim=model.mla.latent_dim if model.mla is not None else 0,
     )
 
 
-def group_plans(model: ModelConfig, groups: tuple[KvGroup, ...], element: int) -> list[KvGroupPlan]:
+def group_plans(model: ModelConfig, groups: tuple[KvGroup, ...], per_layer: int) -> list[KvGroupPlan]:
     """The KV groups by attention kind: full attention first, then each window."""
     kinds: dict[int | None, list[KvGroup]] = {}
     for g in groups:
         kinds.setdefault(g.window, []).append(g)
-    per_layer = model.kv_parts * model.num_kv_heads * model.kv_head_dim * element
     plans = []
     for window, gs in kinds.items():
         layers = sum(len(g.layers) for g in gs)
@@ -229,8 +229,8 @@ def dtype_capacity(model: ModelConfig, kv_dtype: torch.dtype, block_size: int, b
     """One row of the per-dtype table, from ``engine.kv_sizing`` (as the engine and its tiers size)."""
     from engine.kv_sizing import (
         blocks_for_budget,
-        element_bytes,
         kv_block_bytes,
+        kv_bytes_per_layer_token,
         kv_dtype_name,
         tier_capacity_blocks,
     )
@@ -241,7 +241,7 @@ def dtype_capacity(model: ModelConfig, kv_dtype: torch.dtype, block_size: int, b
     disk = None if disk_bytes is None else tier_capacity_blocks(disk_bytes, block)
     return DtypeCapacity(
         kv_cache_dtype=kv_dtype_name(kv_dtype),
-        kv_bytes_per_token=model.kv_bytes_per_token(element_bytes(kv_dtype)),
+        kv_bytes_per_token=kv_bytes_per_layer_token(model, kv_dtype) * model.num_layers,
         kv_block_bytes=block, block_bytes_per_token=block / block_size, num_kv_blocks=blocks,
         kv_tokens=blocks * block_size, concurrent_sequences=blocks // blocks_per_sequence,
         host_blocks=host, host_tokens=None if host is None else host * block_size,

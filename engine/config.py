@@ -272,6 +272,11 @@ class EngineConfig:
     kv_offload_disk_bytes: int = 8 * 1024**3
     kv_sinks: int = 0
     kv_window: int | None = None
+    # heavy-hitter eviction (engine/kv_eviction.py): "none" or "h2o", each sequence's KV budget in tokens
+    # and the recent tokens it always keeps (default: half the budget)
+    kv_eviction: str = "none"
+    kv_budget: int | None = None
+    kv_recent: int | None = None
     # a hybrid model's sliding-window layers keep only the blocks their window reads, in KV groups of
     # their own (engine/kv_groups.py); off: every layer keeps every block (their attention is the same)
     hybrid_kv: bool = True
@@ -330,6 +335,7 @@ class EngineConfig:
             raise ValueError("--kv-offload-bytes and --kv-offload-disk-bytes must be >= 0")
         if self.kv_window is not None and self.kv_window < 1:
             raise ValueError(f"--kv-window must be at least 1, got {self.kv_window}")
+        self._check_eviction()
         if self.kv_sinks < 0 or (self.kv_sinks and self.kv_window is None):
             raise ValueError("--kv-sinks must be >= 0 and needs --kv-window")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -386,6 +392,33 @@ class EngineConfig:
         if self.dtype.lower() == "auto":
             return torch.bfloat16 if torch.device(self.device).type == "cuda" else torch.float32
         return parse_dtype(self.dtype)
+
+    def _check_eviction(self) -> None:
+        """``--kv-eviction`` and its budget: ValueError naming the flag."""
+        if self.kv_eviction not in ("none", "h2o"):
+            raise ValueError(f"--kv-eviction must be none or h2o, got {self.kv_eviction!r}")
+        if self.kv_eviction == "none":
+            if self.kv_budget is not None or self.kv_recent is not None:
+                raise ValueError("--kv-budget and --kv-recent need --kv-eviction h2o")
+            return
+        if self.kv_budget is None:
+            raise ValueError("--kv-eviction h2o needs --kv-budget TOKENS")
+        recent = self.kv_recent_tokens
+        if recent < 1 or self.kv_budget < recent + 2 * self.block_size:
+            raise ValueError(f"--kv-budget ({self.kv_budget}) must exceed --kv-recent ({recent}) by at least "
+                             f"two blocks ({2 * self.block_size} tokens), and --kv-recent must be at least 1")
+        for flag, on in (("--kv-window", self.kv_window is not None),
+                         ("--kv-cache-dtype", self.kv_cache_dtype != "auto"),
+                         ("--speculative-config", self.speculative_config is not None)):
+            if on:
+                raise ValueError(f"--kv-eviction h2o does not combine with {flag}")
+
+    @property
+    def kv_recent_tokens(self) -> int:
+        """``--kv-recent``, or half of ``--kv-budget`` (H2O's even split of heavy and recent tokens)."""
+        if self.kv_recent is not None:
+            return self.kv_recent
+        return (self.kv_budget or 0) // 2
 
     @property
     def kv_torch_dtype(self) -> torch.dtype:

@@ -34,6 +34,7 @@ from engine.config import EngineConfig
 from engine.draft import DraftModel
 from engine.hashing import seed_for
 from engine.kv_cache import KVCacheManager
+from engine.kv_eviction import KvEviction
 from engine.kv_groups import kv_layout, max_sequence_tokens, num_slots
 from engine.kv_sizing import KvTier, kv_block_bytes, num_kv_blocks
 from engine.loader import ModelSource, load_model_source, resolve_model
@@ -81,6 +82,7 @@ class EngineStats:
     kv_offload_disk_bytes: int = 0
     kv_tiers: tuple[KvTier, ...] = ()  # device, then host / disk when configured
     spec: SpecStats | None = None  # speculative decoding totals when it is on
+    kv_evicted_tokens: int = 0  # --kv-eviction: tokens freed since start (engine/kv_eviction.py)
 
 
 @dataclass(frozen=True)
@@ -159,7 +161,8 @@ class LLMEngine:
                                  f"sliding-window layers ({self.model_config.architecture}); leave it out")
             sink_blocks = -(-self.config.kv_sinks // self.config.block_size)
             self.kv_window = KvWindow(sink_blocks, self.config.kv_window)
-        if self.config.kv_window is not None:  # bounded KV: generation length is not bounded by the pool
+        if self.config.kv_window is not None or self.config.kv_eviction != "none":
+            # bounded KV: generation length is not bounded by the pool
             self.max_model_len = self.config.max_model_len or sys.maxsize
         else:
             limit = self.config.max_model_len or self.model_config.max_position_embeddings
@@ -178,10 +181,11 @@ class LLMEngine:
             self.kv.pool.on_evict = self.offload.store
         self.swap = (HostSwapSpace(self.runner.kv_cache, self.runner.kv_scales, self.config.swap_space)
                      if self.config.preemption_mode == "swap" else None)
+        self.eviction = self._eviction()
         self.scheduler = Scheduler(self.kv, self.config.max_num_batched_tokens,
                                    self.config.max_num_seqs, self.max_model_len,
                                    self.config.preemption_mode, self.swap, self.kv_window,
-                                   self.config.prefix_wait_min_tokens)
+                                   self.config.prefix_wait_min_tokens, eviction=self.eviction)
         self.sampler = Sampler()
         spec = self.config.speculative
         draft = (DraftModel(spec.model, self.model_config, self.config, blocks)
@@ -195,6 +199,19 @@ class LLMEngine:
         self.reserved: dict[str, Request] = {}
         self.check_integrity = check_integrity
         self._ids = itertools.count()
+
+    def _eviction(self) -> KvEviction | None:
+        """``--kv-eviction h2o``'s state (``engine/kv_eviction.py``); ValueError where it cannot score."""
+        if self.config.kv_eviction == "none":
+            return None
+        model = self.model_config
+        for why, refused in ((f"{model.name}'s sliding-window layers", model.has_sliding_layers),
+                             ("latent attention (MLA)", model.mla is not None),
+                             ("--tensor-parallel-size > 1", self.config.tensor_parallel_size > 1)):
+            if refused:
+                raise ValueError(f"--kv-eviction h2o does not support {why}")
+        assert self.runner.kv_mass is not None
+        return KvEviction(self.config.kv_budget or 0, self.config.kv_recent_tokens, self.runner.kv_mass)
 
     def _refuse_with_hybrid_kv(self) -> None:
         """Name the options that do not yet keep a hybrid model's KV groups (``engine/kv_groups.py``)."""
@@ -396,7 +413,8 @@ class LLMEngine:
             prefix_queries=self.kv.prefix_queries,
             prefix_hits=self.kv.prefix_hits,
             num_preemptions=self.scheduler.num_preemptions,
-            kv_cache_dtype=str(self.runner.kv_cache.dtype).removeprefix("torch."),
+            kv_cache_dtype=("int4" if self.runner.kv_cache.dtype == torch.uint8  # kernels/kv_int4.py
+                            else str(self.runner.kv_cache.dtype).removeprefix("torch.")),
             kv_cache_bytes=self.runner.kv_cache_bytes,
             num_swap_outs=self.swap.num_swap_outs if self.swap else 0,
             num_swap_ins=self.swap.num_swap_ins if self.swap else 0,
@@ -404,6 +422,7 @@ class LLMEngine:
             **self._offload_stats(),
             kv_tiers=self.kv_tiers(),
             spec=self.spec.stats if self.spec is not None else None,
+            kv_evicted_tokens=self.eviction.evicted_tokens if self.eviction is not None else 0,
         )
 
     def kv_tiers(self) -> tuple[KvTier, ...]:

@@ -1,19 +1,21 @@
 """How many KV blocks a memory budget buys. ``pdserve plan`` uses the same functions.
 
 KV bytes per token = 2 (K and V) x layers x KV heads x head dim x bytes per
-element; a block holds ``block_size`` tokens of ``slots`` layers: every layer for a
+element (half a byte for int4, ``kernels/kv_int4.py``); a block holds
+``block_size`` tokens of ``slots`` layers: every layer for a
 model of one KV group, one group's layers for a hybrid model (``engine/kv_groups.py``).
 ``slots`` None means every layer.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from engine.config import EngineConfig, ModelConfig
-from kernels.kv_quant import SCALE_DTYPE, is_quantized
+from kernels.kv_quant import SCALE_DTYPE, is_quantized, scale_shape, stored_head_dim
 
 # Bytes per KV element for each name ``--kv-cache-dtype`` accepts (``auto`` means the model dtype).
 KV_CACHE_DTYPES: dict[str, torch.dtype] = {
@@ -24,6 +26,7 @@ KV_CACHE_DTYPES: dict[str, torch.dtype] = {
     "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
     "int8": torch.int8,
+    "int4": torch.uint8,  # kernels/kv_int4.py: uint8 bytes of two codes
 }
 
 # The name ``/metrics`` and ``pdserve plan`` give each storage dtype (``--kv-cache-dtype``'s spelling).
@@ -34,11 +37,13 @@ _DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.float8_e4m3fn: "fp8",
     torch.float8_e5m2: "fp8_e5m2",
     torch.int8: "int8",
+    torch.uint8: "int4",
 }
 
 
 def kv_dtype_name(dtype: torch.dtype) -> str:
-    """``fp8`` for float8_e4m3fn, ``fp8_e5m2``, ``int8``, else the torch name (``float32``...)."""
+    """``fp8`` for float8_e4m3fn, ``fp8_e5m2``, ``int8``, ``int4`` (its uint8 bytes), else the torch name
+    (``float32``...)."""
     return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
 
 
@@ -71,11 +76,12 @@ def kv_block_bytes(model: ModelConfig, block_size: int, dtype: torch.dtype, slot
     """Bytes of one block over its slots: block_size x parts x slots x kv_heads x KV head dim x elem
     (parts: K and V, or MLA's one latent).
 
-    A quantized dtype (fp8/int8) adds its scales: 2 x slots x kv_heads float32 per block
-    (``kernels/kv_quant.py``), so the count stays honest.
+    A quantized dtype adds its scales: 2 x slots x kv_heads float32 per block for fp8/int8
+    (``kernels/kv_quant.py``), times 2 x groups for int4's ``(low, step)`` pairs, whose codes take half a
+    byte each (``kernels/kv_int4.py``), so the count stays honest.
     """
     layers = model.num_layers if slots is None else slots
-    per_token = model.kv_parts * layers * model.num_kv_heads * model.kv_head_dim * element_bytes(dtype)
+    per_token = kv_bytes_per_layer_token(model, dtype) * layers
     return block_size * per_token + kv_scale_bytes(model, dtype, slots)
 
 
@@ -84,7 +90,14 @@ def kv_scale_bytes(model: ModelConfig, dtype: torch.dtype, slots: int | None = N
     if not is_quantized(dtype):
         return 0
     layers = model.num_layers if slots is None else slots
-    return model.kv_parts * layers * model.num_kv_heads * SCALE_DTYPE.itemsize
+    entries = math.prod(scale_shape(dtype, model.kv_head_dim))
+    return model.kv_parts * layers * model.num_kv_heads * entries * SCALE_DTYPE.itemsize
+
+
+def kv_bytes_per_layer_token(model: ModelConfig, dtype: torch.dtype) -> int:
+    """Code bytes one token takes in one layer (K and V, or the latent; scales not counted)."""
+    row = stored_head_dim(dtype, model.kv_head_dim) * element_bytes(dtype)
+    return model.kv_parts * model.num_kv_heads * row
 
 
 def blocks_for_budget(model: ModelConfig, block_size: int, dtype: torch.dtype, budget: int,

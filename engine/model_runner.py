@@ -35,7 +35,7 @@ from engine.kv_tensors import allocate_kv_cache, allocate_kv_scales
 from engine.models.causal_lm import CausalLM
 from engine.scheduler import SchedulerOutput
 from engine.tp_group import Call, CallReply, StepPlan, Stop, TpGroup, run_handler
-from kernels import AttentionBackend, AttentionMetadata, get_attention_backend
+from kernels import AttentionBackend, AttentionMetadata, TorchAttentionBackend, get_attention_backend
 from kernels.mla_backends import mla_backend
 
 if TYPE_CHECKING:
@@ -97,6 +97,10 @@ class ModelRunner:
         self.kv_groups = groups or kv_layout(model_config, engine_config.hybrid_kv)
         self.slots = num_slots(self.kv_groups)
         model.set_kv_groups(self.kv_groups)
+        # --kv-eviction h2o: the attention mass each block received (engine/kv_eviction.py); the scratch
+        # block of padded steps included
+        self.kv_mass = (torch.zeros(num_blocks + 1, dtype=torch.float32, device=self.device)
+                        if engine_config.kv_eviction == "h2o" else None)
         self.backends = [self._new_backend() for _ in self.kv_groups]
         self.backend = self.backends[0]
         # the block pool's size; padded decode steps (engine/graph_runner.py) add one block past it, the
@@ -106,14 +110,15 @@ class ModelRunner:
         allocated = num_blocks + (1 if graphs else 0)
         self.kv_cache = allocate_kv_cache(kv_config, allocated, engine_config.block_size,
                                           engine_config.kv_torch_dtype, self.device, self.slots)
-        # per-block scales of a quantized (fp8/int8) cache; None when the cache is full precision
-        self.kv_scales = (allocate_kv_scales(kv_config, allocated, self.device, self.slots)
+        # per-block scales of a quantized (fp8/int8/int4) cache; None when the cache is full precision
+        self.kv_scales = (allocate_kv_scales(kv_config, allocated, self.device, self.slots,
+                                             engine_config.kv_torch_dtype)
                           if engine_config.kv_quantized else None)
         self.decode_graphs = (DecodeGraphRunner(model, self.kv_cache, self.kv_scales, engine_config, graphs,
                                                 self._table_width(), self.backend) if graphs else None)
         self._compiled: CompiledDecoder | None = None
         self.compiled: CompiledDecoder | None = None
-        self.set_compiled(engine_config.compile_enabled)
+        self.set_compiled(engine_config.compile_enabled and self.kv_mass is None)
 
     def _new_backend(self) -> AttentionBackend:
         """A KV group's attention backend: MLA's (``kernels/mla.py``) for a latent cache."""
@@ -121,6 +126,8 @@ class ModelRunner:
         if self.model_config.mla is not None:
             return cast(AttentionBackend, mla_backend(self.device, name, self.config.native_kernels,
                                                       self.config.torch_dtype))
+        if self.kv_mass is not None:  # only the torch kernel scores blocks
+            return TorchAttentionBackend(mass=self.kv_mass)
         if name == "auto" and self.device.type == "cpu" and not self.config.native_kernels:
             name = "torch"
         return get_attention_backend(self.device, name, self.config.kv_quantized)

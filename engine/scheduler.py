@@ -30,6 +30,10 @@ positions; attention sees the sink blocks, then the kept blocks, so a token
 attends to the sinks and to between ``window`` and ``window + block_size - 1``
 previous tokens. A request's KV stays bounded however long it generates.
 
+Heavy-hitter eviction (``--kv-eviction h2o``, ``engine/kv_eviction.py``): before a request's chunk,
+its blocks of least attention mass outside its recent window are freed until the chunk fits its
+budget, and the chunk is cut to what the budget leaves.
+
 In-flight prefix dedup (``engine/prefix_wait.py``): a waiting request whose next uncached full blocks (at
 least ``prefix_wait_min_tokens`` tokens of them, by chained hash; 0 turns this
 off) are being computed right now by a running request is skipped (the
@@ -38,7 +42,7 @@ prefix cache at the end of the step that computes them; it is then admitted
 with them as a prefix hit instead of computing them a second time. A request
 is skipped this way in at most ``max_prefix_wait_steps`` schedules (default:
 twice the chunks a longest prompt takes, plus 2), then is admitted whatever
-runs. Off with a sliding window (its blocks stop being published) and without
+runs. Off with a sliding window or eviction (their blocks stop being published) and without
 caching.
 
 The scheduler sees the KV manager through ``allocate``/``free``/``find_prefix``
@@ -53,6 +57,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from engine.kv_cache import KVCacheManager
+from engine.kv_eviction import KvEviction
 from engine.prefix_wait import InflightPrefixes
 from engine.request import Request, RequestStatus
 from engine.swap import HostSwapSpace
@@ -109,8 +114,10 @@ class Scheduler:
         kv_window: KvWindow | None = None,
         prefix_wait_min_tokens: int = 128,
         max_prefix_wait_steps: int | None = None,
+        eviction: KvEviction | None = None,
     ) -> None:
         self.kv_window = kv_window
+        self.eviction = eviction  # --kv-eviction h2o (engine/kv_eviction.py)
         if preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"--preemption-mode must be recompute or swap, got {preemption_mode!r}")
         if preemption_mode == "swap" and swapper is None:
@@ -127,7 +134,7 @@ class Scheduler:
         if max_prefix_wait_steps is None:
             max_prefix_wait_steps = 2 * -(-max_model_len // max(1, max_num_batched_tokens)) + 2
         self.inflight = (InflightPrefixes(kv.block_size, prefix_wait_min_tokens, max_prefix_wait_steps)
-                         if kv_window is None and prefix_wait_min_tokens > 0 else None)
+                         if kv_window is None and eviction is None and prefix_wait_min_tokens > 0 else None)
         self.num_prefix_waits = 0  # schedules in which some request waited for an in-flight prefix
 
     def add(self, request: Request) -> None:
@@ -168,6 +175,8 @@ class Scheduler:
             if n <= 0:
                 continue
             self._slide(request)
+            if self.eviction is not None:
+                n = self.eviction.fit(self.kv, request, n)
             draft = drafts.get(request.request_id) if drafts and n == 1 else None
             if draft and budget > 1:
                 draft = draft[: budget - 1]
@@ -204,6 +213,8 @@ class Scheduler:
                 continue
             num_cached = prefix.num_tokens(self.kv.block_size)
             n = min(request.num_tokens - num_cached, budget)
+            if self.eviction is not None:  # the first chunk within the sequence's KV budget
+                n = max(1, min(n, self.eviction.budget - num_cached))
             if not self.kv.allocate(request.request_id, num_cached + n, prefix):
                 break
             self.kv.record_prefix(request.num_tokens, num_cached)

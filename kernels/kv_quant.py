@@ -1,5 +1,7 @@
 """Quantized KV cache: fp8 (e4m3 / e5m2) or int8 blocks with float32 scales beside them.
 
+(int4, two codes a byte with a range per group of channels: ``kernels/kv_int4.py``.)
+
 Storage
 -------
 The KV tensor keeps its layout ``[layers, blocks, parts, block_size, kv_heads, head_dim]``
@@ -38,14 +40,18 @@ from __future__ import annotations
 
 import torch
 
+from kernels import kv_int4
+
 KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
     "auto": None,
     "fp8": torch.float8_e4m3fn,
     "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
     "int8": torch.int8,
+    "int4": kv_int4.STORAGE_DTYPE,  # two codes a byte, with (low, step) per group: kernels/kv_int4.py
 }
-QUANTIZED_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
+SCALED_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)  # one scale per block, part, head
+QUANTIZED_DTYPES = (*SCALED_DTYPES, kv_int4.STORAGE_DTYPE)
 SCALE_DTYPE = torch.float32
 _MIN_SCALE = 1e-12
 
@@ -62,6 +68,17 @@ def parse_kv_cache_dtype(name: str) -> torch.dtype | None:
 
 def is_quantized(dtype: torch.dtype) -> bool:
     return dtype in QUANTIZED_DTYPES
+
+
+def stored_head_dim(dtype: torch.dtype, head_dim: int) -> int:
+    """Elements of ``dtype`` one head's row takes in the cache (int4: two channels a byte)."""
+    return head_dim // 2 if kv_int4.is_int4(dtype) else head_dim
+
+
+def scale_shape(dtype: torch.dtype, head_dim: int) -> tuple[int, ...]:
+    """The scales tensor's dimensions after ``[layers, blocks, parts, kv_heads]``: none for fp8/int8 (one
+    scale), ``(groups, 2)`` for int4 (``kernels/kv_int4.py``)."""
+    return (kv_int4.num_groups(head_dim), 2) if kv_int4.is_int4(dtype) else ()
 
 
 def qmax(dtype: torch.dtype) -> float:
@@ -132,6 +149,9 @@ def write_quantized_rows(
     if slots.numel() == 0:
         return
     dtype = kv_layer.dtype
+    if kv_int4.is_int4(dtype):
+        kv_int4.write_rows(kv_layer, scales_layer, rows, slots, block_size)
+        return
     blocks = torch.div(slots, block_size, rounding_mode="floor")
     offsets = slots % block_size
     touched, inverse = torch.unique(blocks, return_inverse=True)

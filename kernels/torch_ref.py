@@ -11,7 +11,8 @@ positions ``<= L - q_len + i``).
 
 A quantized cache is written first (so the stored codes are what later steps
 read), and each query then sees the earlier tokens as stored (codes times
-scales) but its *own* key and value unquantized: a decode row gets its own row
+scales; int4: two codes a byte, a low and a step per group, ``kernels/kv_int4.py``)
+but its *own* key and value unquantized: a decode row gets its own row
 overwritten with the exact K/V, and a prefill chunk gets its exact K/V as
 ``q_len`` extra key columns that query ``i`` alone sees (its own cache row is
 masked). Since a token's own K/V is always computed in the step that attends
@@ -28,6 +29,12 @@ window, built by the first layer that asks); a ``softcap`` or attention ``sinks`
 product-softmax-product in float32 instead of SDPA (a sink is one more logit column per query head
 whose value is zero). Gathers land in a workspace that is reused across layers and
 steps, since fresh multi-megabyte allocations page-fault on CPU.
+
+Attention mass (``mass``, for ``--kv-eviction h2o``, ``engine/kv_eviction.py``): when the backend is
+given a float32 ``[num_blocks]`` tensor, every layer forms its product explicitly and adds, per
+cached key, the probability every query head of the step gave it (summed over layers, heads and
+queries) to the key's block; a block written from its first row in a step starts again from zero.
+Only a full-precision cache is scored (a quantized cache's own-token columns are not).
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kernels import kv_int4
 from kernels.attention import AttentionMetadata
 from kernels.kv_quant import codes_to_float, is_quantized, write_quantized
 
@@ -154,8 +162,10 @@ PLAIN = LayerFeatures()
 
 
 def _explicit_attention(qg: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-                        scale: float, features: LayerFeatures, q_len: int) -> torch.Tensor:
-    """Softmax attention formed step by step in float32: scores, softcap, mask, sinks, softmax, values."""
+                        scale: float, features: LayerFeatures, q_len: int,
+                        probs_out: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """Softmax attention formed step by step in float32: scores, softcap, mask, sinks, softmax, values;
+    ``probs_out`` receives the probabilities ``[n, kv_heads, rows, keys]`` (sinks left out)."""
     scores = torch.matmul(qg.float(), keys.float().transpose(-1, -2)) * scale
     if features.softcap is not None:
         scores = torch.tanh(scores / features.softcap) * features.softcap
@@ -170,14 +180,18 @@ def _explicit_attention(qg: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     probs = torch.softmax(scores, dim=-1)
     if sinks is not None:
         probs = probs[..., :-1]
+    if probs_out is not None:
+        probs_out.append(probs)
     return torch.matmul(probs, values.float()).to(keys.dtype)
 
 
 def _grouped_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-                  n: int, q_len: int, scale: float, features: LayerFeatures = PLAIN) -> torch.Tensor:
+                  n: int, q_len: int, scale: float, features: LayerFeatures = PLAIN,
+                  probs_out: list[torch.Tensor] | None = None) -> torch.Tensor:
     """SDPA of ``q`` (``[n * q_len, num_heads, head_dim]``) over ``keys``/``values``
     (``[n, kv_heads, L, head_dim]``) with the query heads of each KV head folded into the
-    query length; computed in the keys' dtype, returned in ``q``'s."""
+    query length; computed in the keys' dtype, returned in ``q``'s. With ``probs_out`` the
+    product is formed explicitly and its probabilities are appended there."""
     _, kv_heads, _, head_dim = keys.shape
     q_per_kv = q.shape[1] // kv_heads
     qg = (
@@ -186,8 +200,8 @@ def _grouped_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mas
         .reshape(n, kv_heads, q_len * q_per_kv, head_dim)
         .to(keys.dtype)
     )
-    if features.explicit:
-        out = _explicit_attention(qg, keys, values, mask, scale, features, q_len)
+    if features.explicit or probs_out is not None:
+        out = _explicit_attention(qg, keys, values, mask, scale, features, q_len, probs_out)
     else:
         out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
     return (
@@ -209,7 +223,9 @@ class TorchAttentionBackend:
 
     features = frozenset({"window", "sinks", "softcap"})
 
-    def __init__(self) -> None:
+    def __init__(self, mass: torch.Tensor | None = None) -> None:
+        # attention mass per block (``engine/kv_eviction.py``): float32 ``[num_blocks]``, or None
+        self.mass = mass
         self._meta: AttentionMetadata | None = None
         self._groups: list[_Group] = []
         self._write_rows = torch.empty(0, dtype=torch.int64)
@@ -223,6 +239,9 @@ class TorchAttentionBackend:
         self._write_rows = torch.div(slots, bs, rounding_mode="floor") * (2 * bs) + slots % bs
         self._slots = slots
         self._meta = meta
+        if self.mass is not None:  # a block written from its first row has a new owner: its mass restarts
+            fresh = torch.div(slots[slots % bs == 0], bs, rounding_mode="floor")
+            self.mass.index_fill_(0, fresh.to(self.mass.device), 0.0)
         starts = [0]
         for q_len in meta.query_lens_list:
             starts.append(starts[-1] + q_len)
@@ -295,7 +314,9 @@ class TorchAttentionBackend:
             rows.index_copy_(0, self._write_rows, k.to(kv_layer.dtype))
             rows.index_copy_(0, self._write_rows + bs, v.to(kv_layer.dtype))
         flat = kv_layer.view(-1, head_dim)
-        scales = kv_scales.view(-1) if kv_scales is not None and is_quantized(kv_layer.dtype) else None
+        scales = None
+        if kv_scales is not None and is_quantized(kv_layer.dtype):  # a row per (block, part, head)
+            scales = kv_scales.view(-1, *kv_scales.shape[3:])  # [blocks, parts, heads, ...] per layer
         fresh = (k, v) if scales is not None else None
         if len(self._groups) == 1 and self._covers_all(self._groups[0], q.shape[0]):
             return self._attend(self._groups[0], q, flat, kv_heads, q_per_kv, bs, scale, scales, fresh,
@@ -339,13 +360,22 @@ class TorchAttentionBackend:
         else:
             codes = torch.index_select(flat, 0, index).view(2, n, kv_heads, max_len, head_dim)
             block_scales = scales[group.scales_index(kv_heads, block_size)]
-            kv = codes_to_float(codes).mul_(block_scales[..., None]).to(q.dtype)
+            if kv_int4.is_int4(codes.dtype):
+                kv = kv_int4.dequantize(codes, block_scales).to(q.dtype)
+            else:
+                kv = codes_to_float(codes).mul_(block_scales[..., None]).to(q.dtype)
             if fresh is not None and q_len == 1:
                 self._put_fresh(group, kv, fresh)
             elif fresh is not None:
                 return self._attend_own_exact(group, q, kv, fresh, q_per_kv, scale, features)
         mask = group.attn_mask(q_per_kv, kv.dtype, features.window)
-        return _grouped_sdpa(q, kv[0], kv[1], mask, n, q_len, scale, features)
+        if self.mass is None:
+            return _grouped_sdpa(q, kv[0], kv[1], mask, n, q_len, scale, features)
+        probs: list[torch.Tensor] = []
+        out = _grouped_sdpa(q, kv[0], kv[1], mask, n, q_len, scale, features, probs)
+        blocks = torch.div(group.rows, 2 * block_size, rounding_mode="floor")  # [n, max_len]
+        self.mass.index_add_(0, blocks.reshape(-1), probs[0].sum(dim=(1, 2)).reshape(-1))
+        return out
 
     @staticmethod
     def _attend_own_exact(group: _Group, q: torch.Tensor, kv: torch.Tensor,

@@ -1,6 +1,7 @@
 """Triton kernels over the paged KV layout of ``kernels/attention.py``.
 
-Three kernels, launched by ``kernels/triton_backend.py`` with the configurations
+Three kernels (and ``kernels/triton_int4.py``'s int4 write), launched by
+``kernels/triton_backend.py`` with the configurations
 ``kernels/triton_configs.py`` enumerates:
 
 * ``write_kv_kernel``: one program per (new token, KV head) copies K/V into its slot.
@@ -17,8 +18,9 @@ Three kernels, launched by ``kernels/triton_backend.py`` with the configurations
   Online softmax in float32 (base 2).
 
 Causality: a row at position ``p`` sees cache positions ``<= p``. For a quantized
-cache it sees positions ``< p`` from the cache (codes x scales, cast to the query
-dtype) and its own K/V unquantized from the step's inputs, as the torch reference does.
+cache it sees positions ``< p`` from the cache (codes x scales, or int4's
+``low + code x step``, cast to the query dtype) and its own K/V unquantized from the step's
+inputs, as the torch reference does.
 
 Per-layer features (``AttentionBackend.forward``'s keywords):
 
@@ -44,6 +46,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton_codes import codes_to_float, float_to_codes
+from kernels.triton_int4 import int4_tile
 
 
 @triton.jit
@@ -129,7 +132,7 @@ def paged_attention_kernel(
     stride_kvb, stride_kvs, stride_kvt, stride_kvh, stride_sb, stride_ss,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     KV_KIND: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr, DOT_FP32: tl.constexpr,
-    HAS_SINKS: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr, SOFTCAP: tl.constexpr, GROUP: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -187,13 +190,20 @@ def paged_attention_kernel(
         page = tl.load(tables_ptr + seq * stride_tab + pos // block_size, mask=pos_ok, other=0).to(tl.int64)
         base = page * stride_kvb + (pos % block_size).to(tl.int64) * stride_kvt + kvh * stride_kvh
         kv_mask = pos_ok[:, None] & d_ok[None, :]
-        k = tl.load(kv_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0)
-        v = tl.load(kv_ptr + stride_kvs + base[:, None] + d[None, :], mask=kv_mask, other=0)
-        if KV_KIND != 0:
-            k_scale = tl.load(scales_ptr + page * stride_sb + kvh, mask=pos_ok, other=0.0)
-            v_scale = tl.load(scales_ptr + page * stride_sb + stride_ss + kvh, mask=pos_ok, other=0.0)
-            k = (codes_to_float(k, KV_KIND, MANT, BIAS) * k_scale[:, None]).to(q_dtype)
-            v = (codes_to_float(v, KV_KIND, MANT, BIAS) * v_scale[:, None]).to(q_dtype)
+        if KV_KIND == 3:  # int4: two codes a byte, (low, step) per group (kernels/triton_int4.py)
+            k = int4_tile(kv_ptr, scales_ptr, base, page, kvh, d, kv_mask, stride_sb, HEAD_DIM, GROUP)
+            v = int4_tile(kv_ptr + stride_kvs, scales_ptr + stride_ss, base, page, kvh, d, kv_mask, stride_sb,
+                          HEAD_DIM, GROUP)
+            k = k.to(q_dtype)
+            v = v.to(q_dtype)
+        else:
+            k = tl.load(kv_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0)
+            v = tl.load(kv_ptr + stride_kvs + base[:, None] + d[None, :], mask=kv_mask, other=0)
+            if KV_KIND != 0:
+                k_scale = tl.load(scales_ptr + page * stride_sb + kvh, mask=pos_ok, other=0.0)
+                v_scale = tl.load(scales_ptr + page * stride_sb + stride_ss + kvh, mask=pos_ok, other=0.0)
+                k = (codes_to_float(k, KV_KIND, MANT, BIAS) * k_scale[:, None]).to(q_dtype)
+                v = (codes_to_float(v, KV_KIND, MANT, BIAS) * v_scale[:, None]).to(q_dtype)
         s = _dot(q, tl.trans(k), DOT_FP32)
         s = cap_out_log2 * (2.0 * tl.sigmoid(2.0 * cap_in * s) - 1.0) if SOFTCAP else s * sm_scale_log2
         visible = (pos[None, :] - first[:, None]).to(tl.uint32) < span[:, None]

@@ -32,10 +32,12 @@ import os
 import torch
 
 from kernels import triton_attention as ta
+from kernels import triton_int4 as ti
 from kernels.attention import AttentionMetadata
 from kernels.triton_configs import (
     MAX_HEAD_DIM,
     WRITE,
+    WRITE_INT4,
     KernelLaunch,
     attention_launch,
     kv_format,
@@ -215,7 +217,8 @@ class TritonAttentionBackend:
         writes = self._writes
         if writes.shape[1] == 0:
             return
-        ta.write_kv_quantized_kernel[(writes.shape[1], kv_heads)](
+        kernel = ti.write_kv_int4_kernel if cfg.kernel == WRITE_INT4 else ta.write_kv_quantized_kernel
+        kernel[(writes.shape[1], kv_heads)](
             k, v, cache, scales, writes[0], writes[1], writes[2], writes[3],
             *strides, scales.stride(0), scales.stride(1),
             num_warps=cfg.num_warps, **cfg.constexprs,

@@ -18,6 +18,7 @@ import triton.language as tl
 KIND_PLAIN = 0  # the cache dtype is a float dtype, read as is
 KIND_INT8 = 1
 KIND_FP8 = 2  # uint8 view of an fp8 cache; MANT/BIAS give the format
+KIND_INT4 = 3  # uint8 bytes of two codes, (low, step) per group of GROUP channels (kernels/triton_int4.py)
 
 
 @triton.jit

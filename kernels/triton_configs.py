@@ -18,30 +18,36 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels import kv_int4
 from kernels.moe import ACTIVATIONS
 
 ATTENTION = "paged_attention_kernel"
 WRITE = "write_kv_kernel"
 WRITE_QUANTIZED = "write_kv_quantized_kernel"
+WRITE_INT4 = "write_kv_int4_kernel"
 MLA_DECODE = "mla_decode_kernel"
 MOE_GEMM = "moe_gemm_kernel"
 MOE_SUM = "moe_sum_kernel"
 ATTENTION_MODULE = "kernels.triton_attention"
 MOE_MODULE = "kernels.triton_moe"
 MLA_MODULE = "kernels.triton_mla"
+INT4_MODULE = "kernels.triton_int4"
 
 
-def attention_tiles(model_dtype: torch.dtype, head_dim: int, decode: bool, fp8_softcap: bool = False
-                    ) -> tuple[int, int, int]:
+def attention_tiles(model_dtype: torch.dtype, head_dim: int, decode: bool, fp8_softcap: bool = False,
+                    int4: bool = False) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps), chosen so that no launch spills on sm_80 or sm_90 (the AOT
     check found each exception): float32 dots run on FMA units and need 8 warps at head_dim 128
     with a quantized cache; 16-bit decode at BLOCK_N 16 and 16-bit prefill at head_dim 64 with
     BLOCK_M 32 put a few bytes on the stack; 4 warps spill 16-bit prefill at head_dim 128.
     ``fp8_softcap`` (an fp8 cache's decoding plus the cap's tanh): 16-bit decode spills 8 bytes
-    on sm_80 at (16, 32, 4) and 16 on sm_90 at (16, 32, 8); (16, 16, 8) fits every build."""
+    on sm_80 at (16, 32, 4) and 16 on sm_90 at (16, 32, 8); (16, 16, 8) fits every build. ``int4`` (a
+    nibble and a group's range per key and channel): 16-bit tiles of (16, 32, 4) spill up to 360 bytes at
+    head_dim 128 and 8 at 64 (with softcap, sm_80); (16, 16, 8) fits, and prefill at head_dim 128 keeps
+    (32, 16, 8)."""
     if model_dtype == torch.float32:
         return (16, 16, 8)
-    if decode and fp8_softcap:
+    if (decode and fp8_softcap) or (int4 and (decode or head_dim <= 64)):
         return (16, 16, 8)
     if decode or head_dim <= 64:
         return (16, 32, 4)
@@ -51,7 +57,7 @@ def attention_tiles(model_dtype: torch.dtype, head_dim: int, decode: bool, fp8_s
 MAX_HEAD_DIM = 128  # larger head dims spill at these tiles (kernels/triton_aot.py checks)
 
 MODEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-QUANTIZED_KV = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
+QUANTIZED_KV = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8, torch.uint8)  # uint8: int4's bytes
 
 _TRITON_TYPES = {
     torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
@@ -74,6 +80,8 @@ class KvFormat:
 
 
 def kv_format(kv_dtype: torch.dtype) -> KvFormat:
+    if kv_dtype == torch.uint8:  # int4 (kernels/kv_int4.py)
+        return KvFormat(3, qmax=15.0)
     if kv_dtype == torch.int8:
         return KvFormat(1, qmax=127.0)
     if kv_dtype == torch.float8_e4m3fn:
@@ -121,11 +129,11 @@ def attention_launch(model_dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: 
     fmt = kv_format(kv_dtype)
     m, kv = _TRITON_TYPES[model_dtype], _TRITON_TYPES[storage_dtype(kv_dtype)]
     fp8_softcap = softcap and fmt.kind == 2  # KIND_FP8
-    block_m, block_n, num_warps = attention_tiles(model_dtype, head_dim, decode, fp8_softcap)
+    block_m, block_n, num_warps = attention_tiles(model_dtype, head_dim, decode, fp8_softcap, fmt.kind == 3)
     constexprs: dict[str, int | float | bool] = dict(
         HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
         KV_KIND=fmt.kind, MANT=fmt.mant, BIAS=fmt.bias, DOT_FP32=interpret or model_dtype == torch.float32,
-        HAS_SINKS=sinks, SOFTCAP=softcap,
+        HAS_SINKS=sinks, SOFTCAP=softcap, GROUP=kv_int4.group_size(head_dim),
     )
     signature = {
         **_ptrs("q_ptr k_ptr v_ptr", m), **_ptrs("kv_ptr", kv), **_ptrs("scales_ptr", "fp32"),
@@ -150,6 +158,14 @@ def write_launch(model_dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int,
         signature = {**_ptrs("k_ptr v_ptr", m), **_ptrs("kv_ptr", kv), **_ptrs("slot_ptr", "i64"),
                      "block_size": "i32", **strides, **{k: "constexpr" for k in constexprs}}
         return KernelLaunch(WRITE, constexprs, signature)
+    if fmt.kind == 3:  # int4: kernels/triton_int4.py
+        constexprs = dict(HEAD_DIM=head_dim, BLOCK_J=block_d(head_dim) // 2, PAGE=block_size,
+                          BLOCK_T=1 << (block_size - 1).bit_length(), GROUP=kv_int4.group_size(head_dim))
+        signature = {**_ptrs("k_ptr v_ptr", m), **_ptrs("kv_ptr", kv), **_ptrs("params_ptr", "fp32"),
+                     **_ptrs("blk_ptr start_ptr end_ptr tok_ptr", "i32"), **strides,
+                     **_ints("stride_pb stride_ps"), **{k: "constexpr" for k in constexprs}}
+        # 4 warps spill 8 bytes at head_dim 64 and 32-row pages on sm_80 (the AOT check); 8 fit every build
+        return KernelLaunch(WRITE_INT4, constexprs, signature, num_warps=8, module=INT4_MODULE)
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim), PAGE=block_size,
                       BLOCK_T=1 << (block_size - 1).bit_length(), QMAX=fmt.qmax,
                       KV_KIND=fmt.kind, MANT=fmt.mant, BIAS=fmt.bias)
@@ -252,6 +268,8 @@ def mla_tiles(model_dtype: torch.dtype, quantized: bool) -> tuple[int, int, int]
 def mla_supported(model_dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
     """Whether ``mla_decode_kernel`` has a build for this pair (see ``mla_tiles``)."""
     quantized = kv_format(kv_dtype).quantized
+    if kv_dtype == torch.uint8:  # int4 stores no latent cache (engine/kv_tensors.py refuses it)
+        return False
     return model_dtype in MODEL_DTYPES and not (model_dtype == torch.float32 and quantized)
 
 

@@ -23,7 +23,7 @@ workers with ``--speculative-config``), plus the older ``worker_*`` gauges.
 
 Per KV tier, labelled ``worker``, ``role``, ``tier`` (``device``, ``host``,
 ``disk``) and ``kv_cache_dtype`` (``float32``, ``bfloat16``, ``float16``,
-``fp8``, ``fp8_e5m2``, ``int8``): ``kv_cache_capacity_blocks``,
+``fp8``, ``fp8_e5m2``, ``int8``, ``int4``): ``kv_cache_capacity_blocks``,
 ``kv_cache_capacity_tokens`` (blocks x block size), ``kv_cache_capacity_bytes``
 (blocks x block bytes, scales included: the bytes the whole blocks take, at most
 the configured budget), ``kv_cache_used_blocks`` (device: held by requests or

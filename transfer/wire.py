@@ -8,7 +8,9 @@ meaning; peers with different versions refuse each other at the handshake.
   ``[num_layers, num_blocks, parts, block_size, num_kv_heads, head_dim]``, contiguous, so
   region ``(layer, block)`` starts at ``base_addr + (layer * num_blocks + block) *
   region_bytes``. A quantized cache (fp8/int8, ``kernels/kv_quant.py``) also has a
-  scales tensor ``[num_layers, num_blocks, 2, num_kv_heads]`` float32; its region
+  scales tensor ``[num_layers, num_blocks, 2, num_kv_heads]`` float32 (int4, stored as ``uint8`` two codes
+  a byte with ``head_dim`` counting bytes: ``[..., num_kv_heads, groups, 2]``, ``scale_tail`` the
+  dimensions after the heads, ``kernels/kv_int4.py``); its region
   ``(layer, block)`` (``scale_region_bytes`` long, 0 when there are no scales) starts
   at ``scales_addr + (layer * num_blocks + block) * scale_region_bytes`` and moves
   with the block's K/V region in the same READ.
@@ -61,6 +63,7 @@ class KvLayout(msgspec.Struct, frozen=True):
     total_kv_heads: int = 0  # 0: num_kv_heads (an unsharded cache)
     parts: int = 2  # K and V; 1 for latent attention's one row (its "head" the latent and rotary key)
     kv_groups: str = ""  # engine/kv_groups.py's describe(): which layers share a block table; "": one
+    scale_tail: tuple[int, ...] = ()  # the scales' dimensions after kv_heads: int4's (groups, 2)
 
     @property
     def model_kv_heads(self) -> int:
@@ -90,8 +93,8 @@ class KvLayout(msgspec.Struct, frozen=True):
         return self.num_layers * self.num_blocks * (self.region_bytes + self.scale_region_bytes)
 
     @property
-    def scales_shape(self) -> tuple[int, int, int, int]:
-        return (self.num_layers, self.num_blocks, self.parts, self.num_kv_heads)
+    def scales_shape(self) -> tuple[int, ...]:
+        return (self.num_layers, self.num_blocks, self.parts, self.num_kv_heads, *self.scale_tail)
 
     @property
     def shape(self) -> tuple[int, int, int, int, int, int]:
@@ -107,13 +110,16 @@ class KvLayout(msgspec.Struct, frozen=True):
             raise ValueError(f"not a paged KV cache tensor: shape {tuple(kv_cache.shape)}")
         num_layers, num_blocks, parts, block_size, num_kv_heads, head_dim = kv_cache.shape
         scale_region_bytes = 0
+        scale_tail: tuple[int, ...] = ()
         if scales is not None:
-            if tuple(scales.shape) != (num_layers, num_blocks, parts, num_kv_heads):
+            if tuple(scales.shape[:4]) != (num_layers, num_blocks, parts, num_kv_heads):
                 raise ValueError(f"KV scales shape {tuple(scales.shape)} does not match the cache")
-            scale_region_bytes = parts * num_kv_heads * scales.element_size()
+            scale_tail = tuple(scales.shape[4:])
+            scale_region_bytes = scales[0, 0].numel() * scales.element_size()
+        dtype = str(kv_cache.dtype).removeprefix("torch.")
         return KvLayout(
             model=model,
-            dtype=str(kv_cache.dtype).removeprefix("torch."),
+            dtype="int4" if dtype == "uint8" else dtype,  # kernels/kv_int4.py stores int4 as uint8 bytes
             num_layers=num_layers,
             num_blocks=num_blocks,
             block_size=block_size,
@@ -123,6 +129,7 @@ class KvLayout(msgspec.Struct, frozen=True):
             scale_region_bytes=scale_region_bytes,
             parts=parts,
             kv_groups=kv_groups,
+            scale_tail=scale_tail,
         )
 
 

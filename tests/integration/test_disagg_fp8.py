@@ -47,6 +47,12 @@ async def collect(client: PDClient, r: GenerateRequest) -> list[int]:
 
 
 def test_disaggregated_fp8_equals_colocated_fp8(group: WorkerGroup) -> None:
+    check_disaggregated_equals_colocated(group, CONFIG)
+
+
+def check_disaggregated_equals_colocated(group: WorkerGroup, config: EngineConfig) -> None:
+    """Tokens through the handoff equal the decode worker's own, and the full blocks' codes and scales
+    arrive byte for byte (``kv_digest``)."""
     tokenizer = load_model_source(MODEL).load_tokenizer()
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": c}])
                for c in ("What is the capital of France?", "Write a haiku about the sea.")]
@@ -64,7 +70,7 @@ def test_disaggregated_fp8_equals_colocated_fp8(group: WorkerGroup) -> None:
     # full blocks are compared: decode's first token may grow the partial last block's scale
     prefill, decode = group.prefill[0], group.decode[0]
     tokens = tokenizer.encode(STORY * 4 + " A fresh prompt for the digest.")
-    full = len(tokens) // CONFIG.block_size * CONFIG.block_size
+    full = len(tokens) // config.block_size * config.block_size
     assert 0 < full < len(tokens)
     r = req(tokens, max_tokens=4)
 

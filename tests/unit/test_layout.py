@@ -77,6 +77,8 @@ IN_PROCESS_BENCHMARKS: dict[str, tuple[str, ...]] = {
     "bench.lab.kv_offload": ("engine",),
     "bench.lab.kv_window": ("engine",),
     "bench.lab.kv_quant": ("engine", "kernels"),
+    "bench.lab.kv_long_quality": ("engine", "kernels"),
+    "bench.lab.eviction_cost": ("engine",),
     "bench.lab.linear_kernels": ("engine", "kernels"),
     "bench.lab.sim_validation": ("planner",),  # a run's step clocks priced with a profile, after the run
     "bench.lab.step_ops": ("engine", "kernels"),

@@ -18,7 +18,7 @@ import torch
 
 from kernels.attention import AttentionMetadata
 from kernels.cpu_native import native_available
-from kernels.kv_quant import QUANTIZED_DTYPES
+from kernels.kv_quant import SCALED_DTYPES  # int4 stores no latent cache
 from kernels.mla import MlaTorchBackend
 from kernels.mla_backends import MlaNativeBackend, MlaTritonBackend, code_values, mla_backend
 
@@ -55,7 +55,7 @@ def _decode(make: Factory, dtype: torch.dtype, shape: tuple[int, int, int],
     w = {"uk": torch.randn(heads, 16, rank, generator=g) / rank**0.5,
          "uv": torch.randn(heads, 24, rank, generator=g) / rank**0.5}
     cache = torch.zeros(24, 1, BS, 1, rank + rope, dtype=dtype)
-    scales = torch.ones(24, 1, 1) if dtype in QUANTIZED_DTYPES else None
+    scales = torch.ones(24, 1, 1) if dtype in SCALED_DTYPES else None
     tables = [[7, 2, 19, 4, 11], [13, 0, 22]]
     prompts = AttentionMetadata.build(BS, [70, 33], [70, 33], tables)
     _step(MlaTorchBackend(False), prompts, cache, scales, w, 2)
@@ -74,7 +74,7 @@ def _no_reference(*args: object) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("name", list(BACKENDS))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, *QUANTIZED_DTYPES], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, *SCALED_DTYPES], ids=str)
 def test_the_kernels_equal_the_reference_and_the_expanded_form(name: str, dtype: torch.dtype,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """Odd widths (rank 40 + rope 8: neither a whole vector) and 5 heads (a partial head block)."""
@@ -99,7 +99,7 @@ def test_deepseek_width_natively_and_every_thread_count_alike() -> None:
 
 
 def test_code_values_are_the_reference_dequantization() -> None:
-    for dtype in QUANTIZED_DTYPES:
+    for dtype in SCALED_DTYPES:
         values = code_values(dtype)
         codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype)
         torch.testing.assert_close(values, codes.float(), rtol=0, atol=0, equal_nan=True)

@@ -142,3 +142,11 @@ def test_torch_threads_follow_the_reserved_cpus(argv: list[str], threads: int) -
 def test_torch_threads_flag_is_checked(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "--torch-threads", "-1"]) == 2
     assert "argument --torch-threads" in capsys.readouterr().err
+
+
+def test_eviction_is_refused_with_prefill_workers() -> None:
+    argv = ["serve", "--kv-eviction", "h2o", "--kv-budget", "512"]
+    with pytest.raises(ValueError, match="--kv-eviction h2o runs on colocated workers only"):
+        serve_config_from_args(build_parser().parse_args(argv))
+    cfg = serve_config_from_args(build_parser().parse_args([*argv, "--num-prefill", "0"]))
+    assert (cfg.engine.kv_eviction, cfg.engine.kv_budget, cfg.engine.kv_recent_tokens) == ("h2o", 512, 256)

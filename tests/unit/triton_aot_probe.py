@@ -52,6 +52,10 @@ def covering() -> list[tuple[str, CompileResult]]:
         out.append((f"write bf16/e4m3 sm_{arch}", compile_launch(write_launch(bf16, e4m3, 128, 16), arch)))
         decode = attention_launch(bf16, bf16, 128, True, sinks=True, softcap=True)
         out.append((f"decode bf16 sinks softcap sm_{arch}", compile_launch(decode, arch)))
+        int4 = torch.uint8  # kernels/kv_int4.py's bytes
+        int4_prefill = attention_launch(bf16, int4, 128, False)
+        out.append((f"prefill bf16/int4 sm_{arch}", compile_launch(int4_prefill, arch)))
+        out.append((f"write bf16/int4 sm_{arch}", compile_launch(write_launch(bf16, int4, 128, 16), arch)))
         gate_up = moe_launch(bf16, many, 8, True, swiglu, True)
         out.append((f"moe gate/up bf16 swiglu bias sm_{arch}", compile_launch(gate_up, arch)))
     out.append(("prefill fp32 sm_90", compile_launch(attention_launch(fp32, fp32, 128, False), 90)))

@@ -1,0 +1,180 @@
+"""Heavy-hitter KV eviction (``--kv-eviction h2o``, ``engine/kv_eviction.py``): the scores, the choice of
+block, a planted heavy hitter that survives where a window loses it, the budget held for a whole run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from engine import LLM, SamplingParams
+from engine.config import EngineConfig
+from kernels import TorchAttentionBackend
+from tests.unit.attention_cases import make_case
+from tests.unit.conftest import save_word_tokenizer
+
+VOCAB = 64
+HEAVY = (60, 61)  # tokens every query attends to; each carries its own answer
+ANSWER = {60: 10, 61: 11}
+FILLER = (12, 60)  # ids of the ordinary tokens
+
+
+def heavy_hitter_model(folder: Path) -> None:
+    """A one-layer Llama whose every query attends almost only to a ``HEAVY`` token, if one is in view,
+    and whose next token is then that heavy token's ``ANSWER`` (else some filler token).
+
+    Hidden dimension 0 is a constant every token has: the query reads it into head dimension 31, whose
+    rotary frequency is ~1e-6 (positions barely turn it). A heavy token has a large dimension 1, which
+    the key reads into dimension 31: only heavy keys score. Dimensions 2/3 name the heavy token; V
+    carries them, O writes them to dimensions 4/5, and the head reads 4/5 as the two answers. The MLP
+    is zero; filler tokens have random dimensions 8 and up, which the head reads for every other token.
+    """
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=16, num_hidden_layers=1,
+                         num_attention_heads=1, num_key_value_heads=1, head_dim=64,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                         max_position_embeddings=4096, tie_word_embeddings=False, rms_norm_eps=1e-6,
+                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    model = LlamaForCausalLM(config)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+        embed = model.model.embed_tokens.weight
+        embed[:, 8:] = torch.randn(VOCAB, 56, generator=gen)
+        embed[:, 0] = 4.0
+        for i, token in enumerate(HEAVY):
+            embed[token, 1] = 8.0
+            embed[token, 2 + i] = 8.0
+        layer = model.model.layers[0]
+        layer.input_layernorm.weight.fill_(1.0)
+        layer.post_attention_layernorm.weight.fill_(1.0)
+        model.model.norm.weight.fill_(1.0)
+        layer.self_attn.q_proj.weight[31, 0] = 6.0
+        layer.self_attn.k_proj.weight[31, 1] = 6.0
+        layer.self_attn.v_proj.weight[0, 2] = 1.0
+        layer.self_attn.v_proj.weight[1, 3] = 1.0
+        layer.self_attn.o_proj.weight[4, 0] = 40.0
+        layer.self_attn.o_proj.weight[5, 1] = 40.0
+        head = model.lm_head.weight
+        head[12:, 8:] = torch.randn(VOCAB - 12, 56, generator=gen)
+        head[ANSWER[60], 4] = 8.0
+        head[ANSWER[61], 5] = 8.0
+    model.save_pretrained(str(folder), safe_serialization=True)
+    save_word_tokenizer(folder, VOCAB)
+
+
+@pytest.fixture(scope="module")
+def heavy_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("heavy")
+    heavy_hitter_model(folder)
+    return folder
+
+
+def planted(heavy: int, at: int, length: int, seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(*FILLER, (length,), generator=gen).tolist()
+    ids[at] = heavy
+    return ids
+
+
+def test_mass_is_the_attention_each_block_received() -> None:
+    """Per block: the softmax probabilities its keys got, summed over heads, queries and layers, from a
+    dense computation; a block written from its first row starts again."""
+    bs, heads, kv_heads, dim = 4, 4, 2, 16
+    case = make_case([1, 5, 1], [9, 12, 4], heads, kv_heads, dim, bs, seed=3)
+    mass = torch.full((case.kv.shape[0],), 7.0)
+    backend = TorchAttentionBackend(mass=mass)
+    backend.prepare(case.meta)
+    lens = zip(case.tables, case.meta.seq_lens_list, case.meta.query_lens_list, strict=True)
+    restarted = {t[p // bs] for t, s, q in lens for p in range(s - q, s) if p % bs == 0}
+    assert restarted
+    for blk in restarted:
+        assert mass[blk] == 0.0
+    kv = case.kv.clone()
+    backend.forward(case.q, case.new_k, case.new_v, kv, dim**-0.5)
+    backend.forward(case.q, case.new_k, case.new_v, kv, dim**-0.5)  # a second layer adds again
+    want = torch.full_like(mass, 7.0)
+    for blk in restarted:
+        want[blk] = 0.0
+    for seq, table in enumerate(case.tables):
+        s_len, q_len = case.meta.seq_lens_list[seq], case.meta.query_lens_list[seq]
+        start = sum(case.meta.query_lens_list[:seq])
+        k = case.full_k[seq].repeat_interleave(heads // kv_heads, dim=1)  # [L, heads, dim]
+        q = case.q[start : start + q_len]  # [q_len, heads, dim]
+        scores = torch.einsum("qhd,khd->hqk", q.double(), k.double()) * dim**-0.5
+        pos = torch.arange(s_len)
+        visible = pos[None, :] <= (s_len - q_len + torch.arange(q_len))[:, None]
+        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+        per_key = 2 * probs.sum(dim=(0, 1))  # two layers
+        for i, blk in enumerate(table):
+            want[blk] += per_key[i * bs : (i + 1) * bs].sum().float()
+    torch.testing.assert_close(mass, want, atol=1e-5, rtol=1e-5)
+
+
+def test_the_least_attended_full_block_outside_the_recent_window_goes(tiny_model_dir: Path) -> None:
+    llm = LLM(str(tiny_model_dir), kv_eviction="h2o", kv_budget=64, kv_recent=8, num_kv_blocks=32,
+              max_num_batched_tokens=48)
+    engine = llm.engine
+    assert engine.eviction is not None and isinstance(engine.runner.backend, TorchAttentionBackend)
+    from engine.request import Request
+
+    request = Request("r", list(range(1, 60)), SamplingParams(max_tokens=4))
+    assert engine.kv.allocate("r", 48)
+    request.num_computed_tokens = 48
+    table = engine.kv.blocks_of("r")
+    assert engine.runner.kv_mass is not None
+    engine.runner.kv_mass[torch.tensor(table)] = torch.tensor([5.0, 1.0, 3.0])
+    # 48 held + 32 new > 64: blocks 0 and 1 lie wholly before the last 8 tokens, and one must go
+    n = engine.eviction.fit(engine.kv, request, 32)
+    assert engine.kv.blocks_of("r") == [table[0], table[2]]  # block 1 had the least mass
+    assert request.kv_dropped_tokens == 16 and n == 32 and engine.eviction.evicted_tokens == 16
+    n = engine.eviction.fit(engine.kv, request, 40)  # 32 held: only block 0 lies before the last 8
+    assert engine.kv.blocks_of("r") == [table[2]] and n == 40 and request.kv_tokens == 16
+    engine.kv.free("r")
+
+
+@pytest.mark.parametrize("heavy", HEAVY)
+def test_a_planted_heavy_hitter_survives_where_a_window_loses_it(heavy_dir: Path, heavy: int) -> None:
+    """The answer needs the heavy token, 200 tokens back in a 400-token prompt: the full cache and H2O
+    (budget 128) answer it on every token; StreamingLLM's sinks and window (same budget) lose it and
+    never do. H2O holds at most 128 tokens (+ the block being filled) after every step, and every block
+    is back in the pool afterwards."""
+    prompt = planted(heavy, 200, 400, seed=heavy)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    common = dict(num_kv_blocks=64, max_num_batched_tokens=32, enable_prefix_caching=False)
+    full = LLM(str(heavy_dir), **common).generate([prompt], params)[0].token_ids  # type: ignore[arg-type]
+    assert full == [ANSWER[heavy]] * 24
+    window = LLM(str(heavy_dir), kv_sinks=16, kv_window=112, **common)  # type: ignore[arg-type]
+    lost = window.generate([prompt], params)[0].token_ids
+    assert ANSWER[heavy] not in lost
+
+    llm = LLM(str(heavy_dir), kv_eviction="h2o", kv_budget=128, **common)  # type: ignore[arg-type]
+    engine = llm.engine
+    request_id = engine.add_request(prompt, params).request_id
+    held: list[int] = []
+    tokens: list[int] = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens = out.token_ids
+        if request_id in engine.kv._owners:
+            held.append(len(engine.kv.blocks_of(request_id)))
+    assert tokens == full
+    assert max(held) <= 128 // 16 + 1 and engine.stats().kv_evicted_tokens >= 400 - 128
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def test_eviction_flags_are_checked() -> None:
+    with pytest.raises(ValueError, match="--kv-eviction h2o needs --kv-budget"):
+        EngineConfig(kv_eviction="h2o")
+    with pytest.raises(ValueError, match="--kv-eviction must be none or h2o"):
+        EngineConfig(kv_eviction="snapkv")
+    with pytest.raises(ValueError, match="--kv-budget and --kv-recent need --kv-eviction h2o"):
+        EngineConfig(kv_budget=256)
+    with pytest.raises(ValueError, match="must exceed --kv-recent"):
+        EngineConfig(kv_eviction="h2o", kv_budget=64, kv_recent=48)
+    with pytest.raises(ValueError, match="does not combine with --kv-cache-dtype"):
+        EngineConfig(kv_eviction="h2o", kv_budget=256, kv_cache_dtype="int8")
+    with pytest.raises(ValueError, match="does not combine with --kv-window"):
+        EngineConfig(kv_eviction="h2o", kv_budget=256, kv_window=128)
