@@ -315,6 +315,8 @@ class DecodeWorker(WorkerBase):
             "pdserve.worker": self.worker_id, "gen_ai.usage.output_tokens": m.output_tokens,
             "gen_ai.response.finish_reasons": [last.finish_reason or ""],
             "pdserve.preemptions": m.num_preemptions,
+            "pdserve.kv.evicted_tokens": m.kv_evicted_tokens,
+            "pdserve.kv.kept_fraction": 1.0 - m.kv_evicted_tokens / max(1, m.prompt_tokens + m.output_tokens),
             "pdserve.spec.draft_tokens": m.spec_draft_tokens,
             "pdserve.spec.accepted_tokens": m.spec_accepted_tokens,
             "pdserve.spec.acceptance_rate": (m.spec_accepted_tokens / m.spec_draft_tokens

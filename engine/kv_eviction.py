@@ -61,5 +61,6 @@ class KvEviction:
             victim = int(torch.argmin(scores))
             kv.drop_block(request.request_id, victim)
             request.kv_dropped_tokens += bs
+            request.metrics.kv_evicted_tokens += bs
             self.evicted_tokens += bs
         return max(1, min(n, self.budget - request.kv_tokens))

@@ -25,6 +25,7 @@ class RequestMetrics:
     num_preemptions: int = 0
     spec_draft_tokens: int = 0  # tokens proposed by speculative decoding and verified
     spec_accepted_tokens: int = 0  # of which accepted
+    kv_evicted_tokens: int = 0  # --kv-eviction: tokens of this request's KV freed (engine/kv_eviction.py)
 
     @property
     def ttft(self) -> float | None:

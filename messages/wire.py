@@ -86,13 +86,14 @@ class RequestStats(msgspec.Struct, frozen=True, kw_only=True):
 class KvStats(msgspec.Struct, frozen=True, kw_only=True):
     """A worker's paged KV cache: blocks in all, free, held by requests or leases, in the prefix cache;
     the tokens stored, the block size, the storage dtype (float32, bfloat16, float16, fp8, fp8_e5m2,
-    int8) and its tiers (device first; host / disk only when configured); prefix cache lookups and hits,
+    int8, int4) and its tiers (device first; host / disk only when configured); prefix cache lookups and hits,
     in tokens, since start."""
 
     num_blocks: int = 0
     free_blocks: int = 0
     used_blocks: int = 0
     cached_blocks: int = 0
+    evicted_tokens: int = 0  # --kv-eviction: tokens freed since start (engine/kv_eviction.py)
     stored_tokens: int = 0
     block_size: int = 0
     dtype: str = ""

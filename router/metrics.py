@@ -8,7 +8,8 @@ deltas of a request; one per decode step batch), ``e2e_request_latency_seconds``
 ``WorkerStats`` at scrape time, labelled ``worker`` and ``role``:
 ``num_requests_running``, ``num_requests_waiting``, ``kv_cache_usage_perc``
 (0..1), ``prefix_cache_queries_total`` / ``prefix_cache_hits_total`` (tokens
-looked up / found, as vLLM counts them), ``num_preemptions_total``, ``request_queue_time_seconds``
+looked up / found, as vLLM counts them), ``num_preemptions_total``, ``kv_evicted_tokens_total``
+(``--kv-eviction``), ``request_queue_time_seconds``
 (engine arrival to first schedule), ``kv_transfer_seconds`` (per pull, decode),
 ``kv_transfer_bytes_total``, ``kv_transfer_blocks_total``,
 ``kv_transfer_failures_total``, ``kv_lease_expired_total`` (prefill),
@@ -108,6 +109,7 @@ COUNTERS: dict[str, tuple[str, Getter]] = {
     "prefix_cache_queries": ("Prefix cache queries, in tokens looked up.", lambda s: s.kv.prefix_queries),
     "prefix_cache_hits": ("Prefix cache hits, in tokens found.", lambda s: s.kv.prefix_hits),
     "num_preemptions": ("Cumulative number of preemptions.", lambda s: s.requests.preemptions),
+    "kv_evicted_tokens": ("KV tokens freed by --kv-eviction.", lambda s: s.kv.evicted_tokens),
     "kv_transfer_bytes": ("KV bytes pulled from prefill workers.", lambda s: s.transfer.bytes),
     "kv_transfer_blocks": ("KV blocks pulled from prefill workers.", lambda s: s.transfer.blocks),
     "kv_transfer_failures": ("KV pulls that failed.", lambda s: s.transfer.failures),

@@ -161,6 +161,7 @@ class WorkerBase:
                                   preemptions=s.num_preemptions, queue_time=self.queue_time.data()),
             kv=KvStats(num_blocks=s.num_kv_blocks, free_blocks=s.num_free_kv_blocks,
                        used_blocks=e.num_used_blocks(), cached_blocks=e.num_cached_blocks(),
+                       evicted_tokens=s.kv_evicted_tokens,
                        stored_tokens=e.kv.num_stored_tokens(), block_size=e.kv.block_size,
                        dtype=kv_dtype_name(e.config.kv_torch_dtype),
                        tiers=msgspec.convert(s.kv_tiers, list[KvTierStats], from_attributes=True),

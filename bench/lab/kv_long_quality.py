@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -34,6 +34,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.engine import LLMEngine
 from engine.kv_sizing import kv_block_bytes, kv_dtype_name
+from engine.outputs import RequestMetrics
 from kernels import AttentionMetadata
 
 NUMBERS = (7421, 3958, 6134, 8207)
@@ -55,6 +56,7 @@ class _Sequence:
     request_id: str
     num_computed_tokens: int = 0
     kv_dropped_tokens: int = 0
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=0.0))
 
     @property
     def kv_tokens(self) -> int:

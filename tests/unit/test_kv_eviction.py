@@ -152,7 +152,8 @@ def test_a_planted_heavy_hitter_survives_where_a_window_loses_it(heavy_dir: Path
 
     llm = LLM(str(heavy_dir), kv_eviction="h2o", kv_budget=128, **common)  # type: ignore[arg-type]
     engine = llm.engine
-    request_id = engine.add_request(prompt, params).request_id
+    request = engine.add_request(prompt, params)
+    request_id = request.request_id
     held: list[int] = []
     tokens: list[int] = []
     while engine.has_unfinished():
@@ -162,6 +163,7 @@ def test_a_planted_heavy_hitter_survives_where_a_window_loses_it(heavy_dir: Path
             held.append(len(engine.kv.blocks_of(request_id)))
     assert tokens == full
     assert max(held) <= 128 // 16 + 1 and engine.stats().kv_evicted_tokens >= 400 - 128
+    assert request.metrics.kv_evicted_tokens == engine.stats().kv_evicted_tokens == request.kv_dropped_tokens
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
 
 

@@ -24,3 +24,11 @@ def test_spec_counters_and_per_position_acceptance() -> None:
            for i, n in enumerate([4, 2, 1, 0])},
     }
     assert samples == expected
+
+
+def test_evicted_tokens_counter() -> None:
+    stats = WorkerStats(worker_id="decode-0", role="decode",
+                        kv=KvStats(num_blocks=8, free_blocks=8, evicted_tokens=48))
+    samples = {s.name: s.value for f in text_string_to_metric_families(worker_metrics([stats]).decode())
+               for s in f.samples if s.name.startswith("pdserve:kv_evicted")}
+    assert samples == {"pdserve:kv_evicted_tokens_total": 48.0}
