@@ -5,8 +5,8 @@ Each ``--runs`` entry is ``label=kv_cache_dtype[:budget[:policy]]``: the KV stor
 to that many tokens by ``policy``: ``window``, StreamingLLM's rule as the engine applies it
 (``KV_SINKS`` tokens kept from the start, the rest a sliding window of whole blocks,
 ``engine/scheduler.py``), or ``h2o`` (``--kv-eviction h2o`` with that ``--kv-budget`` and its default
-recent half, ``engine/kv_eviction.py``). Served runs (the needles) take ``--chunk`` tokens a step too,
-so a prompt is cut as in the perplexity pass. For every entry:
+recent half, ``engine/kv_eviction.py``). A bounded entry's served runs (the needles) take ``--chunk``
+tokens a step too, so a prompt is cut as in the perplexity pass. For every entry:
 
 * **perplexity** of ``--text`` (default ``/usr/share/common-licenses/GPL-3``) read in independent
   windows of ``--window`` tokens, each fed ``--chunk`` tokens per step through the paged cache
@@ -17,6 +17,8 @@ so a prompt is cut as in the perplexity pass. For every entry:
   passes when the greedy continuation (8 tokens, served by the engine with that KV configuration)
   starts with the number.
 * **KV bytes per token**: ``kv_block_bytes / block_size`` (codes and scales) times the kept share.
+
+``--int4-group`` sets the channels an int4 range covers, to compare groupings.
 
     python -m bench.lab.kv_long_quality --chunk 32 \
         --runs "float32=auto,int8=int8,int4=int4,window 50%=auto:0.5,h2o 50%=auto:0.5:h2o"
@@ -35,7 +37,7 @@ from engine import LLM, SamplingParams
 from engine.engine import LLMEngine
 from engine.kv_sizing import kv_block_bytes, kv_dtype_name
 from engine.outputs import RequestMetrics
-from kernels import AttentionMetadata
+from kernels import AttentionMetadata, kv_int4
 
 NUMBERS = (7421, 3958, 6134, 8207)
 KV_SINKS = 16
@@ -125,7 +127,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--haystack", type=int, default=1800)
     parser.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--int4-group", type=int, default=None,
+                        help="channels sharing one int4 range (kernels/kv_int4.py's GROUP) for this run")
     args = parser.parse_args(argv)
+    if args.int4_group is not None:
+        kv_int4.GROUP = args.int4_group
     text = Path(args.text).read_text()
     depths = [float(d) for d in args.depths.split(",")]
     rows = ["| KV | kept | KV bytes per token | perplexity | needle |", "|---|---:|---:|---:|---:|"]
