@@ -69,7 +69,7 @@ def _device(text: str) -> str:
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Add the flags that configure an engine (model, memory, scheduler limits). Each flag's dest is
     an ``EngineConfig`` field and its default is that field's default (``engine_config_from_args``)."""
-    from engine.config import ATTENTION_BACKENDS, QUANTIZATION_METHODS, EngineConfig
+    from engine.config import ATTENTION_BACKENDS, GGUF_ACTIVATIONS, QUANTIZATION_METHODS, EngineConfig
     from engine.spec_config import parse_speculative_config
     from kernels.linear import LINEAR_KERNELS
 
@@ -82,7 +82,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=("auto", *DTYPES), default=d.dtype,
                    help="dtype of weights, activations and KV cache; auto is bfloat16 on CUDA and float32 "
                         "on CPU, where a GGUF's Q4_0, Q4_1 and Q8_0 matrices stay in their blocks (the "
-                        "same results as float32); an explicit dtype dequantizes them")
+                        "same results as float32 under --gguf-activations float32); an explicit dtype "
+                        "dequantizes them")
+    g.add_argument("--gguf-activations", choices=GGUF_ACTIVATIONS, default=d.gguf_activations,
+                   help="the activations of the products over a GGUF's Q4_0, Q4_1 and Q8_0 blocks kept under "
+                        "--dtype auto on CPU: float32 (the dequantized float32 model's results, bitwise) or "
+                        "int8 (quantized per 32 inputs, integer dot products with AVX512-VNNI, as llama.cpp "
+                        "computes; other results, refused with an explicit --dtype or a CPU without "
+                        "avx512_vnni); prefill and decode workers must agree")
     g.add_argument("--quantization", choices=QUANTIZATION_METHODS, default=d.quantization,
                    help="the method the checkpoint's quantization_config must name (fp8: e4m3 weights "
                         "with per-tensor, per-channel or block scales; mxfp4: gpt-oss's experts); a "

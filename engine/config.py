@@ -32,6 +32,8 @@ MOE_ACTIVATIONS = ("silu", "swiglu_oai")
 ATTENTION_BACKENDS = ("auto", "triton", "flashinfer", "torch")
 # the quantized Hugging Face checkpoints read (``quant_method``; engine/checkpoint_quant.py)
 QUANTIZATION_METHODS = ("fp8", "mxfp4")
+# the activations of the products over GGUF blocks (EngineConfig.gguf_activations, --gguf-activations)
+GGUF_ACTIVATIONS = ("float32", "int8")
 
 _DTYPES = {
     "float32": torch.float32,
@@ -252,6 +254,10 @@ class EngineConfig:
     """Engine knobs. ``None`` means "derive it" (see the properties / engine)."""
 
     dtype: str = "auto"  # bfloat16 on CUDA, float32 elsewhere (see torch_dtype)
+    # the products over GGUF blocks kept under dtype auto (keeps_gguf_blocks): float32 activations (the
+    # dequantized float32 model's values, bitwise) or int8 ones (llama.cpp's arithmetic, AVX512-VNNI;
+    # kernels/cpu_qint8.c); GGUF_ACTIVATIONS
+    gguf_activations: str = "float32"
     # what the checkpoint's quantization_config must say (None: whatever it says, or nothing)
     quantization: str | None = None
     device: str = "cpu"
@@ -320,6 +326,7 @@ class EngineConfig:
             SpeculativeConfig.from_dict(self.speculative_config)
         if self.dtype.lower() != "auto":
             parse_dtype(self.dtype)
+        self._check_gguf_activations()
         if self.attention_backend not in ATTENTION_BACKENDS:
             choices = ", ".join(ATTENTION_BACKENDS)
             raise ValueError(f"attention_backend must be one of {choices}, got {self.attention_backend!r}")
@@ -363,6 +370,28 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("--max-model-len must be at least 1")
         self._check_tensor_parallel()
+
+    def _check_gguf_activations(self) -> None:
+        """int8 activations apply to the blocks kept on CPU by the native product only: refused, naming the
+        flag in the way, anywhere else (the CPU's own support is checked when the model is built)."""
+        if self.gguf_activations not in GGUF_ACTIVATIONS:
+            raise ValueError(f"--gguf-activations must be one of {', '.join(GGUF_ACTIVATIONS)}, got "
+                             f"{self.gguf_activations!r}")
+        if self.gguf_activations == "float32":
+            return
+        if self.dtype.lower() != "auto":
+            raise ValueError(f"--gguf-activations {self.gguf_activations} applies to GGUF weights kept in "
+                             f"their blocks, and --dtype {self.dtype} dequantizes them: use --dtype auto, or "
+                             f"--gguf-activations float32")
+        off = {"--device cpu": torch.device(self.device).type != "cpu",
+               "--native-kernels": not self.native_kernels,
+               "--linear-kernel native": self.linear_kernel != "native",
+               "--tensor-parallel-size 1": self.tensor_parallel_size != 1,
+               "--no-compile-cpu": self.compile_enabled}
+        missing = [flag for flag, lacking in off.items() if lacking]
+        if missing:
+            raise ValueError(f"--gguf-activations {self.gguf_activations} runs in the native product over "
+                             f"GGUF blocks on CPU; it needs {', '.join(missing)}")
 
     def _check_tensor_parallel(self) -> None:
         if self.tensor_parallel_size < 1:

@@ -123,11 +123,15 @@ def build_runner(source: ModelSource, config: EngineConfig, group: TpGroup | Non
     net = CausalLM(source.config, config.torch_dtype, config.device, kernel, shard, group)
     net.use_native_ops, net.use_native_decoder = native, config.native_decoder
     net.use_greedy_head = config.greedy_head
+    net.gguf_activations = config.gguf_activations
     keep = config.keeps_gguf_blocks and net.takes_blocks
     net.load_weights(source.iter_blocks(shard) if keep else source.iter_weights(shard))
     if shard.rank == 0:
         logger.info("%s (%s, %d layers): %s", source.config.name, source.config.architecture,
                     source.config.num_layers, net.execution_path)
+    if config.gguf_activations == "int8" and not net.int8_activations:
+        logger.warning("--gguf-activations int8: %s keeps no matrix in GGUF Q4_0/Q4_1/Q8_0 blocks; every "
+                       "product takes float32 activations", source.config.name)
     groups = kv_layout(source.config, config.hybrid_kv)
     blocks = num_kv_blocks(shard.kv_config, config, num_slots(groups))
     if group is not None and size > 1:

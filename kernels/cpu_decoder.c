@@ -30,7 +30,8 @@
 #include "cpu_internal.h"
 
 /* per layer: pointers to the tensors, then the four matrices' formats (cpu_internal.h's WF_*), one byte each
- * from the lowest: qkv, o, gate/up, down (WF_F32: cpu_packed.c's panels; the others cpu_qpacked.c's blocks) */
+ * from the lowest: qkv, o, gate/up, down (WF_F32: cpu_packed.c's panels; the others cpu_qpacked.c's blocks,
+ * with WF_I8 set where the product takes int8 activations, cpu_qint8.c) */
 enum { W_INPUT_NORM, W_QKV, W_QKV_BIAS, W_O, W_POST_NORM, W_GATE_UP, W_DOWN, W_FORMATS, W_PER_LAYER };
 #define FORMAT(lw, i) ((int32_t)((lw[W_FORMATS] >> (8 * (i))) & 0xff))
 
@@ -46,6 +47,20 @@ static inline void norm_rows(float *hidden, const float *delta, const float *wei
     for (int64_t r = t; r < rows; r += nt) {
         pdserve_add_rms_norm_row(hidden + r * dim, delta ? delta + r * dim : 0, weight, out + r * dim, dim, eps);
     }
+}
+
+/* gate/up panels g0..g1-1 of the gate half and the same of the up half: int8 activations quantized once */
+static void gate_and_up(int32_t fmt, const void *w, const float *x, float *gate_up, int64_t T, int64_t I,
+                        int64_t H, int64_t g0, int64_t g1) {
+    const int64_t gate_panels = I / PANEL;
+    const QRows *a = (fmt & WF_I8) ? pdserve_quantize_rows(WF_KIND(fmt), x, T, H) : 0;
+    if (a) {
+        pdserve_i8_panels(WF_KIND(fmt), (const uint8_t *)w, a, 0, gate_up, 2 * I, g0, g1);
+        pdserve_i8_panels(WF_KIND(fmt), (const uint8_t *)w, a, 0, gate_up, 2 * I, gate_panels + g0, gate_panels + g1);
+        return;
+    }
+    pdserve_any_panels(fmt, w, x, 0, gate_up, T, 2 * I, H, g0, g1);
+    pdserve_any_panels(fmt, w, x, 0, gate_up, T, 2 * I, H, gate_panels + g0, gate_panels + g1);
 }
 
 /* Returns 0, or a negative code for arguments it does not take (nothing is written then). */
@@ -87,7 +102,6 @@ int pdserve_decoder_f32(const int64_t *layer_weights, int32_t num_layers, float 
         panel_share(qkv_width, t, nt, &q0, &q1);
         panel_share(H, t, nt, &h0, &h1);
         panel_share(I, t, nt, &g0, &g1);
-        const int64_t gate_panels = I / PANEL;
         for (int layer = 0; layer < num_layers; layer++) {
             const int64_t *lw = layer_weights + (int64_t)layer * W_PER_LAYER;
             const void *w_qkv = (const void *)lw[W_QKV], *w_gu = (const void *)lw[W_GATE_UP];
@@ -115,8 +129,7 @@ int pdserve_decoder_f32(const int64_t *layer_weights, int32_t num_layers, float 
 #pragma omp barrier
             norm_rows(hidden, delta, (const float *)lw[W_POST_NORM], x, T, H, eps, t, nt);
 #pragma omp barrier
-            pdserve_any_panels(FORMAT(lw, 2), w_gu, x, 0, gate_up, T, 2 * I, H, g0, g1);
-            pdserve_any_panels(FORMAT(lw, 2), w_gu, x, 0, gate_up, T, 2 * I, H, gate_panels + g0, gate_panels + g1);
+            gate_and_up(FORMAT(lw, 2), w_gu, x, gate_up, T, I, H, g0, g1);
             for (int64_t r = 0; r < T; r++) {
                 const float *g = gate_up + r * 2 * I;
                 pdserve_silu_mul_range(g, g + I, act + r * I, g0 * PANEL, g1 * PANEL);

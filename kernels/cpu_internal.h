@@ -102,9 +102,34 @@ INTERNAL void pdserve_packed_group(const float *panels, int64_t v, int64_t k, co
 
 /* cpu_qpacked.c: weights kept in GGUF blocks (its header comment has the layout). Formats of a packed matrix: */
 enum { WF_F32 = 0, WF_Q4_0 = 1, WF_Q4_1 = 2, WF_Q8_0 = 3 };
+/* bytes of one packed record (PANEL features x 32 inputs) of a kind (exported) */
+int64_t pdserve_qrecord_bytes(int32_t fmt);
 #define TILE_ROWS_MAX 8 /* the most rows of one register tile: fewer rows read the weights once */
-/* output panels q0..q1-1 of every row for a matrix of format fmt (WF_F32: pdserve_packed_panels) */
+/* A format's flag: the product quantizes its activations to int8 and multiplies them with VNNI (cpu_qint8.c),
+ * on the same packed records */
+#define WF_I8 0x80
+#define WF_KIND(fmt) ((fmt) & ~WF_I8)
+/* output panels q0..q1-1 of every row for a matrix of format fmt (WF_F32: pdserve_packed_panels; WF_I8 set:
+ * the rows quantized once for the call, then pdserve_i8_panels) */
 INTERNAL void pdserve_any_panels(int32_t fmt, const void *p, const float *x, const float *bias, float *y, int64_t m,
                                  int64_t n, int64_t k, int64_t q0, int64_t q1);
+
+/* cpu_qint8.c: activation rows quantized to int8 per block of 32 inputs (its header comment has the
+ * arithmetic): q [m][k] (a Q4 format's in its evens-then-odds order), and per row and block d (the scale),
+ * ds = d * sum q and corr = offset * sum q (8 for Q4_0, 128 for Q8_0, 0 for Q4_1) */
+typedef struct {
+    int8_t *q;
+    float *d, *ds;
+    int32_t *corr;
+    int64_t m, k;
+} QRows;
+/* m rows of x (k inputs, a multiple of 32) for a product of kind fmt, in this thread's buffer (valid until
+ * its next call); NULL where the build lacks AVX512-VNNI or memory runs out */
+INTERNAL const QRows *pdserve_quantize_rows(int32_t fmt, const float *x, int64_t m, int64_t k);
+/* 1 where this build has the int8 product (AVX512-VNNI and AVX512-BW), else 0 (exported) */
+int32_t pdserve_i8_available(void);
+/* output panels q0..q1-1 of every row of `a` against packed records of kind fmt (y: a->m rows of n) */
+INTERNAL void pdserve_i8_panels(int32_t fmt, const uint8_t *p, const QRows *a, const float *bias, float *y,
+                                int64_t n, int64_t q0, int64_t q1);
 
 #endif

@@ -48,8 +48,8 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("cpu_attention.c", "cpu_attention_blocked.c", "cpu_attention_plan.c",
-                             "cpu_ops.c", "cpu_packed.c", "cpu_qpacked.c", "cpu_decoder.c", "cpu_greedy.c",
-                             "cpu_mla.c"))
+                             "cpu_ops.c", "cpu_packed.c", "cpu_qpacked.c", "cpu_qint8.c", "cpu_decoder.c",
+                             "cpu_greedy.c", "cpu_mla.c"))
 # included by the sources: part of the build's hash
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_simd.h", "cpu_internal.h"))
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-shared", "-fPIC", "-fopenmp")
@@ -157,6 +157,7 @@ def bind_ops(lib: ctypes.CDLL) -> None:
         # packed, x, bias, y, m, n, k, threads
         "pdserve_qpacked_f32": (i32, [i32, ptr, ptr, ptr, ptr, i64, i64, i64, i32]),
         "pdserve_qrecord_bytes": (i64, [i32]),
+        "pdserve_i8_available": (i32, []),  # cpu_qint8.c: whether the build has the int8 product
     }
     for name, (restype, argtypes) in blocks.items():
         fn = getattr(lib, name)

@@ -1,5 +1,6 @@
 /* The product of a linear layer whose weight stays in its GGUF blocks (Q4_0, Q4_1, Q8_0): y = x . W^T (+ bias),
- * with W dequantized in registers as it is read, never as a float32 copy in memory.
+ * with W dequantized in registers as it is read, never as a float32 copy in memory. A format with WF_I8 set
+ * takes the int8-activation product instead (cpu_qint8.c, llama.cpp's arithmetic), on the same records.
  *
  * Packed layout (pdserve_qpack): the weight in panels of PANEL output features as cpu_packed.c's, each panel
  * a run of records, one per block of QK = 32 inputs (panel q, block b at (q * blocks + b) * record bytes):
@@ -276,6 +277,14 @@ void pdserve_any_panels(int32_t fmt, const void *p, const float *x, const float 
         return;
     }
     const uint8_t *w = (const uint8_t *)p;
+    if (fmt & WF_I8) {
+        fmt = WF_KIND(fmt);
+        const QRows *a = pdserve_quantize_rows(fmt, x, m, k);
+        if (a) {
+            pdserve_i8_panels(fmt, w, a, bias, y, n, q0, q1);
+            return;
+        } /* no memory for the rows: the float32 product */
+    }
     const int64_t blocks = k / QK, panel_bytes = blocks * pdserve_qrecord_bytes(fmt);
     if (m <= TILE_ROWS_MAX) {
         for (int64_t q = q0; q < q1; q += QTILE_PANELS) {
@@ -310,7 +319,8 @@ void pdserve_any_panels(int32_t fmt, const void *p, const float *x, const float 
 
 int32_t pdserve_qpacked_f32(int32_t fmt, const uint8_t *p, const float *x, const float *bias, float *y, int64_t m,
                             int64_t n, int64_t k, int32_t num_threads) {
-    if (!pdserve_qrecord_bytes(fmt) || k % QK) return -1;
+    if (!pdserve_qrecord_bytes(WF_KIND(fmt)) || k % QK) return -1;
+    if ((fmt & WF_I8) && !pdserve_i8_available()) return -2;
     const int64_t panels = (n + PANEL - 1) / PANEL;
     int threads = num_threads < 1 ? 1 : num_threads;
     if (threads > panels) threads = (int)(panels > 0 ? panels : 1);

@@ -36,7 +36,9 @@ A weight kept in its GGUF blocks (``blocks=``, a ``kernels.gguf_blocks.BlockMatr
 ``weight`` given beside it is the model's zero-stride stand-in of its shape) takes the native
 library's product over the blocks (``NativeOps.qpacked_linear``): bitwise the ``"native"`` product of
 the dequantized weight, reading the blocks' bytes. Where the native kernel is not in use the blocks
-are dequantized and the weight takes the kernel asked for, as a float weight would.
+are dequantized and the weight takes the kernel asked for, as a float weight would. ``set_int8_activations``
+turns such a product to the int8-activation one (``NativeOps.qpacked_linear(..., int8=True)``,
+``kernels/cpu_qint8.c``: llama.cpp's arithmetic, not the float32 values); products without blocks ignore it.
 
 Figures for each kernel, per row count: docs/benchmarks.md ("One packed product for every row count",
 "Prompt chunks on oneDNN's product off Intel CPUs"), measured with ``python -m bench.lab.linear_kernels``.
@@ -141,6 +143,7 @@ class PreparedLinear:
         if kernel not in LINEAR_KERNELS:
             raise ValueError(f"unknown linear kernel {kernel!r}; choose one of {LINEAR_KERNELS}")
         self.kind: BlockKind | None = None  # set: ``packed`` holds GGUF blocks of this kind
+        self.int8_activations = False  # the blocks' product quantizes its activations (set_int8_activations)
         if blocks is not None:
             if tuple(blocks.shape) != tuple(weight.shape):
                 raise ValueError(f"blocks of shape {blocks.shape} for a weight of shape "
@@ -168,11 +171,21 @@ class PreparedLinear:
                 raise TypeError(f"the native product takes float32 CPU inputs, not {x.dtype} on {x.device}")
             rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
             if self.kind is not None:
-                y = self._native.qpacked_linear(rows, self.packed, self.kind, self.out_features, self.bias)
+                y = self._native.qpacked_linear(rows, self.packed, self.kind, self.out_features, self.bias,
+                                                self.int8_activations)
             else:
                 y = self._native.packed_linear(rows, self.packed, self.out_features, self.bias)
             return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
         return prepared_linear(x, self.weight, self.packed_row, self.bias)
+
+    def set_int8_activations(self, on: bool) -> None:
+        """Quantize the activations to int8 in the product over the blocks (``on``), or not; a product without
+        blocks stays as it is. Raises ``ValueError`` where this build has no int8 product (no AVX512-VNNI)."""
+        if self.kind is None or self._native is None:
+            return
+        if on:
+            self._native.require_int8()
+        self.int8_activations = on
 
     def unpacked(self) -> torch.Tensor:
         """The ``[out, in]`` float weight from the packed copy (bitwise the weight packed, or the blocks'

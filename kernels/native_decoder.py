@@ -18,7 +18,8 @@ Contract:
   hidden states, a contiguous float32 cache of this model's shape, no KV scales (quantized caches take
   the per-op path), and the ``NativeCpuAttentionBackend`` prepared for the step (``paged_arrays``).
 - Weights: the four matrices packed (``NativeOps.pack``, or ``NativeOps.qpack`` for a matrix kept in its
-  GGUF blocks, as the layers' ``PreparedLinear`` holds them; bitwise the same products),
+  GGUF blocks, as the layers' ``PreparedLinear`` holds them; bitwise the same products, the int8-activation
+  ones included where ``int8`` says so),
   the norms and the bias as they are; the intermediate width a multiple of ``PANEL`` (the products are
   split by whole panels; every Llama-family model's is). The tensors are read in place through pointers
   taken when the decoder is built; it keeps a reference to every tensor, and must be rebuilt when the
@@ -39,7 +40,7 @@ import torch
 from kernels.attention import AttentionBackend
 from kernels.cpu_native import NativeCpuAttentionBackend, load_library
 from kernels.gguf_blocks import BlockKind
-from kernels.native_ops import PANEL, NativeOps, native_ops
+from kernels.native_ops import INT8_FLAG, PANEL, NativeOps, native_ops
 
 KEEP_WORKSPACE_BYTES = 64 << 20  # scratch kept between calls (a decode step of SmolLM2 needs 29 KB a token)
 
@@ -58,6 +59,7 @@ class DecoderLayerWeights:
     gate_up: torch.Tensor
     down_proj: torch.Tensor
     kinds: tuple[BlockKind | None, ...] = (None, None, None, None)  # qkv, o, gate/up, down
+    int8: tuple[bool, ...] = (False, False, False, False)  # a kept matrix's product takes int8 activations
 
     def tensors(self) -> tuple[torch.Tensor | None, ...]:
         """In the order of the C side's per-layer pointer table."""
@@ -66,8 +68,10 @@ class DecoderLayerWeights:
 
     @property
     def formats(self) -> int:
-        """The C side's formats word: one byte per matrix (0: float32 panels)."""
-        return sum(int(kind or 0) << (8 * i) for i, kind in enumerate(self.kinds))
+        """The C side's formats word: one byte per matrix (0: float32 panels; ``INT8_FLAG`` set: int8
+        activations, ``cpu_qint8.c``)."""
+        return sum((int(kind or 0) | (INT8_FLAG if kind and on else 0)) << (8 * i)
+                   for i, (kind, on) in enumerate(zip(self.kinds, self.int8, strict=True)))
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,12 @@ does each group in one call through ctypes, on float32 CPU tensors only:
   ``qunpack(packed, kind, out_features)``: the same three for a weight kept in
   its GGUF blocks (``kernels.gguf_blocks.BlockMatrix``, ``cpu_qpacked.c``):
   the product is bitwise ``packed_linear`` over ``matrix.dequantize()``, and
-  ``qunpack`` gives that float32 weight.
+  ``qunpack`` gives that float32 weight;
+- ``qpacked_linear(..., int8=True)``: the same product with its activations quantized to int8 per block
+  of 32 inputs and integer dot products (``cpu_qint8.c``, llama.cpp's arithmetic, AVX512-VNNI): not the
+  float32 values, but bitwise the same whatever the row count, the thread count and the other rows;
+  ``int8_available`` says whether this build has it (``require_int8`` raises, naming the CPU flag, where
+  it has not).
 
 Callers check ``usable`` for their tensors (float32, CPU, contiguous where
 stated) and take the torch path otherwise. Threads: ``torch.get_num_threads()``
@@ -49,6 +54,7 @@ from kernels.cpu_native import load_library, native_available
 from kernels.gguf_blocks import QK, BlockKind, BlockMatrix
 
 PANEL = 16  # output features per packed panel (cpu_internal.h)
+INT8_FLAG = 0x80  # a format's int8-activation flag (cpu_internal.h's WF_I8)
 
 
 class NativeOps:
@@ -67,6 +73,13 @@ class NativeOps:
         self._qdequantize = lib.pdserve_qdequantize
         self._qpacked = lib.pdserve_qpacked_f32
         self._record_bytes = {kind: int(lib.pdserve_qrecord_bytes(kind)) for kind in BlockKind}
+        self.int8_available = bool(lib.pdserve_i8_available())
+
+    def require_int8(self, flag: str = "--gguf-activations int8") -> None:
+        """Raise ``ValueError`` where this build has no int8 product (a CPU without AVX512-VNNI)."""
+        if not self.int8_available:
+            raise ValueError(f"{flag} needs a CPU with AVX512-VNNI (the avx512_vnni flag in /proc/cpuinfo) "
+                             f"and AVX512-BW; this one has not: use --gguf-activations float32")
 
     @staticmethod
     def usable(*tensors: torch.Tensor) -> bool:
@@ -157,8 +170,9 @@ class NativeOps:
         return self.unpack(floats, out_features)
 
     def qpacked_linear(self, x: torch.Tensor, packed: torch.Tensor, kind: BlockKind, out_features: int,
-                       bias: torch.Tensor | None) -> torch.Tensor:
-        """``packed_linear`` over the dequantized weight, for ``x`` of ``[rows, in]`` (bitwise)."""
+                       bias: torch.Tensor | None, int8: bool = False) -> torch.Tensor:
+        """``packed_linear`` over the dequantized weight, for ``x`` of ``[rows, in]`` (bitwise); ``int8``:
+        the int8-activation product instead (``cpu_qint8.c``)."""
         in_features = packed.shape[1] * QK
         want = self.qpacked_shape(kind, out_features, in_features)
         if tuple(packed.shape) != want or not packed.is_contiguous():
@@ -168,8 +182,11 @@ class NativeOps:
             raise ValueError(f"input of width {x.shape[-1]} for a product of {in_features} inputs")
         x = x.contiguous()
         bias = None if bias is None else bias.contiguous()
+        if int8:
+            self.require_int8()
         y = x.new_empty(x.shape[0], out_features)
-        self._qpacked(kind, packed.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(),
+        fmt = kind | (INT8_FLAG if int8 else 0)
+        self._qpacked(fmt, packed.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(),
                       y.data_ptr(), x.shape[0], out_features, in_features, torch.get_num_threads())
         return y
 

@@ -20,7 +20,9 @@ meaning; peers with different versions refuse each other at the handshake.
   defaults describe an unsharded cache. ``parts`` is 2 (K and V) or 1 (latent attention's one row
   per token, its one "head" ``head_dim`` values wide). A hybrid model's ``num_layers`` are the slots
   of its KV groups (``engine/kv_groups.py``; ``kv_groups`` says which), and a group's block holds its
-  layers in the first slots: a read of such a block moves only those.
+  layers in the first slots: a read of such a block moves only those. ``gguf_activations`` names the
+  numerics of the model that wrote the K/V (``int8``: its products over GGUF blocks quantize their
+  activations); peers must agree on it as on ``dtype``.
 - ``AgentInfo`` is what a source publishes once (NIXL metadata, the tensor's address
   and layout); a sink connects to it before its first read. A tensor-parallel worker publishes its
   rank 0's, with ranks 1..N-1's in ``tp_ranks`` (rank order): one agent per rank, each registering
@@ -44,7 +46,7 @@ import msgspec
 if TYPE_CHECKING:
     import torch
 
-WIRE_VERSION: int = 4
+WIRE_VERSION: int = 5
 
 
 class KvLayout(msgspec.Struct, frozen=True):
@@ -64,6 +66,9 @@ class KvLayout(msgspec.Struct, frozen=True):
     parts: int = 2  # K and V; 1 for latent attention's one row (its "head" the latent and rotary key)
     kv_groups: str = ""  # engine/kv_groups.py's describe(): which layers share a block table; "": one
     scale_tail: tuple[int, ...] = ()  # the scales' dimensions after kv_heads: int4's (groups, 2)
+    # the activations of the products over GGUF blocks (EngineConfig.gguf_activations, where it applies):
+    # K/V computed with int8 activations differ from float32 ones, so both sides of a transfer must agree
+    gguf_activations: str = "float32"
 
     @property
     def model_kv_heads(self) -> int:
@@ -103,9 +108,11 @@ class KvLayout(msgspec.Struct, frozen=True):
 
     @staticmethod
     def from_tensor(kv_cache: torch.Tensor, model: str, scales: torch.Tensor | None = None,
-                    kv_groups: str = "") -> KvLayout:
+                    kv_groups: str = "", gguf_activations: str = "float32") -> KvLayout:
         """The layout of a KV cache tensor shaped as ``kernels/attention.py`` describes (and its scales);
-        ``kv_groups`` describes a hybrid model's groups (``engine/kv_groups.py:describe``)."""
+        ``kv_groups`` describes a hybrid model's groups (``engine/kv_groups.py:describe``),
+        ``gguf_activations`` the model's numerics (int8 where its products over GGUF blocks take int8
+        activations)."""
         if kv_cache.dim() != 6 or kv_cache.shape[2] not in (1, 2):
             raise ValueError(f"not a paged KV cache tensor: shape {tuple(kv_cache.shape)}")
         num_layers, num_blocks, parts, block_size, num_kv_heads, head_dim = kv_cache.shape
@@ -130,6 +137,7 @@ class KvLayout(msgspec.Struct, frozen=True):
             parts=parts,
             kv_groups=kv_groups,
             scale_tail=scale_tail,
+            gguf_activations=gguf_activations,
         )
 
 

@@ -11,7 +11,9 @@ engine's default) runs every layer of a step in one native call (``kernels/nativ
 ``compiled`` adds the
 torch.compile'd decoder layers), the configurations run interleaved on one engine (the
 weights are re-prepared between them), and each phase keeps its best time of
-``--repeats`` steps:
+``--repeats`` steps. ``--gguf-activations float32,int8`` runs each configuration once per mode of the
+products over GGUF blocks (``native/int8``, ...; the mode switches without packing again), on the blocks
+``--dtype auto`` keeps:
 
 - ``schedule``: ``Scheduler.schedule``;
 - ``metadata``: ``ModelRunner.prepare`` (flat inputs, attention metadata);
@@ -30,8 +32,8 @@ auto``, and the LM head as the step reads it);
 (``bench.lab.linear_kernels``) reaches at that shape and row count.
 
     python -m bench.lab.step_profile [--configs plain,prepacked] [--batches 1,16,64]
-        [--prefill 2048] [--repeats 10] [--threads N] [--dtype auto|float32] [--json out.json]
-        [--md out.md]
+        [--prefill 2048] [--repeats 10] [--threads N] [--dtype auto|float32]
+        [--gguf-activations float32[,int8]] [--json out.json] [--md out.md]
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ import torch
 
 from bench.lab.linear_kernels import sweep_shape
 from bench.lab.step_ops import OP_CLASSES, op_class_split
-from engine.config import EngineConfig
+from engine.config import GGUF_ACTIVATIONS, EngineConfig
 from engine.engine import LLMEngine
 from engine.sampling import SamplingParams
 from kernels.linear import LinearKernel, PreparedLinear
@@ -117,13 +119,17 @@ CONFIG_KERNELS: dict[str, LinearKernel] = {"plain": "plain", "prepacked": "prepa
                                            "layered": "native", "native": "native", "compiled": "prepacked"}
 
 
-def set_config(engine: LLMEngine, config: str) -> None:
+def set_config(engine: LLMEngine, label: str) -> None:
+    """Prepare the engine for ``label``: a configuration, optionally ``/`` the GGUF blocks' activations."""
+    config, _, mode = label.partition("/")
     if config not in CONFIG_KERNELS:
         raise SystemExit(f"--configs: unknown configuration {config!r}; "
                          f"choose from {', '.join(CONFIG_KERNELS)}")
     model = engine.runner.model
     if model.linear_kernel != CONFIG_KERNELS[config]:
         model.prepare_linears(CONFIG_KERNELS[config])
+    if model.gguf_activations != (mode or "float32"):
+        model.set_gguf_activations(mode or "float32")
     model.use_native_ops = config in ("fused", "layered", "native")
     model.use_native_decoder = config == "native"
     engine.runner.set_compiled(config == "compiled")
@@ -180,7 +186,7 @@ def profile_scenario(engine: LLMEngine, configs: list[str], batch: int, prompt_l
             start_scenario(engine, 1, prompt_len)
         out = engine.scheduler.schedule()
         inputs = engine.runner.prepare(out, engine.kv)
-        backend = None if config == "compiled" else engine.runner.backend
+        backend = None if config.startswith("compiled") else engine.runner.backend
         split = op_class_split(lambda: engine.runner.run(inputs), backend)  # noqa: B023
         engine.process(out, None if prefill else engine.sample(out, engine.runner.run(inputs)))
         scale = best[config]["forward"] / max(sum(split.values()), 1e-12)
@@ -218,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--dtype", default="auto",
                         help="the engine's --dtype (auto: a GGUF's Q4_0/Q4_1/Q8_0 matrices in their blocks)")
+    parser.add_argument("--gguf-activations", default="float32",
+                        help="the products over GGUF blocks: float32, int8, or both (float32,int8: each "
+                             "configuration runs in each mode, labelled native/int8 ...)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--md", default=None)
     args = parser.parse_args(argv)
@@ -226,12 +235,20 @@ def main(argv: list[str] | None = None) -> int:
         if config not in CONFIG_KERNELS:
             parser.error(f"--configs: unknown configuration {config!r}; "
                          f"choose from {', '.join(CONFIG_KERNELS)}")
+    modes = args.gguf_activations.split(",")
+    if any(mode not in GGUF_ACTIVATIONS for mode in modes):
+        parser.error(f"--gguf-activations: choose from {', '.join(GGUF_ACTIVATIONS)}")
+    compiled = "compiled" in configs
+    if modes != ["float32"]:
+        configs = [f"{config}/{mode}" for config in configs for mode in modes]
     batches = [int(b) for b in args.batches.split(",")]
     engine = LLMEngine(args.model, EngineConfig(
         enable_prefix_caching=False, max_num_seqs=max(batches), kv_cache_memory=1024**3,
         # 2,048-token steps at least, so the batches' prompts are prefilled in a few steps, not hundreds
-        max_num_batched_tokens=max(args.prefill, max(batches), 2048), compile_cpu="compiled" in configs,
-        num_threads=args.threads, dtype=args.dtype))
+        max_num_batched_tokens=max(args.prefill, max(batches), 2048), compile_cpu=compiled,
+        num_threads=args.threads, dtype=args.dtype,
+        # int8 checked here (an explicit --dtype, a CPU without VNNI); each label then sets its own mode
+        gguf_activations="int8" if "int8" in modes else "float32"))
     bandwidth = read_bandwidth(args.bw_bytes)
     wbytes = step_weight_bytes(engine)
     kv_token = engine.model_config.kv_bytes_per_token(engine.config.kv_torch_dtype.itemsize)
@@ -255,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(markdown([row], configs).splitlines()[2:]), flush=True)
     table = markdown(rows, configs)
     print("\n" + table)
-    meta = {"torch_threads": torch.get_num_threads(), "dtype": args.dtype,
+    meta = {"torch_threads": torch.get_num_threads(), "dtype": args.dtype, "gguf_activations": modes,
             "read_bandwidth_gbs": bandwidth / 1e9, "weight_bytes": wbytes, "context": args.context,
             "repeats": args.repeats}
     if args.json:

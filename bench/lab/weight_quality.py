@@ -1,12 +1,15 @@
 """Quality of each weight precision on real text: perplexity over a long document and greedy agreement.
 
-For each ``--runs`` entry ``label=dtype[@model.gguf]`` (the default model when no file is given): the
-perplexity of ``--text`` (default ``/usr/share/common-licenses/GPL-3``, ~9k tokens, present on every
-Debian machine) read in independent windows of ``--window`` tokens, each fed ``--chunk`` tokens per
-step through the paged cache (``bench.lab.kv_quant.perplexity``), and, against the first entry, the
-share of identical tokens over ``--output-len`` greedy tokens of ``kv_quant``'s 16 chat prompts.
+For each ``--runs`` entry ``label=dtype[:activations][@model.gguf]`` (the default model when no file is
+given; ``activations``: the products over the GGUF blocks ``auto`` keeps, ``float32`` or ``int8``, by
+default ``--gguf-activations``): the perplexity of ``--text`` (default
+``/usr/share/common-licenses/GPL-3``, ~9k tokens, present on every Debian machine) read in independent
+windows of ``--window`` tokens, each fed ``--chunk`` tokens per step through the paged cache
+(``bench.lab.kv_quant.perplexity``), and, against the first entry, the share of identical tokens over
+``--output-len`` greedy tokens of ``kv_quant``'s 16 chat prompts.
 
-    python -m bench.lab.weight_quality --runs "float32=float32,Q4_1 blocks=auto,Q8_0=auto@/tmp/q8.gguf"
+    python -m bench.lab.weight_quality --runs "float32=float32,Q4_1 blocks=auto,Q4_1 int8=auto:int8"
+    python -m bench.lab.weight_quality --runs "float32=float32,Q8_0=auto@/tmp/q8.gguf"
 """
 
 from __future__ import annotations
@@ -33,7 +36,10 @@ def window_perplexity(llm: LLM, ids: list[int], window: int, chunk: int) -> floa
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", required=True, help="label=dtype[@model.gguf], comma-separated")
+    parser.add_argument("--runs", required=True,
+                        help="label=dtype[:float32|int8][@model.gguf], comma-separated")
+    parser.add_argument("--gguf-activations", default="float32", choices=("float32", "int8"),
+                        help="the activations of the products over GGUF blocks, where a run names none")
     parser.add_argument("--text", default="/usr/share/common-licenses/GPL-3")
     parser.add_argument("--window", type=int, default=2048)
     parser.add_argument("--chunk", type=int, default=256)
@@ -45,8 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = ["| weights | file | perplexity | identical greedy tokens |", "|---|---|---:|---:|"]
     for run in args.runs.split(","):
         label, spec = run.split("=", 1)
-        dtype, _, model = spec.partition("@")
-        llm = LLM(model or None, dtype=dtype, num_threads=args.threads, max_num_seqs=16,
+        numerics, _, model = spec.partition("@")
+        dtype, _, activations = numerics.partition(":")
+        llm = LLM(model or None, dtype=dtype, gguf_activations=activations or args.gguf_activations,
+                  num_threads=args.threads, max_num_seqs=16,
                   num_kv_blocks=args.window // 16 + 64)
         try:
             ids = llm.engine.tokenizer.encode(text)

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config import ModelConfig, RopeScaling
+from engine.config import GGUF_ACTIVATIONS, ModelConfig, RopeScaling
 from engine.kv_groups import KvGroup, layer_slots
 from engine.layers.attention import Attention
 from engine.layers.context import LayerContext
@@ -103,6 +103,9 @@ class CausalLM(nn.Module):
         self.use_native_ops = True
         self.use_native_decoder = True
         self.use_greedy_head = True
+        # the products over GGUF blocks: "float32" or "int8" activations (EngineConfig.gguf_activations;
+        # prepare_linears applies it)
+        self.gguf_activations = "float32"
         self.native_decoder: NativeDecoder | None = None
         # keep the decoder's [out, in] matrices beside the native packed copies (the compiled path reads them)
         self.keep_plain_weights = False
@@ -152,9 +155,21 @@ class CausalLM(nn.Module):
                 param.data = torch.zeros((), dtype=param.dtype, device=param.device).expand(param.shape)
         if self.lm_head_linear.kind is not None:
             self.lm_head_linear.release_weight(self.lm_head.data)
+        for linear in self.prepared_linears():
+            linear.set_int8_activations(self.gguf_activations == "int8")
         # a head in blocks reads fewer bytes than the screen's half-precision copy: no screen
         screened = self.group is None and self.use_greedy_head and self.lm_head_linear.kind is None
         self.greedy_head = GreedyHead.build(self.lm_head_linear) if screened else None
+        self.native_decoder = self._build_native_decoder()
+
+    def set_gguf_activations(self, mode: str) -> None:
+        """The products over kept GGUF blocks from now on take ``mode`` activations (``float32`` or ``int8``;
+        both read the same packed records, so nothing is packed again); the one-call decoder is rebuilt."""
+        if mode not in GGUF_ACTIVATIONS:
+            raise ValueError(f"gguf activations must be one of {', '.join(GGUF_ACTIVATIONS)}, not {mode!r}")
+        self.gguf_activations = mode
+        for linear in self.prepared_linears():
+            linear.set_int8_activations(mode == "int8")
         self.native_decoder = self._build_native_decoder()
 
     def _fill_embedding(self) -> None:
@@ -257,17 +272,28 @@ class CausalLM(nn.Module):
         matrix's stand-in is 4 bytes), the prepared products' packed copies, the greedy head's half copy
         and the embedding's GGUF blocks."""
         tensors: list[torch.Tensor] = [p.data for p in self.parameters()]
-        linears: list[PreparedLinear] = [self.lm_head_linear]
-        for module in self.modules():
-            for value in vars(module).values():
-                found = value if isinstance(value, list) else [value]
-                linears += [lin for lin in found if isinstance(lin, PreparedLinear)]
-        tensors += [t for lin in linears for t in (lin.weight, lin.packed, lin.packed_row) if t is not None]
+        tensors += [t for lin in self.prepared_linears() for t in (lin.weight, lin.packed, lin.packed_row)
+                    if t is not None]
         if self.greedy_head is not None:
             tensors.append(self.greedy_head.half)
         tensors += [b.rows for b in (self.embed_blocks, self.head_blocks) if b is not None]
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
         return sum(storages.values())
+
+    def prepared_linears(self) -> list[PreparedLinear]:
+        """Every product the model holds: the LM head's, then its modules' (an expert list's each)."""
+        linears: list[PreparedLinear] = [self.lm_head_linear]
+        for module in self.modules():
+            for value in vars(module).values():
+                found = value if isinstance(value, list) else [value]
+                linears += [lin for lin in found if isinstance(lin, PreparedLinear)]
+        return linears
+
+    @property
+    def int8_activations(self) -> bool:
+        """Whether some product takes int8 activations (``gguf_activations`` int8 over kept blocks): the
+        model's numerics, which a KV transfer's peers must share (``transfer/compat.py``)."""
+        return any(lin.int8_activations for lin in self.prepared_linears())
 
     @property
     def takes_blocks(self) -> bool:
