@@ -127,11 +127,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="h2o: keep each sequence within --kv-budget tokens by freeing, before each chunk, "
                         "its whole blocks that received the least attention so far, outside the last "
                         "--kv-recent tokens (attention runs on the torch kernel, which scores the blocks; "
-                        "colocated workers only; default: none)")
+                        "colocated workers only)")
     g.add_argument("--kv-budget", type=int, default=d.kv_budget, metavar="TOKENS",
                    help="with --kv-eviction h2o: the KV tokens one sequence may hold")
     g.add_argument("--kv-recent", type=int, default=d.kv_recent, metavar="TOKENS",
-                   help="with --kv-eviction h2o: the last tokens never evicted (default: half the budget)")
+                   help="with --kv-eviction h2o: the last tokens never evicted; half the budget "
+                        "when not given")
     g.add_argument("--hybrid-kv", action=argparse.BooleanOptionalAction, default=d.hybrid_kv,
                    help="a hybrid model's sliding-window layers keep only the KV blocks their window still "
                         "reads, in KV groups of their own (docs/models.md); --no-hybrid-kv keeps every block")
