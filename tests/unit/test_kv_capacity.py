@@ -26,6 +26,7 @@ TINY_ROWS = {  # dtype: (block bytes at 16 tokens, blocks in 1 MiB, host blocks 
     "fp8": (2080, 504, 126, 252),
     "fp8_e5m2": (2080, 504, 126, 252),
     "int8": (2080, 504, 126, 252),
+    "int4": (1088, 963, 240, 481),  # 16 x 2 x 2 x 2 x 8 code bytes + 2 x 2 x 2 x 1 group x 8 range bytes
 }
 
 
@@ -41,7 +42,7 @@ def test_plan_rows_equal_what_engines_allocate(tiny_model_dir: Path, tmp_path: P
                      "--max-model-len", "256")
     rows = {r["kv_cache_dtype"]: r for r in plan["by_kv_dtype"]}
     assert list(rows) == list(TINY_ROWS)
-    assert [r["selected"] for r in rows.values()] == [True, False, False, False]  # auto = --dtype
+    assert [r["selected"] for r in rows.values()] == [True, False, False, False, False]  # auto = --dtype
     for name, (block, blocks, host, disk) in TINY_ROWS.items():
         row = rows[name]
         assert (row["kv_block_bytes"], row["num_kv_blocks"], row["host_blocks"], row["disk_blocks"]) == (
@@ -49,7 +50,7 @@ def test_plan_rows_equal_what_engines_allocate(tiny_model_dir: Path, tmp_path: P
         assert row["kv_tokens"] == 16 * blocks and row["host_tokens"] == 16 * host
         assert row["disk_tokens"] == 16 * disk and row["concurrent_sequences"] == blocks // 16
         assert row["block_bytes_per_token"] == block / 16
-        assert row["kv_bytes_per_token"] == (512 if name == "float32" else 128)
+        assert row["kv_bytes_per_token"] == {"float32": 512, "int4": 64}.get(name, 128)
 
         llm = LLM(str(tiny_model_dir), dtype="float32", kv_cache_dtype="auto" if name == "float32" else name,
                   kv_cache_memory=1 << 20, kv_offload_bytes=256 << 10, kv_offload_dir=str(tmp_path / name),
