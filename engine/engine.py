@@ -185,7 +185,7 @@ class LLMEngine:
             self.kv.pool.on_evict = self.offload.store
         self.swap = (HostSwapSpace(self.runner.kv_cache, self.runner.kv_scales, self.config.swap_space)
                      if self.config.preemption_mode == "swap" else None)
-        self.eviction = self._eviction()
+        self.eviction = KvEviction.for_engine(self.config, self.model_config, self.runner.kv_mass)
         self.scheduler = Scheduler(self.kv, self.config.max_num_batched_tokens,
                                    self.config.max_num_seqs, self.max_model_len,
                                    self.config.preemption_mode, self.swap, self.kv_window,
@@ -203,19 +203,6 @@ class LLMEngine:
         self.reserved: dict[str, Request] = {}
         self.check_integrity = check_integrity
         self._ids = itertools.count()
-
-    def _eviction(self) -> KvEviction | None:
-        """``--kv-eviction h2o``'s state (``engine/kv_eviction.py``); ValueError where it cannot score."""
-        if self.config.kv_eviction == "none":
-            return None
-        model = self.model_config
-        for why, refused in ((f"{model.name}'s sliding-window layers", model.has_sliding_layers),
-                             ("latent attention (MLA)", model.mla is not None),
-                             ("--tensor-parallel-size > 1", self.config.tensor_parallel_size > 1)):
-            if refused:
-                raise ValueError(f"--kv-eviction h2o does not support {why}")
-        assert self.runner.kv_mass is not None
-        return KvEviction(self.config.kv_budget or 0, self.config.kv_recent_tokens, self.runner.kv_mass)
 
     def _refuse_with_hybrid_kv(self) -> None:
         """Name the options that do not yet keep a hybrid model's KV groups (``engine/kv_groups.py``)."""

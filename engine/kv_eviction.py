@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.config import EngineConfig, ModelConfig
 from engine.kv_cache import KVCacheManager
 from engine.request import Request
 
@@ -46,6 +47,20 @@ class KvEviction:
     recent: int
     mass: torch.Tensor
     evicted_tokens: int = 0
+
+    @staticmethod
+    def for_engine(config: EngineConfig, model: ModelConfig, mass: torch.Tensor | None) -> KvEviction | None:
+        """``--kv-eviction h2o``'s state over the runner's ``mass`` (None when eviction is off); ValueError
+        for a model or set-up whose attention cannot be scored."""
+        if config.kv_eviction == "none":
+            return None
+        for why, refused in ((f"{model.name}'s sliding-window layers", model.has_sliding_layers),
+                             ("latent attention (MLA)", model.mla is not None),
+                             ("--tensor-parallel-size > 1", config.tensor_parallel_size > 1)):
+            if refused:
+                raise ValueError(f"--kv-eviction h2o does not support {why}")
+        assert mass is not None
+        return KvEviction(config.kv_budget or 0, config.kv_recent_tokens, mass)
 
     def fit(self, kv: KVCacheManager, request: Request, n: int) -> int:
         """Free ``request``'s lowest-mass blocks until its held tokens plus ``n`` fit the budget (or no

@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.block_writes import touched_blocks
+
 STORAGE_DTYPE = torch.uint8
 GROUP = 16  # channels of a head sharing one (low, step); the whole head when head_dim is smaller
 LEVELS = 15
@@ -96,14 +98,7 @@ def write_rows(
     """
     if slots.numel() == 0:
         return
-    blocks = torch.div(slots, block_size, rounding_mode="floor")
-    offsets = slots % block_size
-    touched, inverse = torch.unique(blocks, return_inverse=True)
-    u = touched.numel()
-    start = torch.full((u,), block_size, dtype=torch.int64, device=slots.device)
-    start = start.scatter_reduce(0, inverse, offsets, "amin")
-    end = torch.full((u,), -1, dtype=torch.int64, device=slots.device)
-    end = end.scatter_reduce(0, inverse, offsets, "amax")
+    touched, inverse, offsets, start, end = touched_blocks(slots, block_size)
     params = params_layer[touched]  # [u, parts, H, G, 2]
     buf = dequantize(kv_layer[touched], params[:, :, None])  # [u, parts, bs, H, D]
     positions = torch.arange(block_size, device=slots.device)

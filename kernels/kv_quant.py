@@ -41,6 +41,7 @@ from __future__ import annotations
 import torch
 
 from kernels import kv_int4
+from kernels.block_writes import touched_blocks
 
 KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
     "auto": None,
@@ -152,12 +153,7 @@ def write_quantized_rows(
     if kv_int4.is_int4(dtype):
         kv_int4.write_rows(kv_layer, scales_layer, rows, slots, block_size)
         return
-    blocks = torch.div(slots, block_size, rounding_mode="floor")
-    offsets = slots % block_size
-    touched, inverse = torch.unique(blocks, return_inverse=True)
-    u = touched.numel()
-    start = torch.full((u,), block_size, dtype=torch.int64, device=slots.device)
-    start = start.scatter_reduce(0, inverse, offsets, "amin")
+    touched, inverse, offsets, start, _ = touched_blocks(slots, block_size)
     old_scales = scales_layer[touched]  # [u, parts, H]
     buf = dequantize(kv_layer[touched], old_scales[:, :, None, :, None])  # [u, parts, bs, H, D]
     positions = torch.arange(block_size, device=slots.device)
