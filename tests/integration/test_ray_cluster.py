@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +72,7 @@ class RayCluster:
     gcs_port: int
     dashboard: str
     env: dict[str, str]
+    node_dirs: list[Path] = field(default_factory=list)  # the worker nodes' own temp dirs
 
     def run(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         return subprocess.run(args, env=self.env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
@@ -89,9 +90,10 @@ class RayCluster:
         done = self.run(RAY, "job", "logs", "--address", self.dashboard, job_id)
         return (done.stdout + done.stderr)[-4000:]
 
-    def kill_own_processes(self) -> None:
-        """Terminate every process of this cluster (found by its temp dir or GCS port) and their children."""
-        marks = (str(self.temp_dir), f":{self.gcs_port}")
+    def kill_own_processes(self, marks: tuple[str, ...] = ()) -> None:
+        """Terminate every process of this cluster (found by its temp dirs or GCS port) and their children;
+        with ``marks``, only the processes whose command line holds one of them."""
+        marks = marks or (str(self.temp_dir), f":{self.gcs_port}", *map(str, self.node_dirs))
         own: list[psutil.Process] = []
         for proc in psutil.process_iter(["cmdline"]):
             cmd = " ".join(proc.info["cmdline"] or [])
@@ -166,29 +168,49 @@ def _wait_alive(cluster: RayCluster, resources: set[str], deadline: float) -> bo
     return False
 
 
+def _start_node(cluster: RayCluster, resource: str, port_base: int) -> str:
+    """A worker node offering ``resource`` (and the label ``pdserve-role=<resource>``), in its own temp dir,
+    waited on until ALIVE; started once more, on fresh ports, if it never is.
+
+    Like the head, a worker's ``ray start`` gives its raylet 30 s to register. On a loaded machine the
+    raylet may register later (waited out here) or be gone with the failed ``ray start``: then that
+    node's processes (found by its temp dir) are stopped and the node started again. Its workers take
+    ports ``port_base + 50`` on, then ``port_base + 100`` on (``_worker_port_base`` checks 150)."""
+    output = ""
+    for attempt in (1, 2):
+        node_dir = Path(tempfile.mkdtemp(prefix="pdn", dir="/tmp"))
+        cluster.node_dirs.append(node_dir)
+        node = cluster.run(RAY, "start", "--address", f"127.0.0.1:{cluster.gcs_port}", "--num-cpus", "1",
+                           "--temp-dir", str(node_dir), "--resources", json.dumps({resource: 1}),
+                           "--labels", f"pdserve-role={resource}",
+                           *_node_args([*_free_ports(6), port_base + 50 * attempt]))
+        output = node.stdout[-1500:] + node.stderr[-1500:]
+        assert node.returncode == 0 or LATE_RAYLET in output, output
+        if _wait_alive(cluster, {resource}, deadline=time.monotonic() + 120):
+            return output
+        cluster.kill_own_processes((str(node_dir),))
+    raise AssertionError(f"the {resource} node never came up, twice: {output}")
+
+
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[RayCluster]:
     temp_dir = Path(tempfile.mkdtemp(prefix="pdr", dir="/tmp"))
-    gcs, dash, client, *node_ports = _free_ports(3 + 2 * 6)
-    base = _worker_port_base()
+    gcs, dash, client, *node_ports = _free_ports(3 + 6)
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(16), RAY_DEDUP_LOGS="0",
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}")
     cluster = RayCluster(temp_dir, gcs, f"http://127.0.0.1:{dash}", env)
     try:
-        head_output = _start_head(cluster, client, [*node_ports[0:6], base])
-        node = cluster.run(RAY, "start", "--address", f"127.0.0.1:{gcs}", "--num-cpus", "1",
-                           "--resources", json.dumps({"decode_node": 1}),
-                           "--labels", "pdserve-role=decode_node",
-                           *_node_args([*node_ports[6:12], base + 50]))
-        output = node.stdout[-1500:] + node.stderr[-1500:]
-        # `ray start` gives a raylet 30 s to register; on a loaded machine it may register later
-        assert _wait_alive(cluster, {"prefill_node", "decode_node"}, deadline=time.monotonic() + 120), (
-            head_output, output)
+        base = _worker_port_base()
+        head_output = _start_head(cluster, client, [*node_ports, base])
+        node_output = _start_node(cluster, "decode_node", base)
+        assert _wait_alive(cluster, {"prefill_node", "decode_node"}, deadline=time.monotonic() + 60), (
+            head_output, node_output)
         yield cluster
     finally:
         cluster.kill_own_processes()
-        shutil.rmtree(temp_dir, ignore_errors=True)
+        for path in (temp_dir, *cluster.node_dirs):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 @dataclass
