@@ -18,10 +18,6 @@ def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
     """Build the ``ServeConfig``; raises ValueError naming the flag on a value argparse let through."""
     engine = engine_config_from_args(args)
     gpus = 1 if engine.device.startswith("cuda") else 0
-    if engine.kv_eviction != "none" and (args.num_prefill > 0 or args.planner):
-        # a prefill worker's evicted blocks would reach decode without the count of tokens they dropped
-        raise ValueError(f"--kv-eviction {engine.kv_eviction} runs on colocated workers only: pass "
-                         "--num-prefill 0 (and no --planner)")
 
     def workers(role: str) -> WorkerOptions:
         # --prefill-tp / --decode-tp, else (0) --tensor-parallel-size for both roles (cluster/workers.py)

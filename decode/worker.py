@@ -11,9 +11,12 @@ is one ``decode/attempt.py:DecodeAttempt``.
   worker's ``prefill`` call (a list, so Ray hands the ref over unresolved), or
   ``None`` to compute the prompt here.
 * First the request is admitted on KV headroom: blocks for the whole prompt
-  plus the first token are reserved, reusing blocks the prefix cache holds. No
-  room: ``WorkerError(no_kv)`` and nothing held. Reservation and the prefill
-  run at the same time.
+  plus the first token are reserved, reusing blocks the prefix cache holds (with
+  ``--kv-window`` or ``--kv-eviction``, at most what a compressed sequence holds:
+  ``LLMEngine.reserve``). No room: ``WorkerError(no_kv)`` and nothing held.
+  Reservation and the prefill run at the same time. A compressed sequence
+  (``KvHandle.dropped_tokens``) gets its reservation fitted to its kept blocks
+  before the pull.
 * With a prefill ref, the worker awaits the ``PrefillResult`` (bounded by
   ``prefill_timeout``), then pulls only the blocks after the ones it already
   holds from the prefill worker named in the handle (one NIXL READ), and
@@ -192,6 +195,9 @@ class DecodeWorker(WorkerBase):
         result = await self._await_prefill(ref, timeout)
         if isinstance(result, WorkerError):
             return result, None
+        error = await self._fit_compressed(req.request_id, result.handle)
+        if error is not None:
+            return error, None
         error = await self._pull(req.request_id, result.handle, attempt)
         if error is not None:
             return error, None
@@ -212,6 +218,27 @@ class DecodeWorker(WorkerBase):
                                                        group_slots=slots)
         return None
 
+    async def _fit_compressed(self, request_id: str, handle: KvHandle) -> WorkerError | None:
+        """A compressed sequence (``KvHandle.dropped_tokens``), more blocks than the reservation holds,
+        or a retry's prefill that dropped other blocks than the one the reservation was fitted to: fit
+        the reservation to the kept blocks before the pull (``LLMEngine.compress_reservation``). No room
+        is ``WorkerError(no_kv)``, with the lease given back."""
+        held = self._attempts.get(request_id)
+        if held is None or held.reservation is None:
+            return None  # _pull answers it
+        r = held.reservation
+        if handle.dropped_tokens == r.dropped_tokens and len(handle.block_ids) <= len(r.block_ids):
+            return None
+        kept = handle.num_tokens - handle.dropped_tokens
+        reservation = await self.aengine.mutate(
+            lambda e: e.compress_reservation(request_id, kept, handle.dropped_tokens))
+        held.reservation = reservation
+        if reservation is None:
+            self.sink.release(handle)
+            return WorkerError(ErrorKind.NO_KV, f"{self.worker_id} has no KV room for the {kept} kept "
+                                                f"tokens of {request_id}")
+        return None
+
     async def _await_prefill(self, ref: Any, timeout: float) -> PrefillResult | WorkerError:
         try:
             data = await asyncio.wait_for(ref, timeout)
@@ -230,7 +257,8 @@ class DecodeWorker(WorkerBase):
         lp = result.first_logprob
         first_lp = TokenLogprobs(lp.token_id, lp.logprob, list(lp.top)) if lp else None
         self.aengine.open_stream(result.request_id)
-        return e.start_prefilled(result.request_id, result.first_token, first_lp, result.cached_tokens)
+        return e.start_prefilled(result.request_id, result.first_token, first_lp, result.cached_tokens,
+                                 result.handle.block_mass)
 
     def _start_here(self, e: LLMEngine, req: GenerateRequest) -> None:
         """Compute the prompt here: in its reservation (recompute) or as a new request (colocated)."""

@@ -443,6 +443,17 @@ class EngineConfig:
                 raise ValueError(f"--kv-eviction h2o does not combine with {flag}")
 
     @property
+    def kv_compression(self) -> str:
+        """What frees a running sequence's blocks, as both sides of a KV transfer must agree (a sequence
+        handed over keeps being compressed the same way): ``""`` (nothing), ``"window=W,sinks=S"``
+        (``--kv-window``) or ``"h2o,budget=B,recent=R"`` (``--kv-eviction h2o``)."""
+        if self.kv_window is not None:
+            return f"window={self.kv_window},sinks={self.kv_sinks}"
+        if self.kv_eviction == "h2o":
+            return f"h2o,budget={self.kv_budget},recent={self.kv_recent_tokens}"
+        return ""
+
+    @property
     def kv_recent_tokens(self) -> int:
         """``--kv-recent``, or half of ``--kv-budget`` (H2O's even split of heavy and recent tokens)."""
         if self.kv_recent is not None:

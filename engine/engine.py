@@ -97,6 +97,18 @@ class Reservation:
     block_ids: list[int]
     num_cached_blocks: int
     tables: list[list[int]] = field(default_factory=list)
+    dropped_tokens: int = 0  # fitted to a compressed sequence that lost this many (``compress_reservation``)
+
+
+@dataclass
+class HeldKv:
+    """A finished ``hold_kv`` request's KV, for its handoff (``LLMEngine.held_kv``): every group's table,
+    the tokens of the blocks it dropped (a compressed sequence), each group-0 block's attention mass
+    (``--kv-eviction h2o``; empty otherwise)."""
+
+    tables: list[list[int]]
+    dropped_tokens: int = 0
+    block_mass: list[float] = field(default_factory=list)
 
 
 def build_runner(source: ModelSource, config: EngineConfig, group: TpGroup | None = None) -> ModelRunner:
@@ -271,8 +283,20 @@ class LLMEngine:
         return self.kv.free(request_id)
 
     def reserve(self, request: Request) -> Reservation | None:
-        """Hold blocks for ``request``'s prompt and first token; None when the pool has no room."""
+        """Hold blocks for ``request``'s prompt and first token; None when the pool has no room.
+
+        With ``--kv-window`` or ``--kv-eviction`` a prompt longer than a compressed sequence can hold
+        (``compressed_bound``) arrives compressed: only that many tokens are held, and no prefix hit
+        (the kept blocks are not the prompt's leading ones). ``compress_reservation`` fits the
+        reservation to what the prefill worker actually kept."""
         n = len(request.prompt_token_ids)
+        bound = self.compressed_bound()
+        if bound is not None and n > bound:
+            if not self.kv.allocate(request.request_id, bound + 1):
+                return None
+            self.reserved[request.request_id] = request
+            tables = self.kv.tables_of(request.request_id)
+            return Reservation(request.request_id, tables[0], 0, tables)
         hit = self.kv.find_prefix(request.prompt_token_ids, n)
         if not self.kv.allocate(request.request_id, n + 1, hit):
             return None
@@ -283,16 +307,60 @@ class LLMEngine:
         tables = self.kv.tables_of(request.request_id)
         return Reservation(request.request_id, tables[0], hit.num_blocks, tables)
 
+    def compressed_bound(self) -> int | None:
+        """The most tokens a sequence holds once its prompt is computed, with ``--kv-window`` (sinks, the
+        window and a block, plus the last chunk) or ``--kv-eviction h2o`` (its budget, or its recent
+        window and a block when that is larger); None without either."""
+        bs = self.kv.block_size
+        if self.kv_window is not None:
+            w = self.kv_window
+            return w.sink_blocks * bs + w.window + bs + self.config.max_num_batched_tokens
+        if self.eviction is not None:
+            return max(self.eviction.budget, self.eviction.recent + bs)
+        return None
+
+    def compress_reservation(self, request_id: str, kept_tokens: int,
+                             dropped_tokens: int) -> Reservation | None:
+        """Fit a reservation to a compressed sequence handed over (``KvHandle.dropped_tokens``): fresh
+        blocks for its ``kept_tokens`` and first token, none of them cached; None when they do not fit
+        (the reservation is then gone)."""
+        request = self.reserved[request_id]
+        if not self.kv.compressed(request_id, kept_tokens + 1, dropped_tokens):
+            del self.reserved[request_id]
+            return None
+        request.metrics.cached_prompt_tokens = 0
+        tables = self.kv.tables_of(request_id)
+        return Reservation(request_id, tables[0], 0, tables, dropped_tokens)
+
+    def held_kv(self, request_id: str) -> HeldKv:
+        """What a finished ``hold_kv`` request holds, for its handoff: every KV group's table, the tokens
+        its dropped blocks held, and (``--kv-eviction h2o``) group 0's blocks' attention mass."""
+        tables = self.kv.tables_of(request_id)
+        mass: list[float] = []
+        if self.eviction is not None and tables[0]:
+            mass = self.eviction.mass[torch.tensor(tables[0], dtype=torch.int64)].tolist()
+        return HeldKv(tables, self.kv.dropped_tokens(request_id), mass)
+
     def cancel_reservation(self, request_id: str) -> None:
         self.reserved.pop(request_id, None)
         self.kv.free(request_id)
 
     def start_prefilled(self, request_id: str, first_token: int, logprobs: TokenLogprobs | None = None,
-                        cached_prompt_tokens: int = 0) -> RequestOutput:
-        """Run a reserved request whose prompt K/V now fills its blocks, from its first token on."""
+                        cached_prompt_tokens: int = 0,
+                        block_mass: list[float] | None = None) -> RequestOutput:
+        """Run a reserved request whose prompt K/V now fills its blocks, from its first token on; a
+        compressed one (``compress_reservation``) goes on with its kept blocks and, under
+        ``--kv-eviction h2o``, the attention mass they had gathered on the prefill worker."""
         request = self.reserved.pop(request_id)
         n = len(request.prompt_token_ids)
         request.num_computed_tokens = n
+        request.kv_dropped_tokens = self.kv.dropped_tokens(request_id)
+        if self.eviction is not None:
+            request.metrics.kv_evicted_tokens = request.kv_dropped_tokens
+            if block_mass:
+                table = self.kv.blocks_of(request_id)[: len(block_mass)]
+                self.eviction.mass[torch.tensor(table, dtype=torch.int64)] = torch.tensor(
+                    block_mass[: len(table)], dtype=torch.float32, device=self.eviction.mass.device)
         request.metrics.cached_prompt_tokens = max(request.metrics.cached_prompt_tokens, cached_prompt_tokens)
         self.kv.cache_blocks(request_id, request.prompt_token_ids, n)
         request.append_token(first_token, logprobs, self.max_model_len)

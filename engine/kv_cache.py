@@ -64,6 +64,7 @@ class _Owner:
     num_cached: int = 0  # leading full blocks published
     num_tokens: int = 0
     windowed: bool = False  # --kv-window dropped a block: tables no longer sit at token // block_size
+    dropped_tokens: int = 0  # tokens of the blocks dropped (``drop_block``, ``compressed``)
 
 
 class KVCacheManager:
@@ -279,7 +280,27 @@ class KVCacheManager:
         held = self._owners[owner]
         block = held.tables[0].pop(index)
         held.windowed = True
+        held.dropped_tokens += self.block_size
         self.pool.free([block])
+
+    def dropped_tokens(self, owner: str) -> int:
+        """Tokens of the blocks ``owner`` has dropped (``drop_block``) or arrived without (``compressed``)."""
+        held = self._owners.get(owner)
+        return held.dropped_tokens if held is not None else 0
+
+    def compressed(self, owner: str, kept_tokens: int, dropped_tokens: int) -> bool:
+        """Make ``owner`` hold fresh blocks for ``kept_tokens`` tokens of a sequence that lost
+        ``dropped_tokens`` before it came here (a compressed sequence handed over; one KV group): what it
+        held is freed first and no prefix hit is taken; with tokens dropped it publishes nothing (its
+        table no longer sits at ``token // block_size``). False, holding nothing, when the pool cannot
+        cover it."""
+        self.free(owner)
+        if not self.allocate(owner, kept_tokens):
+            return False
+        held = self._owners[owner]
+        held.windowed = dropped_tokens > 0
+        held.dropped_tokens = dropped_tokens
+        return True
 
     def shrink(self, owner: str, num_tokens: int) -> int:
         """Free ``owner``'s trailing blocks past what its first ``num_tokens`` held tokens need (the

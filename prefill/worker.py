@@ -6,7 +6,10 @@ Contract with the decode side (docs/architecture.md, "One request, hop by hop"):
   token with the request's own sampling parameters, and returns a
   ``PrefillResult`` whose ``KvHandle`` lists the blocks holding the prompt's
   K/V (``ceil(prompt_len / block_size)`` blocks; the first token's K/V is not
-  computed here). Errors come back as a ``WorkerError``, never raised across Ray.
+  computed here). A sequence compressed while it ran (``--kv-window``,
+  ``--kv-eviction``) is handed over as it is: its kept blocks, the tokens it
+  dropped and (H2O) its blocks' attention mass. Errors come back as a
+  ``WorkerError``, never raised across Ray.
   The router does not wait for the result: it hands the call's ``ObjectRef`` to
   the decode worker, which awaits it, pulls the blocks and streams the tokens.
 * Those blocks stay owned by the request id (pinned) until the decode side's
@@ -29,7 +32,7 @@ from collections.abc import Callable
 import msgspec
 
 from engine.config import EngineConfig
-from engine.engine import LLMEngine
+from engine.engine import HeldKv, LLMEngine
 from engine.outputs import RequestMetrics
 from messages.codec import pack, unpack
 from messages.wire import (
@@ -115,9 +118,7 @@ class PrefillWorker(WorkerBase):
             assert last is not None and last.finished
             aborted = last.finish_reason == "abort"
             self._trace(req, last.metrics, aborted)
-            tables: list[list[int]] = [[]] if aborted else await self.aengine.read(
-                lambda e: e.kv.tables_of(rid))
-            blocks = tables[0]
+            held = HeldKv([[]]) if aborted else await self.aengine.read(lambda e: e.held_kv(rid))
             if aborted or rid in self._dropped:  # a release or abort came after the last step: no lease
                 await self.aengine.mutate(lambda e: e.release_kv(rid))
                 return WorkerError(ErrorKind.ABORTED, f"prefill of {rid} was aborted")
@@ -128,11 +129,13 @@ class PrefillWorker(WorkerBase):
         handle = KvHandle(
             request_id=rid,
             agent_name=self.agent.agent_name,
-            block_ids=blocks,
+            block_ids=held.tables[0],
             num_tokens=len(req.prompt_token_ids),
             compat_hash=self.agent.compat_hash,
             lease_deadline=deadline,
-            group_block_ids=tables[1:],
+            group_block_ids=held.tables[1:],
+            dropped_tokens=held.dropped_tokens,
+            block_mass=held.block_mass,
         )
         self.source.add_lease(rid, deadline)
         self._leased.set()

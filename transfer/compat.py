@@ -7,9 +7,11 @@ slots), head dimension (latent attention's latent and rotary widths together), p
 table, their windows; latent attention's split of its row), element size, KV storage
 dtype (``dtype``: fp8/int8 or the model dtype), the numerics of the products that
 computed the K/V (``gguf_activations``: float32 or int8 activations over GGUF
-blocks), the model's KV heads, the same in-memory layout (``LAYOUT_NAME``) and the
-same wire version. ``num_blocks`` is deliberately left out: each worker sizes its own
-pool.
+blocks), what frees a running sequence's blocks (``kv_compression``: a sliding window
+with sinks, heavy-hitter eviction and their sizes; a compressed sequence crosses as it
+is and goes on being compressed by the same rule), the model's KV heads, the same
+in-memory layout (``LAYOUT_NAME``) and the same wire version. ``num_blocks`` is
+deliberately left out: each worker sizes its own pool.
 
 Tensor parallelism: a peer's hash also covers its shard, ``tp_size``, ``tp_rank``
 and its KV head range, so a handle's hash names exactly the layout it was made
@@ -29,7 +31,7 @@ from transfer.wire import WIRE_VERSION, AgentInfo, KvLayout
 
 LAYOUT_NAME = "NHD-paged-v1"
 SHARED_FIELDS = ("model", "dtype", "block_size", "num_layers", "model_kv_heads", "head_dim", "element_size",
-                 "parts", "kv_groups", "gguf_activations")
+                 "parts", "kv_groups", "gguf_activations", "kv_compression")
 SHARD_FIELDS = ("tp_size", "tp_rank", "kv_head_start", "num_kv_heads", "scale_region_bytes")
 
 

@@ -46,7 +46,7 @@ import msgspec
 if TYPE_CHECKING:
     import torch
 
-WIRE_VERSION: int = 5
+WIRE_VERSION: int = 6
 
 
 class KvLayout(msgspec.Struct, frozen=True):
@@ -69,6 +69,9 @@ class KvLayout(msgspec.Struct, frozen=True):
     # the activations of the products over GGUF blocks (EngineConfig.gguf_activations, where it applies):
     # K/V computed with int8 activations differ from float32 ones, so both sides of a transfer must agree
     gguf_activations: str = "float32"
+    # what frees a running sequence's blocks (EngineConfig.kv_compression): a sequence handed over with
+    # blocks already dropped goes on being compressed by the same rule on the other side
+    kv_compression: str = ""
 
     @property
     def model_kv_heads(self) -> int:
@@ -108,11 +111,12 @@ class KvLayout(msgspec.Struct, frozen=True):
 
     @staticmethod
     def from_tensor(kv_cache: torch.Tensor, model: str, scales: torch.Tensor | None = None,
-                    kv_groups: str = "", gguf_activations: str = "float32") -> KvLayout:
+                    kv_groups: str = "", gguf_activations: str = "float32",
+                    kv_compression: str = "") -> KvLayout:
         """The layout of a KV cache tensor shaped as ``kernels/attention.py`` describes (and its scales);
         ``kv_groups`` describes a hybrid model's groups (``engine/kv_groups.py:describe``),
         ``gguf_activations`` the model's numerics (int8 where its products over GGUF blocks take int8
-        activations)."""
+        activations), ``kv_compression`` what frees a running sequence's blocks."""
         if kv_cache.dim() != 6 or kv_cache.shape[2] not in (1, 2):
             raise ValueError(f"not a paged KV cache tensor: shape {tuple(kv_cache.shape)}")
         num_layers, num_blocks, parts, block_size, num_kv_heads, head_dim = kv_cache.shape
@@ -138,6 +142,7 @@ class KvLayout(msgspec.Struct, frozen=True):
             kv_groups=kv_groups,
             scale_tail=scale_tail,
             gguf_activations=gguf_activations,
+            kv_compression=kv_compression,
         )
 
 
@@ -167,6 +172,11 @@ class KvHandle(msgspec.Struct, frozen=True):
     compat_hash: str
     lease_deadline: float  # time.time() epoch seconds
     group_block_ids: list[list[int]] = []  # a hybrid model's other groups' tables, likewise
+    # a compressed sequence (KvLayout.kv_compression): prompt tokens whose blocks were freed before the
+    # handoff; ``block_ids`` then lists the kept blocks in table order, ``num_tokens - dropped_tokens``
+    # tokens (positions stay the tokens' own: K is stored after rotary)
+    dropped_tokens: int = 0
+    block_mass: list[float] = []  # --kv-eviction h2o: each block's attention mass so far, as block_ids
 
 
 class TransferStats(msgspec.Struct, frozen=True):

@@ -180,3 +180,51 @@ def test_eviction_flags_are_checked() -> None:
         EngineConfig(kv_eviction="h2o", kv_budget=256, kv_cache_dtype="int8")
     with pytest.raises(ValueError, match="does not combine with --kv-window"):
         EngineConfig(kv_eviction="h2o", kv_budget=256, kv_window=128)
+
+
+@pytest.mark.parametrize("scheme", [dict(kv_eviction="h2o", kv_budget=64, kv_recent=16),
+                                    dict(kv_window=32, kv_sinks=16)], ids=["h2o", "window"])
+def test_a_compressed_sequence_handed_over_goes_on_as_colocated(tiny_model_dir: Path,
+                                                                 scheme: dict[str, object]) -> None:
+    """The engine's half of the disaggregated handoff of a compressed sequence (the workers' half:
+    tests/integration/test_disagg_compressed.py): a "prefill" engine computes the prompt in chunks and
+    holds its kept blocks (``held_kv``); a "decode" engine reserves at most ``compressed_bound`` tokens,
+    fits the reservation to the kept blocks (``compress_reservation``), takes their bytes and (H2O)
+    their mass, and its tokens equal those of the whole request run on one engine."""
+    common = dict(num_kv_blocks=48, max_num_batched_tokens=32, **scheme)
+    prompt = [1 + (i * 7) % 90 for i in range(150)]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    local = LLM(str(tiny_model_dir), **common).generate([prompt], params)[0].token_ids  # type: ignore[arg-type]
+
+    prefill = LLM(str(tiny_model_dir), **common).engine  # type: ignore[arg-type]
+    first = prefill.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+                                hold_kv=True)
+    while prefill.has_unfinished():
+        prefill.step()
+    held = prefill.held_kv(first.request_id)
+    kept = len(prompt) - held.dropped_tokens
+    assert held.dropped_tokens > 0 and len(held.tables[0]) == -(-kept // 16)
+    assert len(held.block_mass) == (len(held.tables[0]) if "kv_eviction" in scheme else 0)
+
+    decode = LLM(str(tiny_model_dir), **common).engine  # type: ignore[arg-type]
+    request = decode.make_request(prompt, params)
+    bound = decode.compressed_bound()
+    assert bound is not None and len(prompt) > bound >= kept
+    reservation = decode.reserve(request)
+    assert reservation is not None and len(reservation.block_ids) == -(-(bound + 1) // 16)
+    reservation = decode.compress_reservation(request.request_id, kept, held.dropped_tokens)
+    assert reservation is not None and len(reservation.block_ids) == -(-(kept + 1) // 16)
+    src, dst = torch.tensor(held.tables[0]), torch.tensor(reservation.block_ids[: len(held.tables[0])])
+    decode.runner.kv_cache[:, dst] = prefill.runner.kv_cache[:, src]
+    decode.start_prefilled(request.request_id, first.output_token_ids[0], block_mass=held.block_mass)
+    assert request.kv_dropped_tokens == held.dropped_tokens and request.kv_tokens == kept
+    if decode.eviction is not None:
+        assert decode.eviction.mass[dst].tolist() == held.block_mass
+    tokens = [first.output_token_ids[0]]
+    while decode.has_unfinished():
+        for out in decode.step():
+            tokens = out.token_ids
+    assert tokens == local
+    prefill.release_kv(first.request_id)
+    for engine in (prefill, decode):
+        assert engine.kv.num_free_blocks == engine.kv.num_blocks

@@ -144,9 +144,11 @@ def test_torch_threads_flag_is_checked(capsys: pytest.CaptureFixture[str]) -> No
     assert "argument --torch-threads" in capsys.readouterr().err
 
 
-def test_eviction_is_refused_with_prefill_workers() -> None:
+def test_eviction_serves_disaggregated() -> None:
+    """H2O reaches both roles (a compressed sequence crosses the handoff:
+    tests/integration/test_disagg_compressed.py)."""
     argv = ["serve", "--kv-eviction", "h2o", "--kv-budget", "512"]
-    with pytest.raises(ValueError, match="--kv-eviction h2o runs on colocated workers only"):
-        serve_config_from_args(build_parser().parse_args(argv))
-    cfg = serve_config_from_args(build_parser().parse_args([*argv, "--num-prefill", "0"]))
+    cfg = serve_config_from_args(build_parser().parse_args(argv))
+    assert cfg.num_prefill == 1
     assert (cfg.engine.kv_eviction, cfg.engine.kv_budget, cfg.engine.kv_recent_tokens) == ("h2o", 512, 256)
+    assert cfg.engine.kv_compression == "h2o,budget=512,recent=256"
