@@ -437,7 +437,6 @@ class EngineConfig:
             raise ValueError(f"--kv-budget ({self.kv_budget}) must exceed --kv-recent ({recent}) by at least "
                              f"two blocks ({2 * self.block_size} tokens), and --kv-recent must be at least 1")
         for flag, on in (("--kv-window", self.kv_window is not None),
-                         ("--kv-cache-dtype", self.kv_cache_dtype != "auto"),
                          ("--speculative-config", self.speculative_config is not None)):
             if on:
                 raise ValueError(f"--kv-eviction h2o does not combine with {flag}")

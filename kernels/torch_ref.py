@@ -34,7 +34,7 @@ Attention mass (``mass``, for ``--kv-eviction h2o``, ``engine/kv_eviction.py``):
 given a float32 ``[num_blocks]`` tensor, every layer forms its product explicitly and adds, per
 cached key, the probability every query head of the step gave it (summed over layers, heads and
 queries) to the key's block; a block written from its first row in a step starts again from zero.
-Only a full-precision cache is scored (a quantized cache's own-token columns are not).
+Over a quantized cache a prompt chunk's own exact keys count for the blocks their positions lie in.
 """
 
 from __future__ import annotations
@@ -367,7 +367,7 @@ class TorchAttentionBackend:
             if fresh is not None and q_len == 1:
                 self._put_fresh(group, kv, fresh)
             elif fresh is not None:
-                return self._attend_own_exact(group, q, kv, fresh, q_per_kv, scale, features)
+                return self._attend_own_exact(group, q, kv, fresh, q_per_kv, scale, features, block_size)
         mask = group.attn_mask(q_per_kv, kv.dtype, features.window)
         if self.mass is None:
             return _grouped_sdpa(q, kv[0], kv[1], mask, n, q_len, scale, features)
@@ -377,18 +377,27 @@ class TorchAttentionBackend:
         self.mass.index_add_(0, blocks.reshape(-1), probs[0].sum(dim=(1, 2)).reshape(-1))
         return out
 
-    @staticmethod
-    def _attend_own_exact(group: _Group, q: torch.Tensor, kv: torch.Tensor,
+    def _attend_own_exact(self, group: _Group, q: torch.Tensor, kv: torch.Tensor,
                           fresh: tuple[torch.Tensor, torch.Tensor], q_per_kv: int,
-                          scale: float, features: LayerFeatures = PLAIN) -> torch.Tensor:
-        """A prefill group over dequantized ``kv`` plus its own exact K/V (:meth:`_Group.own_attn_mask`)."""
+                          scale: float, features: LayerFeatures = PLAIN, block_size: int = 0) -> torch.Tensor:
+        """A prefill group over dequantized ``kv`` plus its own exact K/V (:meth:`_Group.own_attn_mask`).
+        With ``mass``, each own key's probability counts for the block its position lies in."""
         n, q_len = group.num_seqs, group.q_len
         _, _, kv_heads, _, head_dim = kv.shape
         own = [t.reshape(n, q_len, kv_heads, head_dim).transpose(1, 2).to(kv.dtype) for t in fresh]
         keys = torch.cat((kv[0], own[0]), dim=2)
         values = torch.cat((kv[1], own[1]), dim=2)
         mask = group.own_attn_mask(q_per_kv, kv.dtype, features.window)
-        return _grouped_sdpa(q, keys, values, mask, n, q_len, scale, features)
+        if self.mass is None:
+            return _grouped_sdpa(q, keys, values, mask, n, q_len, scale, features)
+        probs: list[torch.Tensor] = []
+        out = _grouped_sdpa(q, keys, values, mask, n, q_len, scale, features, probs)
+        per_key = probs[0].sum(dim=(1, 2))  # [n, max_len + q_len]
+        cached = per_key[:, : group.max_len].float().scatter_add(1, group.positions(),
+                                                                  per_key[:, group.max_len :].float())
+        blocks = torch.div(group.rows, 2 * block_size, rounding_mode="floor")
+        self.mass.index_add_(0, blocks.reshape(-1), cached.reshape(-1))
+        return out
 
     @staticmethod
     def _put_fresh(group: _Group, kv: torch.Tensor, fresh: tuple[torch.Tensor, torch.Tensor]) -> None:

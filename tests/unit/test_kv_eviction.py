@@ -113,6 +113,47 @@ def test_mass_is_the_attention_each_block_received() -> None:
     torch.testing.assert_close(mass, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int8], ids=str)
+def test_mass_over_a_quantized_cache_counts_each_query_own_exact_key(dtype: torch.dtype) -> None:
+    """Over a quantized cache a prompt chunk's query attends to the earlier tokens as stored and to its
+    own K exactly (``_attend_own_exact``); its probabilities, the own key's included, go to the blocks
+    the keys' positions lie in, as a dense computation over those keys gives. Every query head's
+    probabilities sum to one, so the mass added is heads x queries."""
+    from kernels.kv_quant import dequantize, write_quantized
+
+    bs, heads, kv_heads, dim = 4, 4, 2, 16
+    case = make_case([6, 1, 3], [6, 9, 7], heads, kv_heads, dim, bs, seed=5)
+    kv = torch.zeros(case.kv.shape, dtype=dtype)
+    scales = torch.ones(case.kv.shape[0], 2, kv_heads)
+    mass = torch.zeros(case.kv.shape[0])
+    backend = TorchAttentionBackend(mass=mass)
+    backend.prepare(case.meta)
+    for seq in (1, 2):  # earlier tokens already in the cache, as stored codes
+        done = case.meta.seq_lens_list[seq] - case.meta.query_lens_list[seq]
+        pos = torch.arange(done)
+        write_quantized(kv, scales, case.full_k[seq][:done], case.full_v[seq][:done],
+                        torch.tensor(case.tables[seq])[pos // bs] * bs + pos % bs, bs)
+    backend.forward(case.q, case.new_k, case.new_v, kv, dim**-0.5, scales)
+    assert float(mass.sum()) == pytest.approx(heads * sum(case.meta.query_lens_list), rel=1e-5)
+
+    want = torch.zeros_like(mass)
+    start = 0
+    for seq, table in enumerate(case.tables):
+        s_len, q_len = case.meta.seq_lens_list[seq], case.meta.query_lens_list[seq]
+        pos = torch.arange(s_len)
+        blocks = torch.tensor(table)[pos // bs]
+        k_stored = dequantize(kv[blocks, 0, pos % bs], scales[blocks, 0][:, :, None]).double()
+        for i in range(q_len):
+            p = s_len - q_len + i
+            k = torch.cat((k_stored[:p], case.full_k[seq][p : p + 1].double()))  # [p + 1, kv_heads, dim]
+            k = k.repeat_interleave(heads // kv_heads, dim=1)
+            q = case.q[start + i].double()  # [heads, dim]
+            probs = torch.softmax(torch.einsum("hd,khd->hk", q, k) * dim**-0.5, dim=-1).sum(dim=0)
+            want.index_add_(0, blocks[: p + 1], probs.float())
+        start += q_len
+    torch.testing.assert_close(mass, want, atol=1e-5, rtol=1e-5)
+
+
 def test_the_least_attended_full_block_outside_the_recent_window_goes(tiny_model_dir: Path) -> None:
     llm = LLM(str(tiny_model_dir), kv_eviction="h2o", kv_budget=64, kv_recent=8, num_kv_blocks=32,
               max_num_batched_tokens=48)
@@ -167,6 +208,29 @@ def test_a_planted_heavy_hitter_survives_where_a_window_loses_it(heavy_dir: Path
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
 
 
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+def test_h2o_over_a_quantized_cache_keeps_the_heavy_hitter(heavy_dir: Path, kv_dtype: str) -> None:
+    """Both compressions at once: H2O (budget 128) over int8 or int4 KV still answers from the heavy
+    token planted 200 tokens back, holds the budget after every step and frees every block."""
+    prompt = planted(HEAVY[0], 200, 400, seed=7)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    llm = LLM(str(heavy_dir), kv_eviction="h2o", kv_budget=128, kv_cache_dtype=kv_dtype, num_kv_blocks=64,
+              max_num_batched_tokens=32, enable_prefix_caching=False)
+    engine = llm.engine
+    assert engine.runner.kv_scales is not None
+    request = engine.add_request(prompt, params)
+    held: list[int] = []
+    tokens: list[int] = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens = out.token_ids
+        if request.request_id in engine.kv._owners:
+            held.append(len(engine.kv.blocks_of(request.request_id)))
+    assert tokens == [ANSWER[HEAVY[0]]] * 16
+    assert max(held) <= 128 // 16 + 1 and request.kv_dropped_tokens >= 400 - 128
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
 def test_eviction_flags_are_checked() -> None:
     with pytest.raises(ValueError, match="--kv-eviction h2o needs --kv-budget"):
         EngineConfig(kv_eviction="h2o")
@@ -176,8 +240,7 @@ def test_eviction_flags_are_checked() -> None:
         EngineConfig(kv_budget=256)
     with pytest.raises(ValueError, match="must exceed --kv-recent"):
         EngineConfig(kv_eviction="h2o", kv_budget=64, kv_recent=48)
-    with pytest.raises(ValueError, match="does not combine with --kv-cache-dtype"):
-        EngineConfig(kv_eviction="h2o", kv_budget=256, kv_cache_dtype="int8")
+    assert EngineConfig(kv_eviction="h2o", kv_budget=256, kv_cache_dtype="int4").kv_quantized
     with pytest.raises(ValueError, match="does not combine with --kv-window"):
         EngineConfig(kv_eviction="h2o", kv_budget=256, kv_window=128)
 
