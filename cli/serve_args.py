@@ -79,8 +79,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--lease-seconds", type=_positive(float), default=d.lease_seconds, metavar="SECONDS",
                    help="how long prefill keeps KV blocks for decode to pull")
     c.add_argument("--share-cores", action=argparse.BooleanOptionalAction, default=d.share_cores,
-                   help="decode workers run their steps on the threads of idle prefill workers on the same "
-                        "node too, and give them back before the prefill worker computes again")
+                   help="workers on one node run their steps on the threads of idle ones too (decode steps "
+                        "on idle prefill workers', prompt chunks on idle decode workers' where the "
+                        "products are thread-invariant), given back before the lender computes again")
     c.add_argument("--worker-cpus", type=_positive(float), default=d.prefill.num_cpus, metavar="N",
                    help="Ray CPUs reserved by each worker; with --device cuda each also reserves one "
                         "GPU")

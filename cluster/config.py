@@ -124,7 +124,7 @@ class ServeConfig:
     decode: WorkerOptions = field(default_factory=lambda: _role("decode"))
     tracing: TraceFlags = field(default_factory=TraceFlags)
     inject_transfer_failures: float = 0.0  # fault injection (testing only): fraction of KV pulls failed
-    share_cores: bool = True  # idle prefill workers lend their threads to decode steps on their node
+    share_cores: bool = True  # idle workers lend their threads to the others' steps on their node
     planner: PlannerOptions = field(default_factory=PlannerOptions)
 
     def __post_init__(self) -> None:

@@ -63,7 +63,7 @@ class Launcher:
     prefix: str
     tracing: bytes | None
     transfer_failure_rate: float = 0.0  # fault injection (testing only), decode workers
-    share_cores: bool = True  # idle prefill cores lent to decode steps on their node (worker/core_share.py)
+    share_cores: bool = True  # idle workers lend cores to the others on their node (worker/core_share.py)
 
     def launch(self, role: str, index: int) -> Member:
         worker_id = f"{role}-{index}"
@@ -214,7 +214,7 @@ def start_workers(
     reservation cannot be placed (the groups made so far are removed). With ``tracing`` (an OTLP
     endpoint) each worker exports its spans there. ``transfer_failure_rate`` > 0 makes the decode workers
     fail that fraction of KV pulls on purpose (fault injection for tests and chaos runs). ``share_cores``:
-    decode workers run their steps on the threads of idle prefill workers on their node too
+    workers run their steps on the threads of idle workers on their node too, both ways
     (``worker/core_share.py``)."""
     if num_decode < 1:
         raise ValueError("at least one decode worker is needed (--num-decode)")

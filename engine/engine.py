@@ -519,6 +519,19 @@ class LLMEngine:
         s = self.scheduler
         return not s.waiting and all(r.num_computed_tokens >= r.num_tokens - 1 for r in s.running)
 
+    def prompts_thread_invariant(self) -> bool:
+        """Whether this engine's prompt chunks give bitwise the same K/V and tokens on any thread count,
+        as its decode-only steps always do: on CPU, products in the native library (``--linear-kernel
+        native``, each output computed by one thread in one order), the native attention kernels, and a
+        dense decoder (no experts, no latent attention, whose products are torch's). Shared cores
+        (``worker/core_share.py``) lend threads to such prompt chunks."""
+        from kernels.cpu_native import NativeCpuAttentionBackend
+
+        m = self.model_config
+        native = all(isinstance(b, NativeCpuAttentionBackend) for b in self.runner.backends)
+        return (self.config.device == "cpu" and self.config.linear_kernel == "native" and m.moe is None
+                and m.mla is None and native)
+
     def num_held(self) -> int:
         """Requests, reservations and KV blocks this engine still holds (0: nothing to finish or free)."""
         return len(self.requests) + len(self.reserved) + self.kv.pool.num_used_blocks

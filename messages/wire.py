@@ -164,9 +164,9 @@ class StepStats(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class CoreShareStats(msgspec.Struct, frozen=True, kw_only=True):
-    """Shared cores (``worker/core_share.py``) since start: a decode worker's steps run on an idle prefill
-    worker's threads too and those threads summed; a prefill worker's waits to get its threads back,
-    their seconds, and the waits that gave up at the deadline."""
+    """Shared cores (``worker/core_share.py``) since start: this worker's steps that ran on idle workers'
+    threads too and those threads summed; its waits to get its own threads back, their seconds, and the
+    waits that gave up at the deadline."""
 
     borrowed_steps: int = 0
     borrowed_threads: int = 0

@@ -88,8 +88,8 @@ class WorkerBase:
             thread.close()
             raise
         shares = core_share is not None and config.tensor_parallel_size == 1 and config.device == "cpu"
-        decodes_only = self.engine.decodes_only_next
-        self.cores = (step_gate(self.role, core_share, worker_id, torch_threads, decodes_only)
+        self.cores = (step_gate(core_share, worker_id, torch_threads, self.engine.decodes_only_next,
+                                self.engine.prompts_thread_invariant())
                       if shares and core_share is not None else None)
         self.aengine = AsyncEngine(self.engine, thread, self.cores)
         self.watch = (GroupWatch(self.ranks, lambda: self.aengine.error, worker_id).start()

@@ -1,12 +1,15 @@
-"""Idle prefill cores lent to the decode steps of workers on the same node.
+"""Idle cores lent between the workers of one deployment on the same node, both ways.
 
 A prefill worker computes in bursts: a batch of prompts, then nothing until the next arrives. A decode
-worker beside it on the same node steps all the time, on its own cores only, and on CPU a decode step
-on one core is bound by that core's share of memory bandwidth, about half of what two cores read.
-So while the prefill worker has nothing to compute, a decode worker on its node may run its steps on
-the prefill worker's threads too, and gives them back before the prefill worker computes again.
+worker beside it on the same node steps while it has requests, on its own cores only, and on CPU a
+decode step on one core is bound by that core's share of memory bandwidth, about half of what two cores
+read. The other way round, a long prompt on a prefill worker of one core takes twice what two cores
+take, while the decode worker waits for it with nothing to run. So every worker lends its cores while
+its engine has nothing to run, and borrows idle workers' cores for its own steps, giving them back
+before the lender computes again: a decode worker's steps run on an idle prefill worker's threads too,
+a prefill worker's prompt chunks on an idle decode worker's.
 
-The contract, per lender (a prefill worker) one file ``{directory}/{key}.{lender}.cores``, where ``key``
+The contract, per lender (every worker) one file ``{directory}/{key}.{lender}.cores``, where ``key``
 names the deployment and the node (``share_key``):
 
 - An exclusive ``flock`` on the file means "the lender's cores are in use": the lender holds it while
@@ -16,8 +19,9 @@ names the deployment and the node (``share_key``):
   skips the file of a process that is gone.
 - ``CoreLender.claim()``, on the lender's engine thread before a step, when it does not hold the lock:
   sets the wish, takes the lock (retrying every millisecond: a borrower's step ends within tens of
-  milliseconds), clears the wish. Bounded by ``deadline_s``: past it the lender computes without the
-  lock (counted in ``late``), so a borrower that hangs never stalls prefill. ``release()`` when its
+  milliseconds, a prompt chunk's within a few hundred), clears the wish. Bounded by ``deadline_s``: past
+  it the lender computes without the lock (counted in ``late``), so a borrower that hangs never stalls
+  the lender. ``release()`` when its
   engine has nothing left to run.
 - ``CoreBorrower.borrow()``, on the borrower's engine thread before each step: takes the lock of every
   lender file whose wish is 0 without waiting, and answers how many threads it got; the step then runs
@@ -27,10 +31,12 @@ names the deployment and the node (``share_key``):
   file outlives its process (Ray kills a worker without a hook): no borrower uses the file of a process
   that is gone, and the next lender started on the node removes such files (``remove_stale``).
 
-Borrowers take decode-only steps only (``BorrowGate``), whose values do not depend on the thread count,
-so sharing changes no token. The workers share only on CPU, without tensor parallelism, and only
-among one deployment's workers on one node (``cluster/workers.py`` passes the deployment's name
-prefix; ``--no-share-cores`` turns it off). The premise is Ray's: a worker's CPUs are cores of the node
+Borrowers take decode-only steps (``BorrowGate``), whose values do not depend on the thread count, and
+every step when the engine's prompt chunks do not either (``LLMEngine.prompts_thread_invariant``: the
+native products and attention, a dense decoder), so sharing changes no token. A worker never borrows
+its own file. The workers share only on CPU, without tensor parallelism, and only among one
+deployment's workers on one node (``cluster/workers.py`` passes the deployment's name prefix;
+``--no-share-cores`` turns it off). The premise is Ray's: a worker's CPUs are cores of the node
 reserved for it, so an idle lender's cores are idle.
 """
 
@@ -148,8 +154,9 @@ class CoreLender:
 class CoreBorrower:
     """A decode worker's side: see the module docstring."""
 
-    def __init__(self, key: str, directory: str = DEFAULT_DIRECTORY) -> None:
+    def __init__(self, key: str, directory: str = DEFAULT_DIRECTORY, own: Path | None = None) -> None:
         self.pattern = str(Path(directory) / f"{key}.*.cores")
+        self.own = str(own) if own is not None else None  # this process's own lender file: never borrowed
         self._files: dict[str, int] = {}
         self._held: list[int] = []
         self._scanned = float("-inf")
@@ -161,7 +168,7 @@ class CoreBorrower:
         if now - self._scanned < RESCAN_S:
             return
         self._scanned = now
-        present = set(glob.glob(self.pattern))
+        present = set(glob.glob(self.pattern)) - {self.own}
         for path in [p for p in self._files if p not in present]:
             with contextlib.suppress(OSError):
                 os.close(self._files.pop(path))
@@ -228,23 +235,24 @@ class LendGate:
 
 
 class BorrowGate:
-    """``engine.async_engine.StepGate`` of a borrower: a decode-only step (``decode_only()``) runs on its
+    """``engine.async_engine.StepGate`` of a borrower: a step that ``may_borrow()`` allows runs on its
     own ``threads`` plus whatever idle lenders lend, up to the CPUs this process may run on, given back
-    after the step. Only decode-only steps: the native decode kernels give bitwise the same values on any
-    thread count (each output is computed by one thread, in one order), torch's prompt-chunk products
-    are not promised to, and a prompt computed here should not depend on the load. The premise is
-    Ray's: a worker's CPUs are the node's cores it reserved, so an idle lender's cores are idle; where
-    Ray is told of more CPUs than the node has (the test suite), turn sharing off."""
+    after the step. Only steps whose values do not depend on the thread count: decode-only steps (the
+    native decode kernels compute each output on one thread, in one order), and prompt chunks only
+    where the engine says so (``step_gate``); torch's products are not promised to, and a prompt
+    computed here should not depend on the load. The premise is Ray's: a worker's CPUs are the node's
+    cores it reserved, so an idle lender's cores are idle; where Ray is told of more CPUs than the node
+    has (the test suite), turn sharing off."""
 
-    def __init__(self, borrower: CoreBorrower, threads: int, decode_only: Callable[[], bool]) -> None:
+    def __init__(self, borrower: CoreBorrower, threads: int, may_borrow: Callable[[], bool]) -> None:
         self.borrower = borrower
         self.threads = threads
-        self.decode_only = decode_only
+        self.may_borrow = may_borrow
         self.cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         self._extra = 0
 
     def before_step(self) -> None:
-        if self.threads >= self.cpus or not self.decode_only():
+        if self.threads >= self.cpus or not self.may_borrow():
             return
         self._extra = self.borrower.borrow()
         if self._extra:
@@ -263,6 +271,34 @@ class BorrowGate:
         self.borrower.close()
 
 
+class ShareGate:
+    """``engine.async_engine.StepGate`` of a worker that lends and borrows: its own cores back before each
+    step (``LendGate``), then whatever idle workers of its deployment on the node lend, for the steps
+    ``may_borrow`` allows (``BorrowGate``); after the step the borrowed cores go back first, then its own
+    are lent again if its engine has nothing left to run."""
+
+    def __init__(self, lend: LendGate, borrow: BorrowGate) -> None:
+        self.lend, self.borrow = lend, borrow
+
+    def before_step(self) -> None:
+        self.lend.before_step()
+        self.borrow.before_step()
+
+    def after_step(self, more: bool) -> None:
+        self.borrow.after_step(more)
+        self.lend.after_step(more)
+
+    def stats(self) -> CoreShareStats:
+        lent, borrowed = self.lend.stats(), self.borrow.stats()
+        return CoreShareStats(borrowed_steps=borrowed.borrowed_steps,
+                              borrowed_threads=borrowed.borrowed_threads, reclaim_waits=lent.reclaim_waits,
+                              reclaim_seconds=lent.reclaim_seconds, reclaim_late=lent.reclaim_late)
+
+    def close(self) -> None:
+        self.borrow.close()
+        self.lend.close()
+
+
 def node_id() -> str:
     """This process's Ray node (its host name outside Ray)."""
     try:
@@ -277,10 +313,16 @@ def node_id() -> str:
     return socket.gethostname()
 
 
-def step_gate(role: str, deployment: str, name: str, threads: int, decode_only: Callable[[], bool]
-              ) -> LendGate | BorrowGate:
-    """A prefill worker lends, every other role borrows, among ``deployment``'s workers on this node."""
+def step_gate(deployment: str, name: str, threads: int, decode_only: Callable[[], bool],
+              prompts_invariant: bool) -> ShareGate:
+    """Every worker of ``deployment`` on this node lends its cores while idle and borrows idle ones for a
+    decode-only step, and for every step when its prompt chunks are the same on any thread count
+    (``prompts_invariant``, ``LLMEngine.prompts_thread_invariant``): so an idle decode worker's cores
+    compute a prefill worker's prompts, and an idle prefill worker's the decode steps. A borrowed prompt
+    chunk keeps its full size: a lender that gets work meanwhile waits for it up to ``DEADLINE_S``
+    (capping borrowed chunks at 256-1,024 tokens was measured and served less; docs/benchmarks.md)."""
     key = share_key(deployment, node_id())
-    if role == "prefill":
-        return LendGate(CoreLender(key, name, threads))
-    return BorrowGate(CoreBorrower(key), threads, decode_only)
+    lender = CoreLender(key, name, threads)
+    may_borrow = (lambda: True) if prompts_invariant else decode_only
+    borrow = BorrowGate(CoreBorrower(key, own=lender.path), threads, may_borrow)
+    return ShareGate(LendGate(lender), borrow)

@@ -1,5 +1,6 @@
-"""Shared cores (worker/core_share.py): idle prefill threads lent to decode steps on the same node, and
-back before the prefill worker computes again."""
+"""Shared cores (worker/core_share.py): idle workers' threads lent to the steps of the others on the same
+node (prefill to decode steps, decode to prompt chunks where they are thread-invariant), and back
+before the lender computes again."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from worker.core_share import (
     CoreBorrower,
     CoreLender,
     LendGate,
+    ShareGate,
     remove_stale,
     share_key,
 )
@@ -167,3 +169,79 @@ def test_a_borrower_never_runs_more_threads_than_its_cpus(tmp_path: Path) -> Non
             lender.close()
         gate.close()
 
+
+
+def test_workers_lend_both_ways_and_never_to_themselves(tmp_path: Path) -> None:
+    """A prefill worker whose prompt chunks are thread-invariant runs them on an idle decode worker's
+    thread, and the decode worker's decode-only steps on the idle prefill worker's; a busy worker lends
+    nothing, a prompt chunk that is not invariant borrows nothing, and a worker alone borrows nothing."""
+
+    def gate(name: str, may_borrow: list[bool], directory: Path = tmp_path) -> ShareGate:
+        lender = CoreLender(KEY, name, 1, str(directory))
+        borrower = CoreBorrower(KEY, str(directory), own=lender.path)
+        share = ShareGate(LendGate(lender), BorrowGate(borrower, 1, lambda: may_borrow[0]))
+        share.borrow.cpus = 2
+        return share
+
+    threads = torch.get_num_threads()
+    prefill_invariant, decode_only = [True], [True]
+    (tmp_path / "alone").mkdir()
+    alone = gate("prefill-1", [True], tmp_path / "alone")
+    prefill, decode = gate("prefill-0", prefill_invariant), gate("decode-0", decode_only)
+    try:
+        torch.set_num_threads(1)
+        alone.before_step()  # its own file is never borrowed
+        assert torch.get_num_threads() == 1
+        alone.after_step(False)
+        prefill.before_step()  # the decode worker is idle (never stepped): its thread computes the prompt
+        assert torch.get_num_threads() == 2
+        prefill.after_step(False)
+        assert torch.get_num_threads() == 1
+        decode.before_step()  # a decode-only step on the idle prefill worker's thread
+        assert torch.get_num_threads() == 2
+        decode.after_step(True)  # more to run: the decode worker keeps its own cores
+        prefill.before_step()
+        assert torch.get_num_threads() == 1
+        prefill.after_step(False)
+        decode_only[0] = False
+        decode.before_step()  # not decode-only and not invariant: its own thread only
+        assert torch.get_num_threads() == 1
+        decode.after_step(False)  # idle: lent
+        prefill_invariant[0] = False
+        prefill.before_step()
+        assert torch.get_num_threads() == 1
+        prefill.after_step(False)
+        assert prefill.stats() == CoreShareStats(borrowed_steps=1, borrowed_threads=1)
+        assert decode.stats() == CoreShareStats(borrowed_steps=1, borrowed_threads=1)
+    finally:
+        torch.set_num_threads(threads)
+        for share in (alone, prefill, decode):
+            share.close()
+
+
+def test_native_prompt_chunks_are_the_same_on_any_thread_count(tiny_model_dir: Path) -> None:
+    """What lets a prompt chunk run on borrowed threads (``LLMEngine.prompts_thread_invariant``): with the
+    native products and attention a chunked prompt's K/V and first token are bitwise the same on one
+    thread and on two; torch's products are not promised to be."""
+    from engine import LLM, SamplingParams
+
+    prompt = [1 + (i * 13) % 200 for i in range(300)]
+    kv: list[torch.Tensor] = []
+    first: list[list[int]] = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            engine = LLM(str(tiny_model_dir), num_threads=n, num_kv_blocks=40, max_num_batched_tokens=128,
+                         enable_prefix_caching=False).engine
+            assert engine.prompts_thread_invariant()
+            r = engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0), hold_kv=True)
+            while engine.has_unfinished():
+                engine.step()
+            kv.append(engine.runner.kv_cache[:, torch.tensor(engine.kv.blocks_of(r.request_id))].clone())
+            first.append(r.output_token_ids)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(kv[0], kv[1]) and first[0] == first[1]
+    plain = LLM(str(tiny_model_dir), linear_kernel="plain", num_kv_blocks=8).engine
+    assert not plain.prompts_thread_invariant()
