@@ -373,8 +373,7 @@ class TorchAttentionBackend:
             return _grouped_sdpa(q, kv[0], kv[1], mask, n, q_len, scale, features)
         probs: list[torch.Tensor] = []
         out = _grouped_sdpa(q, kv[0], kv[1], mask, n, q_len, scale, features, probs)
-        blocks = torch.div(group.rows, 2 * block_size, rounding_mode="floor")  # [n, max_len]
-        self.mass.index_add_(0, blocks.reshape(-1), probs[0].sum(dim=(1, 2)).reshape(-1))
+        self._add_mass(group, probs[0].sum(dim=(1, 2)), block_size)
         return out
 
     def _attend_own_exact(self, group: _Group, q: torch.Tensor, kv: torch.Tensor,
@@ -395,9 +394,14 @@ class TorchAttentionBackend:
         per_key = probs[0].sum(dim=(1, 2))  # [n, max_len + q_len]
         cached = per_key[:, : group.max_len].float().scatter_add(1, group.positions(),
                                                                   per_key[:, group.max_len :].float())
-        blocks = torch.div(group.rows, 2 * block_size, rounding_mode="floor")
-        self.mass.index_add_(0, blocks.reshape(-1), cached.reshape(-1))
+        self._add_mass(group, cached, block_size)
         return out
+
+    def _add_mass(self, group: _Group, per_key: torch.Tensor, block_size: int) -> None:
+        """Add each cached key's probability (``[n, max_len]``) to the block its row lies in."""
+        assert self.mass is not None
+        blocks = torch.div(group.rows, 2 * block_size, rounding_mode="floor")
+        self.mass.index_add_(0, blocks.reshape(-1), per_key.reshape(-1).to(self.mass.dtype))
 
     @staticmethod
     def _put_fresh(group: _Group, kv: torch.Tensor, fresh: tuple[torch.Tensor, torch.Tensor]) -> None:

@@ -70,3 +70,20 @@ def make_case(
     )
     meta = AttentionMetadata.build(block_size, query_lens, seq_lens, tables)
     return Case(meta, kv, torch.cat(qs), new_k, new_v, expected, full_k, full_v, tables)
+
+
+def quantized_cache(case: Case, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A ``dtype`` (fp8/int8) cache and its per-block scales holding every sequence's earlier tokens of
+    ``case`` as stored codes (the step's own tokens not written yet)."""
+    from kernels.kv_quant import write_quantized
+
+    bs, kv_heads = case.kv.shape[2], case.kv.shape[3]
+    kv = torch.zeros(case.kv.shape, dtype=dtype)
+    scales = torch.ones(case.kv.shape[0], 2, kv_heads)
+    for seq, table in enumerate(case.tables):
+        done = case.meta.seq_lens_list[seq] - case.meta.query_lens_list[seq]
+        pos = torch.arange(done)
+        if done:
+            write_quantized(kv, scales, case.full_k[seq][:done], case.full_v[seq][:done],
+                            torch.tensor(table)[pos // bs] * bs + pos % bs, bs)
+    return kv, scales

@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from kernels import TorchAttentionBackend
-from tests.unit.attention_cases import make_case
+from tests.unit.attention_cases import make_case, quantized_cache
 from tests.unit.conftest import save_word_tokenizer
 
 VOCAB = 64
@@ -119,20 +119,14 @@ def test_mass_over_a_quantized_cache_counts_each_query_own_exact_key(dtype: torc
     own K exactly (``_attend_own_exact``); its probabilities, the own key's included, go to the blocks
     the keys' positions lie in, as a dense computation over those keys gives. Every query head's
     probabilities sum to one, so the mass added is heads x queries."""
-    from kernels.kv_quant import dequantize, write_quantized
+    from kernels.kv_quant import dequantize
 
     bs, heads, kv_heads, dim = 4, 4, 2, 16
     case = make_case([6, 1, 3], [6, 9, 7], heads, kv_heads, dim, bs, seed=5)
-    kv = torch.zeros(case.kv.shape, dtype=dtype)
-    scales = torch.ones(case.kv.shape[0], 2, kv_heads)
+    kv, scales = quantized_cache(case, dtype)  # earlier tokens already in the cache, as stored codes
     mass = torch.zeros(case.kv.shape[0])
     backend = TorchAttentionBackend(mass=mass)
     backend.prepare(case.meta)
-    for seq in (1, 2):  # earlier tokens already in the cache, as stored codes
-        done = case.meta.seq_lens_list[seq] - case.meta.query_lens_list[seq]
-        pos = torch.arange(done)
-        write_quantized(kv, scales, case.full_k[seq][:done], case.full_v[seq][:done],
-                        torch.tensor(case.tables[seq])[pos // bs] * bs + pos % bs, bs)
     backend.forward(case.q, case.new_k, case.new_v, kv, dim**-0.5, scales)
     assert float(mass.sum()) == pytest.approx(heads * sum(case.meta.query_lens_list), rel=1e-5)
 

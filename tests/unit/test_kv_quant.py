@@ -15,7 +15,7 @@ from engine.kv_sizing import kv_block_bytes, num_kv_blocks
 from engine.model_runner import ModelRunner
 from kernels import TorchAttentionBackend
 from kernels.kv_quant import dequantize, qmax, write_quantized
-from tests.unit.attention_cases import dense_attention, make_case
+from tests.unit.attention_cases import dense_attention, make_case, quantized_cache
 
 QUANT = [torch.float8_e4m3fn, torch.float8_e5m2, torch.int8]
 SMOLLM2 = ModelConfig(architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
@@ -94,14 +94,7 @@ def test_reused_block_starts_a_fresh_scale() -> None:
 def test_attention_over_a_quantized_cache_matches_dense(dtype: torch.dtype, atol: float) -> None:
     bs, heads, kv_heads, dim = 4, 4, 2, 16
     case = make_case([1, 5, 1], [9, 12, 4], heads, kv_heads, dim, bs, seed=3)
-    num_blocks = case.kv.shape[0]
-    kv = torch.zeros(num_blocks, 2, bs, kv_heads, dim, dtype=dtype)
-    scales = torch.ones(num_blocks, 2, kv_heads)
-    for table, s_len, q_len, fk, fv in zip(case.tables, case.meta.seq_lens_list, case.meta.query_lens_list,
-                                           case.full_k, case.full_v, strict=True):
-        pos = torch.arange(s_len - q_len)
-        slots = torch.tensor(table)[pos // bs] * bs + pos % bs
-        write_quantized(kv, scales, fk[: s_len - q_len], fv[: s_len - q_len], slots, bs)
+    kv, scales = quantized_cache(case, dtype)
     backend = TorchAttentionBackend()
     backend.prepare(case.meta)
     out = backend.forward(case.q, case.new_k, case.new_v, kv, dim**-0.5, scales)
@@ -116,15 +109,9 @@ def test_each_query_sees_its_own_token_exactly_and_the_rest_as_stored() -> None:
     still written as codes."""
     bs, heads, kv_heads, dim = 4, 4, 2, 16
     case = make_case([6, 1, 3], [6, 9, 7], heads, kv_heads, dim, bs, seed=5)
-    kv = torch.zeros(case.kv.shape, dtype=torch.float8_e4m3fn)
-    scales = torch.ones(case.kv.shape[0], 2, kv_heads)
+    kv, scales = quantized_cache(case, torch.float8_e4m3fn)  # earlier tokens as stored codes
     backend = TorchAttentionBackend()
     backend.prepare(case.meta)
-    for seq in (1, 2):  # earlier tokens already in the cache, as stored codes
-        done = case.meta.seq_lens_list[seq] - case.meta.query_lens_list[seq]
-        pos = torch.arange(done)
-        write_quantized(kv, scales, case.full_k[seq][:done], case.full_v[seq][:done],
-                        torch.tensor(case.tables[seq])[pos // bs] * bs + pos % bs, bs)
     out = backend.forward(case.q, case.new_k, case.new_v, kv, dim**-0.5, scales)
 
     def stored(seq: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
