@@ -83,7 +83,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="dtype of weights, activations and KV cache; auto is bfloat16 on CUDA and float32 "
                         "on CPU, where a GGUF's Q4_0, Q4_1 and Q8_0 matrices stay in their blocks (the "
                         "same results as float32 under --gguf-activations float32); an explicit dtype "
-                        "dequantizes them")
+                        "dequantizes them. bfloat16 on CPU stores the weights in bfloat16 and multiplies "
+                        "them with bfloat16 dot products into float32 sums (AVX512-BF16 where the CPU has "
+                        "it; a MoE router stays float32), the activations, norms, attention and KV cache "
+                        "staying float32")
     g.add_argument("--gguf-activations", choices=GGUF_ACTIVATIONS, default=d.gguf_activations,
                    help="the activations of the products over a GGUF's Q4_0, Q4_1 and Q8_0 blocks kept under "
                         "--dtype auto on CPU: float32 (the dequantized float32 model's results, bitwise) or "

@@ -327,6 +327,7 @@ class EngineConfig:
         if self.dtype.lower() != "auto":
             parse_dtype(self.dtype)
         self._check_gguf_activations()
+        self._check_bf16_products()
         if self.attention_backend not in ATTENTION_BACKENDS:
             choices = ", ".join(ATTENTION_BACKENDS)
             raise ValueError(f"attention_backend must be one of {choices}, got {self.attention_backend!r}")
@@ -370,6 +371,11 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("--max-model-len must be at least 1")
         self._check_tensor_parallel()
+
+    def _check_bf16_products(self) -> None:
+        if self.bf16_products and self.compile_enabled:
+            raise ValueError(f"--dtype {self.dtype} on CPU runs the native bfloat16 product, which the "
+                             f"compiled path (--compile-cpu) does not: drop --compile-cpu")
 
     def _check_gguf_activations(self) -> None:
         """int8 activations apply to the blocks kept on CPU by the native product only: refused, naming the
@@ -416,11 +422,22 @@ class EngineConfig:
         return self.dtype.lower() == "auto"
 
     @property
+    def bf16_products(self) -> bool:
+        """``--dtype bfloat16`` on CPU with the native product: the model's weights stored in bfloat16, its
+        products in bfloat16 with float32 sums (``kernels/cpu_bf16.c``), the activations between them,
+        norms, attention and the KV cache in float32 (``torch_dtype``). Without the native product
+        (``--no-native-kernels``, another ``--linear-kernel``) the model runs in torch's bfloat16."""
+        return (self.dtype.lower() != "auto" and parse_dtype(self.dtype) == torch.bfloat16
+                and torch.device(self.device).type == "cpu" and self.native_kernels
+                and self.linear_kernel == "native")
+
+    @property
     def torch_dtype(self) -> torch.dtype:
-        """The model dtype; ``auto`` is bfloat16 on CUDA and float32 elsewhere."""
+        """The model's activations' dtype; ``auto`` is bfloat16 on CUDA and float32 elsewhere; float32
+        under ``bf16_products``."""
         if self.dtype.lower() == "auto":
             return torch.bfloat16 if torch.device(self.device).type == "cuda" else torch.float32
-        return parse_dtype(self.dtype)
+        return torch.float32 if self.bf16_products else parse_dtype(self.dtype)
 
     def _check_eviction(self) -> None:
         """``--kv-eviction`` and its budget: ValueError naming the flag."""

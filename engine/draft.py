@@ -60,6 +60,7 @@ class DraftModel:
         self.device = torch.device(config.device)
         kernel = cast(LinearKernel, config.linear_kernel)
         self.model = CausalLM(source.config, config.torch_dtype, config.device, kernel)
+        self.model.bf16_products = config.bf16_products  # the target's precision
         self.model.load_weights(source.iter_weights())
         self.kv_cache = allocate_kv_cache(source.config, num_blocks, self.block_size, config.torch_dtype,
                                           self.device)

@@ -14,8 +14,8 @@
  *   8. delta = act . Wdown^T                     features split
  * and after the last layer out = rms_norm(hidden += delta) * final_norm.
  *
- * The four matrices are packed (cpu_packed.c's layout, or cpu_qpacked.c's GGUF blocks, bitwise the same products
- * as their dequantized float panels) and the products split by whole panels, so the
+ * The four matrices are packed (cpu_packed.c's layout, cpu_qpacked.c's GGUF blocks, bitwise the same products
+ * as their dequantized float panels, or cpu_bf16.c's bfloat16 panels) and the products split by whole panels, so the
  * intermediate width must be a multiple of PANEL (gate and up panels then line up with the activation's
  * share). Every value is computed by the same code as the per-op calls (cpu_packed.c, cpu_ops.c,
  * cpu_attention.c) in the same order, so the result is bitwise that of the per-op path: a product's
@@ -30,8 +30,8 @@
 #include "cpu_internal.h"
 
 /* per layer: pointers to the tensors, then the four matrices' formats (cpu_internal.h's WF_*), one byte each
- * from the lowest: qkv, o, gate/up, down (WF_F32: cpu_packed.c's panels; the others cpu_qpacked.c's blocks,
- * with WF_I8 set where the product takes int8 activations, cpu_qint8.c) */
+ * from the lowest: qkv, o, gate/up, down (WF_F32: cpu_packed.c's panels; WF_BF16: cpu_bf16.c's; the others
+ * cpu_qpacked.c's blocks, with WF_I8 set where the product takes int8 activations, cpu_qint8.c) */
 enum { W_INPUT_NORM, W_QKV, W_QKV_BIAS, W_O, W_POST_NORM, W_GATE_UP, W_DOWN, W_FORMATS, W_PER_LAYER };
 #define FORMAT(lw, i) ((int32_t)((lw[W_FORMATS] >> (8 * (i))) & 0xff))
 

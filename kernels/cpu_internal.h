@@ -92,6 +92,11 @@ INTERNAL void pdserve_silu_mul_range(const float *g, const float *u, float *o, i
 #define PACKED_TILE_PANELS 3 /* the panels of one register tile (cpu_packed.c) */
 #else
 #define PACKED_TILE_PANELS 1
+/* cpu_bf16.c: output panels q0..q1-1 of every row of x (float32, rounded to bfloat16 here) against bfloat16
+ * panels (its header comment has the layout and the arithmetic; k even) */
+INTERNAL void pdserve_bf16_panels(const uint16_t *p, const float *x, const float *bias, float *y, int64_t m,
+                                  int64_t n, int64_t k, int64_t q0, int64_t q1);
+
 #endif
 INTERNAL void pdserve_packed_panels(const float *p, const float *x, const float *bias, float *y, int64_t m,
                                     int64_t n, int64_t k, int64_t q0, int64_t q1);
@@ -101,7 +106,7 @@ INTERNAL void pdserve_packed_group(const float *panels, int64_t v, int64_t k, co
                                    int64_t ldy, const float *bias, int64_t cols);
 
 /* cpu_qpacked.c: weights kept in GGUF blocks (its header comment has the layout). Formats of a packed matrix: */
-enum { WF_F32 = 0, WF_Q4_0 = 1, WF_Q4_1 = 2, WF_Q8_0 = 3 };
+enum { WF_F32 = 0, WF_Q4_0 = 1, WF_Q4_1 = 2, WF_Q8_0 = 3, WF_BF16 = 4 /* cpu_bf16.c's panels */ };
 /* bytes of one packed record (PANEL features x 32 inputs) of a kind (exported) */
 int64_t pdserve_qrecord_bytes(int32_t fmt);
 #define TILE_ROWS_MAX 8 /* the most rows of one register tile: fewer rows read the weights once */
@@ -109,8 +114,8 @@ int64_t pdserve_qrecord_bytes(int32_t fmt);
  * on the same packed records */
 #define WF_I8 0x80
 #define WF_KIND(fmt) ((fmt) & ~WF_I8)
-/* output panels q0..q1-1 of every row for a matrix of format fmt (WF_F32: pdserve_packed_panels; WF_I8 set:
- * the rows quantized once for the call, then pdserve_i8_panels) */
+/* output panels q0..q1-1 of every row for a matrix of format fmt (WF_F32: pdserve_packed_panels; WF_BF16:
+ * pdserve_bf16_panels; WF_I8 set: the rows quantized once for the call, then pdserve_i8_panels) */
 INTERNAL void pdserve_any_panels(int32_t fmt, const void *p, const float *x, const float *bias, float *y, int64_t m,
                                  int64_t n, int64_t k, int64_t q0, int64_t q1);
 
@@ -131,5 +136,10 @@ int32_t pdserve_i8_available(void);
 /* output panels q0..q1-1 of every row of `a` against packed records of kind fmt (y: a->m rows of n) */
 INTERNAL void pdserve_i8_panels(int32_t fmt, const uint8_t *p, const QRows *a, const float *bias, float *y,
                                 int64_t n, int64_t q0, int64_t q1);
+
+/* cpu_bf16.c: output panels q0..q1-1 of every row of x (float32, rounded to bfloat16 here) against bfloat16
+ * panels (its header comment has the layout and the arithmetic; k even) */
+INTERNAL void pdserve_bf16_panels(const uint16_t *p, const float *x, const float *bias, float *y, int64_t m,
+                                  int64_t n, int64_t k, int64_t q0, int64_t q1);
 
 #endif

@@ -2,7 +2,8 @@
 
 The same library holds ``cpu_attention_blocked.c`` (the kernel for prompt chunks), ``cpu_ops.c`` (the
 per-layer small ops and the few-row product;
-``kernels/native_ops.py`` wraps them), ``cpu_decoder.c`` (every layer of a few-row step in one call;
+``kernels/native_ops.py`` wraps them, as it does ``cpu_packed.c``, ``cpu_qpacked.c``, ``cpu_qint8.c`` and
+``cpu_bf16.c``, the products), ``cpu_decoder.c`` (every layer of a few-row step in one call;
 ``kernels/native_decoder.py``), ``cpu_greedy.c`` (the greedy head's screen;
 ``kernels/greedy_head.py``) and ``cpu_mla.c`` (latent attention's absorbed decode form;
 ``kernels/mla_backends.py``). All run their threads through OpenMP
@@ -48,8 +49,8 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("cpu_attention.c", "cpu_attention_blocked.c", "cpu_attention_plan.c",
-                             "cpu_ops.c", "cpu_packed.c", "cpu_qpacked.c", "cpu_qint8.c", "cpu_decoder.c",
-                             "cpu_greedy.c", "cpu_mla.c"))
+                             "cpu_ops.c", "cpu_packed.c", "cpu_qpacked.c", "cpu_qint8.c", "cpu_bf16.c",
+                             "cpu_decoder.c", "cpu_greedy.c", "cpu_mla.c"))
 # included by the sources: part of the build's hash
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_simd.h", "cpu_internal.h"))
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-shared", "-fPIC", "-fopenmp")
@@ -158,6 +159,11 @@ def bind_ops(lib: ctypes.CDLL) -> None:
         "pdserve_qpacked_f32": (i32, [i32, ptr, ptr, ptr, ptr, i64, i64, i64, i32]),
         "pdserve_qrecord_bytes": (i64, [i32]),
         "pdserve_i8_available": (i32, []),  # cpu_qint8.c: whether the build has the int8 product
+        # cpu_bf16.c: w, packed, n, k; packed, floats, n, k; the product; vdpbf16ps or plain FMAs
+        "pdserve_pack_bf16": (None, [ptr, ptr, i64, i64]),
+        "pdserve_unpack_bf16": (None, [ptr, ptr, i64, i64]),
+        "pdserve_packed_bf16": (i32, [ptr, ptr, ptr, ptr, i64, i64, i64, i32]),
+        "pdserve_bf16_native": (i32, []),
     }
     for name, (restype, argtypes) in blocks.items():
         fn = getattr(lib, name)

@@ -276,6 +276,10 @@ void pdserve_any_panels(int32_t fmt, const void *p, const float *x, const float 
         pdserve_packed_panels((const float *)p, x, bias, y, m, n, k, q0, q1);
         return;
     }
+    if (fmt == WF_BF16) {
+        pdserve_bf16_panels((const uint16_t *)p, x, bias, y, m, n, k, q0, q1);
+        return;
+    }
     const uint8_t *w = (const uint8_t *)p;
     if (fmt & WF_I8) {
         fmt = WF_KIND(fmt);

@@ -39,6 +39,9 @@ the dequantized weight, reading the blocks' bytes. Where the native kernel is no
 are dequantized and the weight takes the kernel asked for, as a float weight would. ``set_int8_activations``
 turns such a product to the int8-activation one (``NativeOps.qpacked_linear(..., int8=True)``,
 ``kernels/cpu_qint8.c``: llama.cpp's arithmetic, not the float32 values); products without blocks ignore it.
+``to_bf16`` turns a native float product into the bfloat16 one (``NativeOps.bf16_linear``,
+``kernels/cpu_bf16.c``: the weight stored in bfloat16, the activations rounded to bfloat16 at the input,
+float32 sums; ``--dtype bfloat16`` on CPU), which then holds only the bfloat16 panels.
 
 Figures for each kernel, per row count: docs/benchmarks.md ("One packed product for every row count",
 "Prompt chunks on oneDNN's product off Intel CPUs"), measured with ``python -m bench.lab.linear_kernels``.
@@ -53,7 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.gguf_blocks import BlockKind, BlockMatrix
-from kernels.native_ops import native_ops
+from kernels.native_ops import BF16_FORMAT, INT8_FLAG, native_ops
 
 LinearKernel = Literal["plain", "prepacked", "native"]
 LINEAR_KERNELS: tuple[LinearKernel, ...] = ("plain", "prepacked", "native")
@@ -144,6 +147,7 @@ class PreparedLinear:
             raise ValueError(f"unknown linear kernel {kernel!r}; choose one of {LINEAR_KERNELS}")
         self.kind: BlockKind | None = None  # set: ``packed`` holds GGUF blocks of this kind
         self.int8_activations = False  # the blocks' product quantizes its activations (set_int8_activations)
+        self.bf16 = False  # ``packed`` holds bfloat16 panels (to_bf16)
         if blocks is not None:
             if tuple(blocks.shape) != tuple(weight.shape):
                 raise ValueError(f"blocks of shape {blocks.shape} for a weight of shape "
@@ -170,7 +174,9 @@ class PreparedLinear:
             if x.dtype != torch.float32 or x.device.type != "cpu":
                 raise TypeError(f"the native product takes float32 CPU inputs, not {x.dtype} on {x.device}")
             rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-            if self.kind is not None:
+            if self.bf16:
+                y = self._native.bf16_linear(rows, self.packed, self.out_features, self.bias)
+            elif self.kind is not None:
                 y = self._native.qpacked_linear(rows, self.packed, self.kind, self.out_features, self.bias,
                                                 self.int8_activations)
             else:
@@ -187,11 +193,30 @@ class PreparedLinear:
             self._native.require_int8()
         self.int8_activations = on
 
+    def to_bf16(self) -> bool:
+        """Store the weight in bfloat16 and multiply in bfloat16 from now on (the native float product only,
+        with an even input width; the float32 panels are dropped). Returns whether it did."""
+        if (self._native is None or self.packed is None or self.kind is not None or self.in_features % 2
+                or self.bf16):
+            return self.bf16
+        self.packed = self._native.pack_bf16(self.unpacked())
+        self.bf16 = True
+        return True
+
+    @property
+    def native_format(self) -> int:
+        """The native library's format of ``packed`` (``cpu_internal.h``'s ``WF_*``: 0 float32 panels, a
+        ``BlockKind``, ``BF16_FORMAT``), with ``INT8_FLAG`` where the product takes int8 activations."""
+        base = BF16_FORMAT if self.bf16 else int(self.kind or 0)
+        return base | (INT8_FLAG if self.int8_activations else 0)
+
     def unpacked(self) -> torch.Tensor:
-        """The ``[out, in]`` float weight from the packed copy (bitwise the weight packed, or the blocks'
-        dequantized values)."""
+        """The ``[out, in]`` float weight from the packed copy (bitwise the weight packed, the blocks'
+        dequantized values, or the bfloat16 weight's values)."""
         if self.packed is None or self._native is None:
             raise ValueError(f"only the native kernel holds a packed copy, not {self.kernel!r}")
+        if self.bf16:
+            return self._native.unpack_bf16(self.packed, self.out_features)
         if self.kind is not None:
             return self._native.qunpack(self.packed, self.kind, self.out_features)
         return self._native.unpack(self.packed, self.out_features)

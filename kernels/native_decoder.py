@@ -17,9 +17,9 @@ Contract:
   mixed steps alike: the packed product and the attention plan take every row count), float32 CPU
   hidden states, a contiguous float32 cache of this model's shape, no KV scales (quantized caches take
   the per-op path), and the ``NativeCpuAttentionBackend`` prepared for the step (``paged_arrays``).
-- Weights: the four matrices packed (``NativeOps.pack``, or ``NativeOps.qpack`` for a matrix kept in its
-  GGUF blocks, as the layers' ``PreparedLinear`` holds them; bitwise the same products, the int8-activation
-  ones included where ``int8`` says so),
+- Weights: the four matrices packed (``NativeOps.pack``, ``NativeOps.qpack`` for a matrix kept in its
+  GGUF blocks, or ``NativeOps.pack_bf16``, as the layers' ``PreparedLinear`` holds them, each with its
+  ``native_format``; bitwise the same products, the int8-activation and bfloat16 ones included),
   the norms and the bias as they are; the intermediate width a multiple of ``PANEL`` (the products are
   split by whole panels; every Llama-family model's is). The tensors are read in place through pointers
   taken when the decoder is built; it keeps a reference to every tensor, and must be rebuilt when the
@@ -40,7 +40,7 @@ import torch
 from kernels.attention import AttentionBackend
 from kernels.cpu_native import NativeCpuAttentionBackend, load_library
 from kernels.gguf_blocks import BlockKind
-from kernels.native_ops import INT8_FLAG, PANEL, NativeOps, native_ops
+from kernels.native_ops import BF16_FORMAT, INT8_FLAG, PANEL, NativeOps, native_ops
 
 KEEP_WORKSPACE_BYTES = 64 << 20  # scratch kept between calls (a decode step of SmolLM2 needs 29 KB a token)
 
@@ -48,8 +48,10 @@ KEEP_WORKSPACE_BYTES = 64 << 20  # scratch kept between calls (a decode step of 
 @dataclass(frozen=True)
 class DecoderLayerWeights:
     """One layer's tensors, Llama layout: ``qkv`` rows are q heads, k heads, v heads; ``gate_up`` rows
-    are gate, then up; every matrix an ``[out, in]`` weight packed by ``NativeOps.pack``, or kept in GGUF
-    blocks and packed by ``NativeOps.qpack`` (its ``kinds`` entry then names the blocks' kind)."""
+    are gate, then up; every matrix an ``[out, in]`` weight packed by ``NativeOps.pack``, kept in GGUF
+    blocks and packed by ``NativeOps.qpack``, or packed in bfloat16 by ``NativeOps.pack_bf16``, as its
+    ``formats_of`` entry says (``PreparedLinear.native_format``: 0, a ``BlockKind`` or ``BF16_FORMAT``, with
+    ``INT8_FLAG`` where the product takes int8 activations)."""
 
     input_norm: torch.Tensor
     qkv: torch.Tensor
@@ -58,8 +60,7 @@ class DecoderLayerWeights:
     post_norm: torch.Tensor
     gate_up: torch.Tensor
     down_proj: torch.Tensor
-    kinds: tuple[BlockKind | None, ...] = (None, None, None, None)  # qkv, o, gate/up, down
-    int8: tuple[bool, ...] = (False, False, False, False)  # a kept matrix's product takes int8 activations
+    formats_of: tuple[int, ...] = (0, 0, 0, 0)  # qkv, o, gate/up, down
 
     def tensors(self) -> tuple[torch.Tensor | None, ...]:
         """In the order of the C side's per-layer pointer table."""
@@ -68,10 +69,8 @@ class DecoderLayerWeights:
 
     @property
     def formats(self) -> int:
-        """The C side's formats word: one byte per matrix (0: float32 panels; ``INT8_FLAG`` set: int8
-        activations, ``cpu_qint8.c``)."""
-        return sum((int(kind or 0) | (INT8_FLAG if kind and on else 0)) << (8 * i)
-                   for i, (kind, on) in enumerate(zip(self.kinds, self.int8, strict=True)))
+        """The C side's formats word: one byte per matrix."""
+        return sum(fmt << (8 * i) for i, fmt in enumerate(self.formats_of))
 
 
 @dataclass(frozen=True)
@@ -94,13 +93,17 @@ class DecoderShape:
         return tokens * per_row
 
 
-def _packed_shape(kind: BlockKind | None, out_features: int, in_features: int) -> tuple[int, ...]:
-    if kind is None:
-        return NativeOps.packed_shape(out_features, in_features)
+def _packed(fmt: int, out_features: int, in_features: int) -> tuple[tuple[int, ...], torch.dtype]:
+    """The packed tensor's shape and dtype for a matrix of native format ``fmt``."""
+    base = fmt & ~INT8_FLAG
+    if base == 0:
+        return NativeOps.packed_shape(out_features, in_features), torch.float32
+    if base == BF16_FORMAT:
+        return NativeOps.bf16_shape(out_features, in_features), torch.int16
     ops = native_ops()
     if ops is None:
         raise RuntimeError("native CPU kernel library is unavailable")
-    return ops.qpacked_shape(kind, out_features, in_features)
+    return ops.qpacked_shape(BlockKind(base), out_features, in_features), torch.uint8
 
 
 class NativeDecoder:
@@ -120,16 +123,15 @@ class NativeDecoder:
                     (2 * s.intermediate_size, s.hidden_size), (s.hidden_size, s.intermediate_size))
         pointers: list[list[int]] = []
         for i, layer in enumerate(layers):
-            shapes = [_packed_shape(kind, *dims) for kind, dims in zip(layer.kinds, matrices, strict=True)]
-            expected = ((s.hidden_size,), shapes[0], (s.qkv_width,), shapes[1], (s.hidden_size,), shapes[2],
-                        shapes[3])
-            kinds = (None, layer.kinds[0], None, layer.kinds[1], None, layer.kinds[2], layer.kinds[3])
+            packed = [_packed(fmt, *dims) for fmt, dims in zip(layer.formats_of, matrices, strict=True)]
+            vector = ((s.hidden_size,), torch.float32)
+            expected = (vector, packed[0], ((s.qkv_width,), torch.float32), packed[1], vector, packed[2],
+                        packed[3])
             row = []
-            for tensor, want, kind in zip(layer.tensors(), expected, kinds, strict=True):
+            for tensor, (want, dtype) in zip(layer.tensors(), expected, strict=True):
                 if tensor is None:
                     row.append(0)
                     continue
-                dtype = torch.float32 if kind is None else torch.uint8
                 if (tensor.dtype != dtype or tensor.device.type != "cpu" or not tensor.is_contiguous()
                         or tuple(tensor.shape) != want):
                     raise ValueError(f"layer {i}: a weight of shape {tuple(tensor.shape)} {tensor.dtype} on "

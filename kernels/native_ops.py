@@ -36,6 +36,12 @@ does each group in one call through ctypes, on float32 CPU tensors only:
   float32 values, but bitwise the same whatever the row count, the thread count and the other rows;
   ``int8_available`` says whether this build has it (``require_int8`` raises, naming the CPU flag, where
   it has not).
+- ``pack_bf16(weight)``, ``bf16_linear(x, packed, out_features, bias)``, ``unpack_bf16(packed,
+  out_features)``: the same three for a weight stored in bfloat16 (``cpu_bf16.c``, ``--dtype bfloat16``
+  on CPU): the activations rounded to bfloat16 at the input, the products summed in float32 in one
+  chain per output (AVX512-BF16's ``vdpbf16ps`` where the CPU has it, ``bf16_native``), bitwise the same
+  whatever the row count, the thread count and the other rows; ``unpack_bf16`` gives the bfloat16
+  weight's float32 values.
 
 Callers check ``usable`` for their tensors (float32, CPU, contiguous where
 stated) and take the torch path otherwise. Threads: ``torch.get_num_threads()``
@@ -55,6 +61,7 @@ from kernels.gguf_blocks import QK, BlockKind, BlockMatrix
 
 PANEL = 16  # output features per packed panel (cpu_internal.h)
 INT8_FLAG = 0x80  # a format's int8-activation flag (cpu_internal.h's WF_I8)
+BF16_FORMAT = 4  # the bfloat16 panels' format (cpu_internal.h's WF_BF16)
 
 
 class NativeOps:
@@ -74,6 +81,10 @@ class NativeOps:
         self._qpacked = lib.pdserve_qpacked_f32
         self._record_bytes = {kind: int(lib.pdserve_qrecord_bytes(kind)) for kind in BlockKind}
         self.int8_available = bool(lib.pdserve_i8_available())
+        self._pack_bf16 = lib.pdserve_pack_bf16
+        self._unpack_bf16 = lib.pdserve_unpack_bf16
+        self._packed_bf16 = lib.pdserve_packed_bf16
+        self.bf16_native = bool(lib.pdserve_bf16_native())  # vdpbf16ps (AVX512-BF16), else plain FMAs
 
     def require_int8(self, flag: str = "--gguf-activations int8") -> None:
         """Raise ``ValueError`` where this build has no int8 product (a CPU without AVX512-VNNI)."""
@@ -188,6 +199,43 @@ class NativeOps:
         fmt = kind | (INT8_FLAG if int8 else 0)
         self._qpacked(fmt, packed.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(),
                       y.data_ptr(), x.shape[0], out_features, in_features, torch.get_num_threads())
+        return y
+
+    @staticmethod
+    def bf16_shape(out_features: int, in_features: int) -> tuple[int, int, int]:
+        """The bfloat16 panels' shape (``int16`` storage): ``[panels, in / 2, PANEL * 2]``."""
+        return (-(-out_features // PANEL), in_features // 2, PANEL * 2)
+
+    def pack_bf16(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` (float32 ``[out, in]``, ``in`` even) rounded to bfloat16 in ``cpu_bf16.c``'s panels."""
+        out_features, in_features = weight.shape
+        if in_features % 2:
+            raise ValueError(f"a bfloat16 product needs an even input width, not {in_features}")
+        weight = weight.contiguous()
+        packed = torch.empty(self.bf16_shape(out_features, in_features), dtype=torch.int16)
+        self._pack_bf16(weight.data_ptr(), packed.data_ptr(), out_features, in_features)
+        return packed
+
+    def unpack_bf16(self, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+        """The float32 ``[out, in]`` values of ``pack_bf16``'s weight (its bfloat16 values, exactly)."""
+        weight = torch.empty(out_features, packed.shape[1] * 2, dtype=torch.float32)
+        self._unpack_bf16(packed.data_ptr(), weight.data_ptr(), out_features, weight.shape[1])
+        return weight
+
+    def bf16_linear(self, x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ W.T + bias`` for float32 ``x`` of ``[rows, in]`` and ``packed = pack_bf16(W)`` (the
+        arithmetic in ``cpu_bf16.c``'s header)."""
+        in_features = packed.shape[1] * 2
+        if tuple(packed.shape) != self.bf16_shape(out_features, in_features) or not packed.is_contiguous():
+            raise ValueError(f"bfloat16 panels of shape {tuple(packed.shape)} for {out_features} outputs")
+        if x.shape[-1] != in_features:
+            raise ValueError(f"input of width {x.shape[-1]} for a product of {in_features} inputs")
+        x = x.contiguous()
+        bias = None if bias is None else bias.contiguous()
+        y = x.new_empty(x.shape[0], out_features)
+        self._packed_bf16(packed.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(),
+                          y.data_ptr(), x.shape[0], out_features, in_features, torch.get_num_threads())
         return y
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

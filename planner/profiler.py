@@ -230,7 +230,8 @@ def run_profile(model: str | None, config: EngineConfig, *, quick: bool, torch_t
                             platform.processor() or platform.machine(),
                             os.cpu_count() or 1, cfg.device if cfg.device == "cpu" else
                             torch.cuda.get_device_name(torch.device(cfg.device)), torch_threads),
-        model=ModelInfo(engine.model_config.name, str(cfg.torch_dtype).removeprefix("torch."),
+        model=ModelInfo(engine.model_config.name,
+                        "bfloat16" if cfg.bf16_products else str(cfg.torch_dtype).removeprefix("torch."),
                         cfg.kv_cache_dtype, per_block // block_size, block_size,
                         engine.kv.num_blocks * block_size, cfg.max_num_batched_tokens, cfg.max_num_seqs,
                         user, system, shared),

@@ -6,8 +6,8 @@ slots), head dimension (latent attention's latent and rotary widths together), p
 (K and V, or one latent), the KV groups' description (which layers share a block
 table, their windows; latent attention's split of its row), element size, KV storage
 dtype (``dtype``: fp8/int8 or the model dtype), the numerics of the products that
-computed the K/V (``gguf_activations``: float32 or int8 activations over GGUF
-blocks), what frees a running sequence's blocks (``kv_compression``: a sliding window
+computed the K/V (``numerics``: float32, int8 activations over GGUF blocks, or
+bfloat16), what frees a running sequence's blocks (``kv_compression``: a sliding window
 with sinks, heavy-hitter eviction and their sizes; a compressed sequence crosses as it
 is and goes on being compressed by the same rule), the model's KV heads, the same
 in-memory layout (``LAYOUT_NAME``) and the same wire version. ``num_blocks`` is
@@ -31,7 +31,7 @@ from transfer.wire import WIRE_VERSION, AgentInfo, KvLayout
 
 LAYOUT_NAME = "NHD-paged-v1"
 SHARED_FIELDS = ("model", "dtype", "block_size", "num_layers", "model_kv_heads", "head_dim", "element_size",
-                 "parts", "kv_groups", "gguf_activations", "kv_compression")
+                 "parts", "kv_groups", "numerics", "kv_compression")
 SHARD_FIELDS = ("tp_size", "tp_rank", "kv_head_start", "num_kv_heads", "scale_region_bytes")
 
 

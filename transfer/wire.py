@@ -20,9 +20,10 @@ meaning; peers with different versions refuse each other at the handshake.
   defaults describe an unsharded cache. ``parts`` is 2 (K and V) or 1 (latent attention's one row
   per token, its one "head" ``head_dim`` values wide). A hybrid model's ``num_layers`` are the slots
   of its KV groups (``engine/kv_groups.py``; ``kv_groups`` says which), and a group's block holds its
-  layers in the first slots: a read of such a block moves only those. ``gguf_activations`` names the
-  numerics of the model that wrote the K/V (``int8``: its products over GGUF blocks quantize their
-  activations); peers must agree on it as on ``dtype``.
+  layers in the first slots: a read of such a block moves only those. ``numerics`` names the
+  arithmetic of the products that wrote the K/V (``int8``: products over GGUF blocks that quantize their
+  activations; ``bf16``: bfloat16 products, ``--dtype bfloat16`` on CPU; ``float32``); peers must agree
+  on it as on ``dtype``.
 - ``AgentInfo`` is what a source publishes once (NIXL metadata, the tensor's address
   and layout); a sink connects to it before its first read. A tensor-parallel worker publishes its
   rank 0's, with ranks 1..N-1's in ``tp_ranks`` (rank order): one agent per rank, each registering
@@ -46,7 +47,7 @@ import msgspec
 if TYPE_CHECKING:
     import torch
 
-WIRE_VERSION: int = 6
+WIRE_VERSION: int = 7
 
 
 class KvLayout(msgspec.Struct, frozen=True):
@@ -66,9 +67,9 @@ class KvLayout(msgspec.Struct, frozen=True):
     parts: int = 2  # K and V; 1 for latent attention's one row (its "head" the latent and rotary key)
     kv_groups: str = ""  # engine/kv_groups.py's describe(): which layers share a block table; "": one
     scale_tail: tuple[int, ...] = ()  # the scales' dimensions after kv_heads: int4's (groups, 2)
-    # the activations of the products over GGUF blocks (EngineConfig.gguf_activations, where it applies):
-    # K/V computed with int8 activations differ from float32 ones, so both sides of a transfer must agree
-    gguf_activations: str = "float32"
+    # the arithmetic of the products (CausalLM.numerics: float32, int8 activations over GGUF blocks, bf16):
+    # K/V computed by different products differ, so both sides of a transfer must agree
+    numerics: str = "float32"
     # what frees a running sequence's blocks (EngineConfig.kv_compression): a sequence handed over with
     # blocks already dropped goes on being compressed by the same rule on the other side
     kv_compression: str = ""
@@ -111,12 +112,12 @@ class KvLayout(msgspec.Struct, frozen=True):
 
     @staticmethod
     def from_tensor(kv_cache: torch.Tensor, model: str, scales: torch.Tensor | None = None,
-                    kv_groups: str = "", gguf_activations: str = "float32",
+                    kv_groups: str = "", numerics: str = "float32",
                     kv_compression: str = "") -> KvLayout:
         """The layout of a KV cache tensor shaped as ``kernels/attention.py`` describes (and its scales);
         ``kv_groups`` describes a hybrid model's groups (``engine/kv_groups.py:describe``),
-        ``gguf_activations`` the model's numerics (int8 where its products over GGUF blocks take int8
-        activations), ``kv_compression`` what frees a running sequence's blocks."""
+        ``numerics`` the arithmetic of the model's products (``CausalLM.numerics``), ``kv_compression``
+        what frees a running sequence's blocks."""
         if kv_cache.dim() != 6 or kv_cache.shape[2] not in (1, 2):
             raise ValueError(f"not a paged KV cache tensor: shape {tuple(kv_cache.shape)}")
         num_layers, num_blocks, parts, block_size, num_kv_heads, head_dim = kv_cache.shape
@@ -141,7 +142,7 @@ class KvLayout(msgspec.Struct, frozen=True):
             parts=parts,
             kv_groups=kv_groups,
             scale_tail=scale_tail,
-            gguf_activations=gguf_activations,
+            numerics=numerics,
             kv_compression=kv_compression,
         )
 

@@ -68,9 +68,8 @@ class Stats(msgspec.Struct, tag="stats", frozen=True):
 
 def rank_layout(runner: ModelRunner, model: str) -> KvLayout:
     """The ``KvLayout`` of this rank's KV shard (its heads, its rank and the group's size)."""
-    numerics = "int8" if runner.model.int8_activations else "float32"
     layout = KvLayout.from_tensor(runner.kv_cache, model, runner.kv_scales,
-                                  describe(runner.model_config, runner.kv_groups), numerics,
+                                  describe(runner.model_config, runner.kv_groups), runner.model.numerics,
                                   runner.config.kv_compression)
     shard = runner.model.shard
     return layout.sharded(shard.size, shard.rank, shard.kv_head_range[0], runner.model_config.num_kv_heads)

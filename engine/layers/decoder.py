@@ -68,8 +68,7 @@ class DecoderLayer(Prepared):
         bias = None if attn.qkv_bias is None else attn.qkv_bias.data
         linears = (attn.qkv_linear, attn.o_linear, mlp.gate_up_linear, mlp.down_linear)
         return DecoderLayerWeights(self.input_norm.data, qkv, bias, o, self.post_norm.data, gate_up, down,
-                                   tuple(lin.kind for lin in linears),
-                                   tuple(lin.int8_activations for lin in linears))
+                                   tuple(lin.native_format for lin in linears))
 
     def block_targets(self, prefix: str) -> dict[str, tuple[Prepared, str, int]]:
         """Hugging Face name -> (module, matrix, first row) of the matrices that can be built from GGUF

@@ -106,6 +106,9 @@ class MoE(Prepared):
     def _matrices(self) -> list[tuple[nn.Parameter, list[PreparedLinear]]]:
         return [(self.router, [self.router_linear]), (self.w13, self.w13_linears), (self.w2, self.w2_linears)]
 
+    def _float32_matrices(self) -> list[nn.Parameter]:
+        return [self.router]
+
     def hf_targets(self, prefix: str) -> dict[str, torch.Tensor]:
         self.restore_plain()
         inter = self.w13.shape[1] // 2

@@ -14,6 +14,10 @@ parameter left unfilled): the build hands the blocks to its ``PreparedLinear``, 
 (``kernels/gguf_blocks.py``), and forgets them; from then on the packed copy is the one copy, and
 ``restore_plain`` (or a build that keeps the plain matrices) fills the parameter with their dequantized
 values. Only the native kernel takes blocks (the model dequantizes at load for any other).
+
+``prepare_linears(..., bf16=True)`` (``--dtype bfloat16`` on CPU) turns every native float product into
+the bfloat16 one (``PreparedLinear.to_bf16``) but those of ``_float32_matrices``; a kept plain matrix then
+holds the bfloat16 values.
 """
 
 from __future__ import annotations
@@ -46,6 +50,11 @@ class Prepared(nn.Module):
     def _build_linears(self, kernel: LinearKernel) -> None:
         """Build this module's products over its current matrices."""
 
+    def _float32_matrices(self) -> list[nn.Parameter]:
+        """The matrices whose products stay float32 under ``bf16`` (a router's: its top-k is a
+        discontinuous pick that bfloat16's rounding would flip)."""
+        return []
+
     def _parts(self) -> list[Prepared]:
         return [m for m in self.children() if isinstance(m, Prepared)]
 
@@ -60,20 +69,25 @@ class Prepared(nn.Module):
         """The blocks ``set_blocks`` gave for ``name`` and no build has taken yet."""
         return self.__dict__.get("_pending_blocks", {}).get(name)
 
-    def prepare_linears(self, kernel: LinearKernel, keep_plain: bool = False) -> None:
+    def prepare_linears(self, kernel: LinearKernel, keep_plain: bool = False, bf16: bool = False) -> None:
         if self._built:  # not the first build: the matrices may be released
             self._restore_own()
         self._build_linears(kernel)
         self._built = True
         self.__dict__.pop("_pending_blocks", None)
+        if bf16:
+            kept = [id(param) for param in self._float32_matrices()]
+            for param, linears in self._matrices():
+                for lin in linears if id(param) not in kept else ():
+                    lin.to_bf16()
         if not keep_plain:
             self._release_own()
-        else:  # a matrix built from blocks was never filled
+        else:  # a matrix built from blocks was never filled; a bfloat16 one holds its rounded values
             for param, linears in self._matrices():
-                if linears and linears[0].kind is not None:
-                    param.data = linears[0].unpacked()
+                if linears and (linears[0].kind is not None or linears[0].bf16):
+                    self._fill_from_packed(param, linears)
         for part in self._parts():
-            part.prepare_linears(kernel, keep_plain)
+            part.prepare_linears(kernel, keep_plain, bf16)
 
     def release_plain(self) -> None:
         self._release_own()
@@ -96,13 +110,18 @@ class Prepared(nn.Module):
         for param, linears in self._matrices():
             if not linears or not released(param) or any(lin.packed is None for lin in linears):
                 continue
-            if param.dim() == 2:
-                param.data = linears[0].unpacked()
-                linears[0].weight = param.data
-            else:
-                param.data = torch.stack([lin.unpacked() for lin in linears])
-                for i, lin in enumerate(linears):
-                    lin.weight = param.data[i]
+            self._fill_from_packed(param, linears)
+
+    @staticmethod
+    def _fill_from_packed(param: nn.Parameter, linears: list[PreparedLinear]) -> None:
+        """``param`` (and each product's ``weight``) from the products' packed copies."""
+        if param.dim() == 2:
+            param.data = linears[0].unpacked()
+            linears[0].weight = param.data
+        else:
+            param.data = torch.stack([lin.unpacked() for lin in linears])
+            for i, lin in enumerate(linears):
+                lin.weight = param.data[i]
 
     @property
     def plain_released(self) -> bool:

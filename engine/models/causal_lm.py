@@ -106,6 +106,9 @@ class CausalLM(nn.Module):
         # the products over GGUF blocks: "float32" or "int8" activations (EngineConfig.gguf_activations;
         # prepare_linears applies it)
         self.gguf_activations = "float32"
+        # every native float product in bfloat16 (``--dtype bfloat16`` on CPU, EngineConfig.bf16_products;
+        # prepare_linears applies it): the weights stored in bfloat16, the activations rounded at each input
+        self.bf16_products = False
         self.native_decoder: NativeDecoder | None = None
         # keep the decoder's [out, in] matrices beside the native packed copies (the compiled path reads them)
         self.keep_plain_weights = False
@@ -134,20 +137,24 @@ class CausalLM(nn.Module):
     @property
     def execution_path(self) -> str:
         """Which path the forward takes on this model, in words (logged once by the engine)."""
+        products = ", bfloat16 products" if self.bf16_products else ""
         if self.native_decoder is not None and self.use_native_decoder:
-            return "one native call per step (every layer fused)"
+            return f"one native call per step (every layer fused{products})"
         if self.fusable and native_ops() is not None and self.dtype == torch.float32:
-            return "fused native ops per layer"
+            return f"fused native ops per layer{products}"
         kinds = sorted({reason for layer in self.decoder_layers() for reason in _unfused(layer)})
-        return "per-layer" + (f" ({', '.join(kinds)})" if kinds else "")
+        return "per-layer" + (f" ({', '.join(kinds)})" if kinds else "") + products
 
     def prepare_linears(self, kernel: LinearKernel | None = None) -> None:
         """Pack every matrix for ``kernel`` (default: ``linear_kernel``) from the current weights."""
         if kernel is not None:
             self.linear_kernel = kernel
         for layer in self.decoder_layers():
-            layer.prepare_linears(self.linear_kernel, keep_plain=self.keep_plain_weights)
+            layer.prepare_linears(self.linear_kernel, keep_plain=self.keep_plain_weights,
+                                  bf16=self.bf16_products)
         self.lm_head_linear = PreparedLinear(self.lm_head, None, self.linear_kernel, self.head_blocks)
+        if self.bf16_products:
+            self._round_to_bf16()
         if self.head_blocks is not None and self.lm_head_linear.kind is None:  # no native product: floats
             self._fill_embedding()
         for param, blocks in ((self.embed_tokens, self.embed_blocks), (self.lm_head, self.head_blocks)):
@@ -157,10 +164,20 @@ class CausalLM(nn.Module):
             self.lm_head_linear.release_weight(self.lm_head.data)
         for linear in self.prepared_linears():
             linear.set_int8_activations(self.gguf_activations == "int8")
-        # a head in blocks reads fewer bytes than the screen's half-precision copy: no screen
-        screened = self.group is None and self.use_greedy_head and self.lm_head_linear.kind is None
+        # a head in blocks or in bfloat16 reads no more bytes than the screen's half-precision copy: no screen
+        screened = (self.group is None and self.use_greedy_head and self.lm_head_linear.kind is None
+                    and not self.lm_head_linear.bf16)
         self.greedy_head = GreedyHead.build(self.lm_head_linear) if screened else None
         self.native_decoder = self._build_native_decoder()
+
+    def _round_to_bf16(self) -> None:
+        """``bf16_products``: the LM head's product in bfloat16, and the embedding table rounded to
+        bfloat16 values in place (kept in float32: rows are gathered, not multiplied). Norms and biases
+        stay float32, as the activations do."""
+        self.lm_head_linear.to_bf16()
+        for param in (self.embed_tokens, self.lm_head):
+            if not released(param) and param.dtype == torch.float32:
+                param.data.copy_(param.data.bfloat16())
 
     def set_gguf_activations(self, mode: str) -> None:
         """The products over kept GGUF blocks from now on take ``mode`` activations (``float32`` or ``int8``;
@@ -294,6 +311,15 @@ class CausalLM(nn.Module):
         """Whether some product takes int8 activations (``gguf_activations`` int8 over kept blocks): the
         model's numerics, which a KV transfer's peers must share (``transfer/compat.py``)."""
         return any(lin.int8_activations for lin in self.prepared_linears())
+
+    @property
+    def numerics(self) -> str:
+        """The arithmetic of the model's products, which a KV transfer's peers must share
+        (``transfer/compat.py``): ``int8`` (int8 activations over GGUF blocks), ``bf16``
+        (``bf16_products``) or ``float32``."""
+        if self.int8_activations:
+            return "int8"
+        return "bf16" if self.bf16_products else "float32"
 
     @property
     def takes_blocks(self) -> bool:

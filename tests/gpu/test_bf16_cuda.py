@@ -3,9 +3,11 @@
 the first-light dry run (``PDSERVE_FIRST_LIGHT_DRY=1``, ``bench/lab/first_light.py``), which runs it on
 CPU so that a Python error shows before a device is lent.
 
-The tiny model's weights are scaled so that float32's greedy picks are clear (``tests/families.py``);
-bfloat16 rounds every product, so the test asserts the first 32 tokens of each prompt equal and
-records the share of all 48 that do."""
+The tiny model's weights are scaled so that float32's greedy picks are mostly clear
+(``tests/families.py``); bfloat16 rounds every product, so the test asserts each prompt's tokens equal
+up to the first float32 pick closer than ``MARGIN`` (a near tie either may flip: the second prompt has
+one at its 9th token, 0.035 nats), at least 64 clear picks in all, and records the share of all 144
+tokens that are equal."""
 
 from __future__ import annotations
 
@@ -24,19 +26,27 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # not marked ``gpu`` (which tests/conftest.py skips without CUDA): the dry run runs it on CPU
 pytestmark = pytest.mark.skipif(DEVICE != "cuda" and not DRY, reason="needs a CUDA device")
 NEW_TOKENS = 48
+MARGIN = 0.5  # float32 logprob gap of a clear pick (bfloat16 moves these logprobs by up to ~0.3)
 
 
 def test_bf16_greedy_equals_float32(tmp_path: Path, record_property: Callable[[str, object], None]) -> None:
     save("llama", tmp_path)
     prompts = [prompt(n, seed=n) for n in (5, 17, 40)]
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=2)
     runs = {}
     for dtype in ("float32", "bfloat16"):
         llm = LLM(model=str(tmp_path), dtype=dtype, device=DEVICE, num_kv_blocks=64, block_size=16)
-        runs[dtype] = [o.token_ids for o in llm.generate(prompts, params)]
+        runs[dtype] = llm.generate(prompts, params)
         del llm
-    pairs = zip(runs["float32"], runs["bfloat16"], strict=True)
-    same = sum(a == b for f, h in pairs for a, b in zip(f, h, strict=True))
+    pairs = list(zip(runs["float32"], runs["bfloat16"], strict=True))
+    same = sum(a == b for f, h in pairs for a, b in zip(f.token_ids, h.token_ids, strict=True))
     record_property("bf16_equal_share", same / (len(prompts) * NEW_TOKENS))
-    for f, h in zip(runs["float32"], runs["bfloat16"], strict=True):
-        assert h[:32] == f[:32]
+    clear = 0
+    for f, h in pairs:
+        for step, top in enumerate(t.top for t in f.logprobs or [] if t is not None):
+            near_tie = top[0][1] - top[1][1] < MARGIN
+            if h.token_ids[step] != f.token_ids[step]:
+                assert near_tie, (step, top)
+                break
+            clear += not near_tie
+    assert clear >= 64

@@ -156,8 +156,8 @@ def test_served_int8_model_picks_the_float32_tokens_away_from_ties(llama_files: 
         assert model.execution_path == "one native call per step (every layer fused)"
         assert not _model(floats).int8_activations
         # the numerics a worker publishes for KV transfers (transfer/compat.py)
-        assert rank_layout(int8.engine.runner, "m").gguf_activations == "int8"
-        assert rank_layout(floats.engine.runner, "m").gguf_activations == "float32"
+        assert rank_layout(int8.engine.runner, "m").numerics == "int8"
+        assert rank_layout(floats.engine.runner, "m").numerics == "float32"
         assert model.weight_bytes() == _model(floats).weight_bytes()  # the same records, no copy
         got, want = _run(int8), _run(floats)
         assert got != want  # another arithmetic
@@ -206,9 +206,9 @@ def test_a_cpu_without_vnni_refuses_int8(monkeypatch: pytest.MonkeyPatch) -> Non
 
 def test_int8_activations_are_part_of_transfer_compatibility() -> None:
     layout = KvLayout("m", "float32", 2, 8, 16, 2, 16, 4)
-    int8 = msgspec.structs.replace(layout, gguf_activations="int8")
+    int8 = msgspec.structs.replace(layout, numerics="int8")
     assert compat_hash(int8) != compat_hash(layout)
     info = AgentInfo(WIRE_VERSION, compat_hash(int8), "peer", b"", 0, 0, "DRAM", int8)
-    with pytest.raises(IncompatibleKvError, match="gguf_activations"):
+    with pytest.raises(IncompatibleKvError, match="numerics"):
         check_compatible(layout, info)
 

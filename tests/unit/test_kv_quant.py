@@ -25,12 +25,17 @@ SMOLLM2 = ModelConfig(architecture="llama", vocab_size=49152, hidden_size=576, i
 
 def test_quantized_kv_holds_twice_the_blocks_of_bf16_per_gib() -> None:
     gib = 1024**3
+    # torch's bfloat16 model (no native product) keeps a bfloat16 cache; the native bfloat16 products
+    # (--dtype bfloat16 on CPU) a float32 one
+    configs = [("fp32", "float32", "auto", True), ("bf16", "bfloat16", "auto", False),
+               ("fp8", "float32", "fp8", True), ("fp8_e5m2", "bfloat16", "fp8_e5m2", True),
+               ("int8", "float32", "int8", True), ("bf16 products", "bfloat16", "auto", True)]
     blocks = {
-        name: num_kv_blocks(SMOLLM2, EngineConfig(dtype=dtype, kv_cache_dtype=kv, kv_cache_memory=gib))
-        for name, dtype, kv in [("fp32", "float32", "auto"), ("bf16", "bfloat16", "auto"),
-                                ("fp8", "float32", "fp8"), ("fp8_e5m2", "bfloat16", "fp8_e5m2"),
-                                ("int8", "float32", "int8")]
+        name: num_kv_blocks(SMOLLM2, EngineConfig(dtype=dtype, kv_cache_dtype=kv, kv_cache_memory=gib,
+                                                  native_kernels=native))
+        for name, dtype, kv, native in configs
     }
+    assert blocks["bf16 products"] == blocks["fp32"]
     # one block: 16 tokens x 2 x 30 layers x 3 heads x 64 dims x 1 byte, plus 2 x 30 x 3 float32 scales
     assert kv_block_bytes(SMOLLM2, 16, torch.float8_e4m3fn) == 16 * 2 * 30 * 3 * 64 + 2 * 30 * 3 * 4
     assert blocks["fp8"] == blocks["int8"] == blocks["fp8_e5m2"] == gib // (184320 + 720)
