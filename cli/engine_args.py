@@ -80,13 +80,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "file; default: the built-in SmolLM2-135M-Instruct Q4_1 GGUF in "
                         "$PDSERVE_CACHE/models (fetched by scripts/fetch_model.py)")
     g.add_argument("--dtype", choices=("auto", *DTYPES), default=d.dtype,
-                   help="dtype of weights, activations and KV cache; auto is bfloat16 on CUDA and float32 "
-                        "on CPU, where a GGUF's Q4_0, Q4_1 and Q8_0 matrices stay in their blocks (the "
-                        "same results as float32 under --gguf-activations float32); an explicit dtype "
-                        "dequantizes them. bfloat16 on CPU stores the weights in bfloat16 and multiplies "
-                        "them with bfloat16 dot products into float32 sums (AVX512-BF16 where the CPU has "
-                        "it; a MoE router stays float32), the activations, norms, attention and KV cache "
-                        "staying float32")
+                   help="dtype of weights, activations and KV cache; auto is bfloat16 on CUDA, and on CPU "
+                        "float32 (a GGUF's Q4_0, Q4_1 and Q8_0 matrices staying in their blocks: the same "
+                        "results as float32 under --gguf-activations float32), or bfloat16 for a Hugging "
+                        "Face checkpoint that names it on a CPU with AVX512-BF16 (logged); an explicit "
+                        "dtype dequantizes GGUF blocks. bfloat16 on CPU stores the weights in bfloat16 and "
+                        "multiplies them with bfloat16 dot products into float32 sums (AVX512-BF16 where "
+                        "the CPU has it; a MoE router stays float32), the activations, norms, attention and "
+                        "KV cache staying float32")
     g.add_argument("--gguf-activations", choices=GGUF_ACTIVATIONS, default=d.gguf_activations,
                    help="the activations of the products over a GGUF's Q4_0, Q4_1 and Q8_0 blocks kept under "
                         "--dtype auto on CPU: float32 (the dequantized float32 model's results, bitwise) or "

@@ -11,6 +11,7 @@ from both live in properties so nothing is stored twice.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -186,6 +187,8 @@ class ModelConfig:
     moe: MoeConfig | None = None
     # latent attention (DeepSeek): then head_dim is the query/key head (nope + rope), num_kv_heads 1
     mla: MlaConfig | None = None
+    # the dtype a Hugging Face checkpoint's config.json names (``dtype`` or ``torch_dtype``); None: a GGUF
+    checkpoint_dtype: str | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -430,6 +433,21 @@ class EngineConfig:
         return (self.dtype.lower() != "auto" and parse_dtype(self.dtype) == torch.bfloat16
                 and torch.device(self.device).type == "cpu" and self.native_kernels
                 and self.linear_kernel == "native")
+
+    def resolve_auto(self, model: ModelConfig, cpu_runs_bf16: bool) -> tuple[EngineConfig, str]:
+        """``--dtype auto`` for this model: on CPU a checkpoint that names bfloat16 takes the native
+        bfloat16 products (``bf16_products``) where the CPU runs them natively (``cpu_runs_bf16``:
+        AVX512-BF16) and nothing else asks for float32 (the native product, no ``--compile-cpu``, float32
+        GGUF activations); anything else is as given. Returns the config and why, in words ("" when
+        unchanged)."""
+        if (self.dtype.lower() != "auto" or torch.device(self.device).type != "cpu"
+                or model.checkpoint_dtype not in ("bfloat16", "bf16") or self.gguf_activations != "float32"):
+            return self, ""
+        candidate = dataclasses.replace(self, dtype="bfloat16") if not self.compile_enabled else self
+        if candidate is self or not candidate.bf16_products or not cpu_runs_bf16:
+            return self, ""
+        return candidate, ("--dtype auto: the checkpoint is bfloat16 and this CPU multiplies bfloat16 "
+                           "natively (AVX512-BF16), so the products run in bfloat16")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -56,6 +56,7 @@ from engine.tensor_parallel import TpShard
 from engine.tokenizer import Tokenizer
 from engine.tp_group import TpGroup
 from kernels.linear import LinearKernel, set_large_product
+from kernels.native_ops import native_ops
 
 logger = logging.getLogger(__name__)
 
@@ -122,12 +123,17 @@ def return_freed_memory() -> None:
 
 
 def build_runner(source: ModelSource, config: EngineConfig, group: TpGroup | None = None) -> ModelRunner:
-    """Load this rank's shard of the weights, join the group, size and allocate its KV cache.
+    """Load this rank's shard of the weights, join the group, size and allocate its KV cache (under
+    ``config`` with ``--dtype auto`` resolved for the model: the runner's ``config``).
 
     Every rank of a group calls this; the block count is the minimum over the ranks, so block ids
     mean the same slots everywhere.
     """
     check_flag(config.quantization, source.kind, source.quant, source.path)
+    ops = native_ops() if config.native_kernels else None
+    config, why = config.resolve_auto(source.config, ops is not None and ops.bf16_native)
+    if why and (group is None or group.rank == 0):
+        logger.info(why)
     size = config.tensor_parallel_size
     if size > 1 and (group is None or group.size != size):
         raise ValueError(f"tensor_parallel_size={size} needs a TpGroup of {size} ranks (LLM starts one)")
@@ -179,6 +185,7 @@ class LLMEngine:
         self.model_config = self.source.config
         self.tokenizer: Tokenizer = self.source.load_tokenizer()
         self.runner = build_runner(self.source, self.config, group)
+        self.config = self.runner.config  # --dtype auto resolved for the model (EngineConfig.resolve_auto)
         blocks = self.runner.num_blocks  # the KV cache may hold one more: the scratch block
         self.kv = KVCacheManager(blocks, self.config.block_size, self.config.enable_prefix_caching,
                                  hash_seed=seed_for(self.model_config.name), groups=self.runner.kv_groups)

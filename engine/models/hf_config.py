@@ -123,4 +123,11 @@ def base_fields(raw: dict[str, Any], source: Path, architecture: str, max_positi
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=eos_ids(raw, folder),
         name=folder.resolve().name if source.name == "config.json" else source.stem,
+        checkpoint_dtype=_named_dtype(raw),
     )
+
+
+def _named_dtype(raw: dict[str, Any]) -> str | None:
+    """The dtype config.json names (``dtype`` in new transformers, ``torch_dtype`` before)."""
+    value = raw.get("dtype") or raw.get("torch_dtype")
+    return value if isinstance(value, str) else None

@@ -11,6 +11,9 @@ the same bits on every path and chunking, and publishes its numerics for KV tran
 
 from __future__ import annotations
 
+import json
+import logging
+import shutil
 from pathlib import Path
 
 import msgspec
@@ -19,6 +22,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
+from engine.hf_loader import read_hf_config as read_model_config
 from engine.models.causal_lm import CausalLM
 from kernels.linear import PreparedLinear
 from kernels.native_ops import BF16_FORMAT, native_ops
@@ -180,3 +184,39 @@ def test_bf16_prompt_chunks_compute_the_decode_steps_bits(folders: dict[str, Pat
         assert _run(chunked) == want
     finally:
         chunked.close()
+
+
+def test_auto_takes_bf16_products_for_a_bfloat16_checkpoint(folders: dict[str, Path], tmp_path: Path,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    """``--dtype auto`` on CPU: a checkpoint whose config.json names bfloat16 runs the bfloat16 products
+    where the CPU has AVX512-BF16, and says so; a float32 one, or an explicit dtype, stays as it is."""
+    folder = tmp_path / "bf16-checkpoint"
+    shutil.copytree(folders["llama"], folder)
+    raw = json.loads((folder / "config.json").read_text())
+    raw.pop("torch_dtype", None)
+    (folder / "config.json").write_text(json.dumps({**raw, "dtype": "bfloat16"}))
+    model = read_model_config(folder)
+    assert model.checkpoint_dtype == "bfloat16"
+    assert read_model_config(folders["llama"]).checkpoint_dtype == "float32"
+    auto = EngineConfig()
+    resolved, why = auto.resolve_auto(model, cpu_runs_bf16=True)
+    assert resolved.dtype == "bfloat16" and resolved.bf16_products and "AVX512-BF16" in why
+    kept = ((auto, False), (EngineConfig(dtype="float32"), True), (EngineConfig(native_kernels=False), True),
+            (EngineConfig(compile_cpu=True), True))
+    for config, runs_bf16 in kept:
+        assert config.resolve_auto(model, runs_bf16) == (config, "")
+    assert auto.resolve_auto(read_model_config(folders["llama"]), True) == (auto, "")
+    if _ops is None or not _ops.bf16_native:
+        pytest.skip("this CPU has no AVX512-BF16: --dtype auto stays float32")
+    with caplog.at_level(logging.INFO, logger="engine.engine"):
+        llm = LLM(str(folder), num_threads=2)
+    try:
+        assert llm.engine.config.dtype == "bfloat16" and _model(llm).bf16_products
+        assert "the checkpoint is bfloat16" in caplog.text
+    finally:
+        llm.close()
+    floats = LLM(str(folder), num_threads=2, dtype="float32")
+    try:
+        assert not _model(floats).bf16_products
+    finally:
+        floats.close()
