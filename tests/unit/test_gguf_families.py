@@ -83,10 +83,11 @@ def _float32(value: Any) -> Any:
 
 def _comparable(config: ModelConfig) -> ModelConfig:
     """``config`` up to GGUF's float32 metadata, with "every layer full attention" spelled one way (a
-    Hugging Face config may list the layer types even when none slides; GGUF has nothing to list)."""
+    Hugging Face config may list the layer types even when none slides; GGUF has nothing to list), and
+    without the checkpoint's dtype (a GGUF names one per tensor, not one for the model)."""
     if set(config.layer_types) == {FULL_ATTENTION}:
         config = dataclasses.replace(config, layer_types=())
-    return _float32(config)
+    return _float32(dataclasses.replace(config, checkpoint_dtype=None))
 
 
 @pytest.mark.parametrize("name", FAMILIES)
