@@ -440,11 +440,12 @@ class EngineConfig:
         AVX512-BF16) and nothing else asks for float32 (the native product, no ``--compile-cpu``, float32
         GGUF activations); anything else is as given. Returns the config and why, in words ("" when
         unchanged)."""
-        if (self.dtype.lower() != "auto" or torch.device(self.device).type != "cpu"
-                or model.checkpoint_dtype not in ("bfloat16", "bf16") or self.gguf_activations != "float32"):
+        if (not cpu_runs_bf16 or self.dtype.lower() != "auto" or torch.device(self.device).type != "cpu"
+                or self.compile_enabled or self.gguf_activations != "float32"
+                or model.checkpoint_dtype not in ("bfloat16", "bf16")):
             return self, ""
-        candidate = dataclasses.replace(self, dtype="bfloat16") if not self.compile_enabled else self
-        if candidate is self or not candidate.bf16_products or not cpu_runs_bf16:
+        candidate = dataclasses.replace(self, dtype="bfloat16")
+        if not candidate.bf16_products:  # no native product
             return self, ""
         return candidate, ("--dtype auto: the checkpoint is bfloat16 and this CPU multiplies bfloat16 "
                            "natively (AVX512-BF16), so the products run in bfloat16")

@@ -150,14 +150,9 @@ class NativeOps:
         in_features = packed.shape[1]
         if tuple(packed.shape) != self.packed_shape(out_features, in_features) or not packed.is_contiguous():
             raise ValueError(f"a packed weight of shape {tuple(packed.shape)} for {out_features} outputs")
-        if x.shape[-1] != in_features:
-            raise ValueError(f"input of width {x.shape[-1]} for a product of {in_features} inputs")
-        x = x.contiguous()
-        bias = None if bias is None else bias.contiguous()
-        rows = x.shape[0]
-        y = x.new_empty(rows, out_features)
-        self._packed(packed.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(),
-                     y.data_ptr(), rows, out_features, in_features, torch.get_num_threads())
+        x, bias, y = _operands(x, bias, in_features, out_features)
+        self._packed(packed.data_ptr(), x.data_ptr(), _address(bias), y.data_ptr(), x.shape[0], out_features,
+                     in_features, torch.get_num_threads())
         return y
 
     def qpacked_shape(self, kind: BlockKind, out_features: int, in_features: int) -> tuple[int, int, int]:
@@ -189,16 +184,12 @@ class NativeOps:
         if tuple(packed.shape) != want or not packed.is_contiguous():
             raise ValueError(f"packed {kind.name} blocks of shape {tuple(packed.shape)} for {out_features} "
                              f"outputs")
-        if x.shape[-1] != in_features:
-            raise ValueError(f"input of width {x.shape[-1]} for a product of {in_features} inputs")
-        x = x.contiguous()
-        bias = None if bias is None else bias.contiguous()
+        x, bias, y = _operands(x, bias, in_features, out_features)
         if int8:
             self.require_int8()
-        y = x.new_empty(x.shape[0], out_features)
         fmt = kind | (INT8_FLAG if int8 else 0)
-        self._qpacked(fmt, packed.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(),
-                      y.data_ptr(), x.shape[0], out_features, in_features, torch.get_num_threads())
+        self._qpacked(fmt, packed.data_ptr(), x.data_ptr(), _address(bias), y.data_ptr(), x.shape[0],
+                      out_features, in_features, torch.get_num_threads())
         return y
 
     @staticmethod
@@ -229,18 +220,28 @@ class NativeOps:
         in_features = packed.shape[1] * 2
         if tuple(packed.shape) != self.bf16_shape(out_features, in_features) or not packed.is_contiguous():
             raise ValueError(f"bfloat16 panels of shape {tuple(packed.shape)} for {out_features} outputs")
-        if x.shape[-1] != in_features:
-            raise ValueError(f"input of width {x.shape[-1]} for a product of {in_features} inputs")
-        x = x.contiguous()
-        bias = None if bias is None else bias.contiguous()
-        y = x.new_empty(x.shape[0], out_features)
-        self._packed_bf16(packed.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(),
-                          y.data_ptr(), x.shape[0], out_features, in_features, torch.get_num_threads())
+        x, bias, y = _operands(x, bias, in_features, out_features)
+        self._packed_bf16(packed.data_ptr(), x.data_ptr(), _address(bias), y.data_ptr(), x.shape[0],
+                          out_features, in_features, torch.get_num_threads())
         return y
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``F.linear(x, weight, bias)``: ``pack(weight)``, then ``packed_linear``."""
         return self.packed_linear(x, self.pack(weight), weight.shape[0], bias)
+
+
+def _operands(x: torch.Tensor, bias: torch.Tensor | None, in_features: int,
+              out_features: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """A product's ``x`` (``[rows, in_features]``) and bias, contiguous, and its new output; ValueError on
+    a width that does not fit."""
+    if x.shape[-1] != in_features:
+        raise ValueError(f"input of width {x.shape[-1]} for a product of {in_features} inputs")
+    x = x.contiguous()
+    return x, None if bias is None else bias.contiguous(), x.new_empty(x.shape[0], out_features)
+
+
+def _address(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
 
 
 @functools.lru_cache(maxsize=1)

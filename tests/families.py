@@ -11,7 +11,7 @@ computation, not a rounding flip.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -163,3 +163,21 @@ def clear_margin(model: PreTrainedModel, ids: list[int], generated: list[int]) -
     logits = model(torch.tensor([ids + generated[:-1]])).logits[0, len(ids) - 1 :]
     top = logits.topk(2, dim=-1).values
     return float((top[:, 0] - top[:, 1]).min())
+
+
+def agree_up_to_a_near_tie(tokens: Sequence[int], reference: Sequence[int],
+                           tops: Iterable[Sequence[tuple[int, float]]], margin: float) -> int:
+    """Greedy ``tokens`` of a prompt under one arithmetic against the ``reference``'s under another, whose
+    top two logprobs per step are ``tops``: equal up to their first difference, which must come at a near
+    tie (a gap under ``margin``, which either arithmetic may flip; the contexts differ after it). Returns
+    how many clear picks agreed."""
+    clear = 0
+    for step, top in enumerate(tops):
+        near_tie = top[0][1] - top[1][1] < margin
+        if tokens[step] != reference[step]:
+            if not near_tie:
+                raise AssertionError(f"step {step}: {tokens[step]} against {reference[step]}, whose margin "
+                                     f"is clear ({top})")
+            return clear
+        clear += not near_tie
+    return clear

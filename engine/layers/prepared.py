@@ -76,9 +76,11 @@ class Prepared(nn.Module):
         self._built = True
         self.__dict__.pop("_pending_blocks", None)
         if bf16:
-            kept = [id(param) for param in self._float32_matrices()]
+            kept = {id(param) for param in self._float32_matrices()}
             for param, linears in self._matrices():
-                for lin in linears if id(param) not in kept else ():
+                if id(param) in kept:
+                    continue
+                for lin in linears:
                     lin.to_bf16()
         if not keep_plain:
             self._release_own()

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from tests.families import prompt, save
+from tests.families import agree_up_to_a_near_tie, prompt, save
 
 DRY = os.environ.get("PDSERVE_FIRST_LIGHT_DRY") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -41,12 +41,7 @@ def test_bf16_greedy_equals_float32(tmp_path: Path, record_property: Callable[[s
     pairs = list(zip(runs["float32"], runs["bfloat16"], strict=True))
     same = sum(a == b for f, h in pairs for a, b in zip(f.token_ids, h.token_ids, strict=True))
     record_property("bf16_equal_share", same / (len(prompts) * NEW_TOKENS))
-    clear = 0
-    for f, h in pairs:
-        for step, top in enumerate(t.top for t in f.logprobs or [] if t is not None):
-            near_tie = top[0][1] - top[1][1] < MARGIN
-            if h.token_ids[step] != f.token_ids[step]:
-                assert near_tie, (step, top)
-                break
-            clear += not near_tie
+    clear = sum(agree_up_to_a_near_tie(h.token_ids, f.token_ids,
+                                       (t.top for t in f.logprobs or [] if t is not None), MARGIN)
+                for f, h in pairs)
     assert clear >= 64

@@ -26,7 +26,7 @@ from engine.hf_loader import read_hf_config as read_model_config
 from engine.models.causal_lm import CausalLM
 from kernels.linear import PreparedLinear
 from kernels.native_ops import BF16_FORMAT, native_ops
-from tests.families import prompt, save
+from tests.families import agree_up_to_a_near_tie, prompt, save
 from transfer.compat import check_compatible, compat_hash
 from transfer.errors import IncompatibleKvError
 from transfer.wire import WIRE_VERSION, AgentInfo, KvLayout
@@ -154,14 +154,8 @@ def test_served_bf16_model_picks_the_float32_tokens_away_from_ties(folders: dict
         assert rank_layout(bf16.engine.runner, "m").dtype == "float32"  # the KV cache stays float32
         got, want = _run(bf16), _run(floats)
         assert got != want  # another arithmetic
-        compared = 0
-        for (tokens, _), (float_tokens, tops) in zip(got, want, strict=True):
-            for step, top in enumerate(tops):  # the same context up to the first difference: a near tie
-                clear = top[0][1] - top[1][1] >= MARGIN
-                if tokens[step] != float_tokens[step]:
-                    assert not clear, (family, step, top)
-                    break
-                compared += clear
+        compared = sum(agree_up_to_a_near_tie(tokens, float_tokens, tops, MARGIN)
+                       for (tokens, _), (float_tokens, tops) in zip(got, want, strict=True))
         assert compared >= 20
         if family == "llama":  # the per-layer path computes the one-call decoder's bits
             model.use_native_decoder = False

@@ -27,7 +27,7 @@ from engine.models.causal_lm import CausalLM
 from kernels.gguf_blocks import BLOCK_BYTES, QK, BlockKind, BlockMatrix
 from kernels.linear import PreparedLinear
 from kernels.native_ops import native_ops
-from tests.families import prompt, save
+from tests.families import agree_up_to_a_near_tie, prompt, save
 from tests.gguf_families import write_gguf
 from transfer.compat import check_compatible, compat_hash
 from transfer.errors import IncompatibleKvError
@@ -161,14 +161,8 @@ def test_served_int8_model_picks_the_float32_tokens_away_from_ties(llama_files: 
         assert model.weight_bytes() == _model(floats).weight_bytes()  # the same records, no copy
         got, want = _run(int8), _run(floats)
         assert got != want  # another arithmetic
-        compared = 0
-        for (tokens, _), (float_tokens, tops) in zip(got, want, strict=True):
-            for step, top in enumerate(tops):  # the same context up to the first difference: a near tie
-                clear = top[0][1] - top[1][1] >= MARGIN
-                if tokens[step] != float_tokens[step]:
-                    assert not clear, (kind, step, top)
-                    break
-                compared += clear
+        compared = sum(agree_up_to_a_near_tie(tokens, float_tokens, tops, MARGIN)
+                       for (tokens, _), (float_tokens, tops) in zip(got, want, strict=True))
         assert compared >= 20
         # the per-layer path (no one-call decoder) computes the same bits
         model.use_native_decoder = False
