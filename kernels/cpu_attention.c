@@ -23,7 +23,8 @@
  * Items are shared by `num_threads` OpenMP threads through an atomic counter: the library links
  * libgomp.so.1, which resolves to the copy torch loaded, so the kernel runs on torch's own thread team
  * rather than starting threads that would compete with torch's spinning ones. Cache, q and out are
- * float32 (dtype 0) or bfloat16 (dtype 1).
+ * float32 (dtype 0) or bfloat16 (dtype 1); a quantized cache (8-bit codes or int4, cpu_kv_codes.c) is
+ * read a tile at a time, converted to float32 rows, with q and out float32.
  *
  * Measured on a 2-core Zen 5 (AVX-512) VM with a standalone harness (gcc -O3 -march=native) that calls
  * this file's pdserve_paged_attention (whole-token items) or the native decoder's items through
@@ -237,6 +238,7 @@ static inline __attribute__((always_inline)) void attend_item(const Args *a, con
     const char **cur = rows_a, **nxt = rows_b;
 
     const int esize = bf16 ? 2 : 4;
+    const int64_t qrow = pdserve_kv_row_bytes(a); /* a quantized head row's bytes, else 0 */
     const int qpk = a->num_heads / a->kv_heads;
     const int s = it->seq;
     const int q0 = a->query_start_loc[s];
@@ -244,9 +246,10 @@ static inline __attribute__((always_inline)) void attend_item(const Args *a, con
     const int ctx = a->seq_lens[s] - q_len;
     const int nrows = it->row_end - it->row_begin;
     const int bs = a->block_size;
-    const int64_t key_stride = (int64_t)a->kv_heads * hd;     /* elements between consecutive keys */
-    const int64_t block_stride = 2 * (int64_t)bs * key_stride; /* elements between blocks */
-    const int64_t v_off = (int64_t)bs * key_stride * esize;    /* bytes from a K row to its V row */
+    const int64_t key_stride = (int64_t)a->kv_heads * hd; /* elements between consecutive keys */
+    /* bytes of a key's row (every KV head) in the cache, and from a K row to its V row */
+    const int64_t key_bytes = qrow ? a->kv_heads * qrow : key_stride * esize;
+    const int64_t v_off = (int64_t)bs * key_bytes;
     const int32_t *table = a->block_tables + (int64_t)s * a->table_width;
     const char *kv = (const char *)a->kv;
 
@@ -254,10 +257,17 @@ static inline __attribute__((always_inline)) void attend_item(const Args *a, con
     const int tok_first = it->row_begin / a->num_heads, tok_last = (it->row_end - 1) / a->num_heads;
     const int g_lo = tok_first == tok_last ? (it->row_begin % a->num_heads) / qpk : 0;
     const int g_hi = tok_first == tok_last ? ((it->row_end - 1) % a->num_heads) / qpk : a->kv_heads - 1;
-    const int64_t g_off = (int64_t)g_lo * hd * esize, g_bytes = (int64_t)(g_hi - g_lo + 1) * hd * esize;
-    const int max_last = ctx + tok_last;
+    const int nh = g_hi - g_lo + 1;
+    const int64_t head_bytes = qrow ? qrow : hd * esize;
+    const int64_t g_off = (int64_t)g_lo * head_bytes, g_bytes = (int64_t)nh * head_bytes;
+    const int max_last = ctx + tok_last - (qrow ? 1 : 0); /* a quantized cache: own keys come first, exact */
 
-    const int64_t key_bytes = key_stride * esize, block_bytes = block_stride * esize;
+    const int64_t block_bytes = 2 * bs * key_bytes;
+    /* a quantized cache: each tile's K/V rows of the item's KV heads converted to float32 in `conv`
+     * ([KEY_TILE][2][nh][hd]), which the scores and P.V read instead of the cache */
+    float *conv = qrow ? pdserve_kv_scratch((int64_t)KEY_TILE * 2 * nh * hd) : NULL;
+    const int g_base = qrow ? g_lo : 0;                       /* KV head of a read row's first head */
+    const int64_t v_read = qrow ? (int64_t)nh * hd * 4 : v_off; /* bytes from a read K row to its V row */
     const int pv_vecs = hd / VW >= 8 && PV_VECS >= 8 ? 8 : hd / VW >= 4 ? 4 : 1; /* pv_rows' widest slice */
     const int pv_max = PV_ACCS / pv_vecs < 1 ? 1 : PV_ACCS / pv_vecs < PV_ROWS ? PV_ACCS / pv_vecs : PV_ROWS;
     key_rows(nxt, 0, max_last + 1 < KEY_TILE ? max_last + 1 : KEY_TILE, kv, table, bs, block_bytes, key_bytes);
@@ -274,6 +284,10 @@ static inline __attribute__((always_inline)) void attend_item(const Args *a, con
         last[r] = ctx + tok;
         m[r] = -INFINITY;
         l[r] = 0.0f;
+        if (qrow) { /* its own key first, exact; then the cached keys before it */
+            pdserve_kv_own(a, q0 + tok, kvh[r], qbuf + r * hd, m + r, l + r, acc + r * hd);
+            last[r]--;
+        }
         /* insertion sort by KV head; rows come token-major, so a group's tokens (and nvis) ascend */
         int i = r;
         while (i > 0 && kvh[order[i - 1]] > kvh[r]) {
@@ -292,6 +306,10 @@ static inline __attribute__((always_inline)) void attend_item(const Args *a, con
         const char **t = cur; /* the rows worked out for this tile as the next one */
         cur = nxt;
         nxt = t;
+        if (qrow) {
+            pdserve_kv_tile(a, table, start, n, g_lo, g_hi, conv, 2 * nh * hd, nh * hd);
+            for (int j = 0; j < n; j++) cur[j] = (const char *)(conv + (int64_t)j * 2 * nh * hd);
+        }
         for (int j = n; j < ((n + VW - 1) & -VW); j++) cur[j] = cur[n - 1]; /* scored, then masked */
         /* the next tile's rows (of the item's KV heads), prefetched a share of keys before each row's work:
          * spread out, in ascending order (which the hardware prefetchers follow too) */
@@ -303,7 +321,7 @@ static inline __attribute__((always_inline)) void attend_item(const Args *a, con
 
         for (int gi = 0; gi < ngroups; gi++) {
             const int gb = grp_begin[gi], ge = grp_begin[gi + 1];
-            const int64_t gofs = (int64_t)kvh[order[gb]] * hd * esize;
+            const int64_t gofs = (int64_t)(kvh[order[gb]] - g_base) * hd * esize;
             for (int i = gb; i < ge; i++) {
                 const int r = order[i];
                 for (int j = nn * i / nrows; j < nn * (i + 1) / nrows; j++) prefetch_kv(nxt[j], g_off, g_bytes, v_off);
@@ -349,7 +367,7 @@ static inline __attribute__((always_inline)) void attend_item(const Args *a, con
                 if (nv > 0) {
                     const int8_t *rows = order + i;
                     const char *const *vr = (const char *const *)cur;
-                    const int64_t voff = gofs + v_off;
+                    const int64_t voff = gofs + v_read;
                     switch (k - i) {
                     case 1: pv_rows(acc, p, rows, 1, alpha, vr, voff, nv, hd, bf16); break;
                     case 2: pv_rows(acc, p, rows, 2, alpha, vr, voff, nv, hd, bf16); break;
@@ -375,6 +393,7 @@ static void attend_bf16_64(const Args *a, const Item *it) { attend_item(a, it, 6
 static void attend_bf16_128(const Args *a, const Item *it) { attend_item(a, it, 128, 1); }
 static void attend_bf16_any(const Args *a, const Item *it) { attend_item(a, it, a->head_dim, 1); }
 
+/* (a quantized cache takes the float32 kernels: they read its rows converted) */
 attend_fn pdserve_attend_pick(const Args *a) {
     const int bf16 = a->dtype == DTYPE_BF16;
     if (a->head_dim == 64) return bf16 ? attend_bf16_64 : attend_f32_64;

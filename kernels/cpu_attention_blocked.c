@@ -7,9 +7,11 @@
  * horizontal sums) and accumulate P.V the same way (each value vector loaded once for four rows), on
  * vectors of VW floats (cpu_simd.h): 16 where the build has AVX-512, else 8. Same online softmax, same
  * float32 accumulators as the row kernel; the summation order differs, so the two agree to float rounding,
- * not bitwise.
+ * not bitwise. A quantized cache's tile is converted to float32 rows first (cpu_kv_codes.c), and each row
+ * then starts from its own exact key.
  */
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include "cpu_internal.h"
@@ -74,6 +76,9 @@ static inline __attribute__((always_inline)) void attend_block(const Args *a, co
     const i32x8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
 
     const int esize = bf16 ? 2 : 4;
+    const int quant = pdserve_kv_row_bytes(a) != 0;
+    /* a quantized cache: each tile's K rows (then its V rows) of one KV head converted to float32 */
+    float *conv = quant ? pdserve_kv_scratch(2 * BLK_TILE * hd) : NULL;
     const int qpk = a->num_heads / a->kv_heads;
     const int s = it->seq;
     const int q0 = a->query_start_loc[s];
@@ -87,7 +92,7 @@ static inline __attribute__((always_inline)) void attend_block(const Args *a, co
     const int64_t block_stride = 2 * (int64_t)bs * key_stride;
     const int32_t *table = a->block_tables + (int64_t)s * a->table_width;
     const char *kv = (const char *)a->kv;
-    const int max_last = ctx + it->tok1 - 1;
+    const int max_last = ctx + it->tok1 - 1 - quant; /* a quantized cache: own keys come first, exact */
 
     for (int g = 0; g < a->kv_heads; g++) {
         for (int r = 0; r < prows; r++) {
@@ -103,12 +108,21 @@ static inline __attribute__((always_inline)) void attend_block(const Args *a, co
             for (int d = 0; d < hd; d++) acc[r * hd + d] = 0.0f;
             m[r] = -INFINITY;
             l[r] = 0.0f;
+            if (quant && r < nrows) { /* its own key first, exact; then the cached keys before it */
+                pdserve_kv_own(a, q0 + it->tok0 + r / qpk, g, qbuf + r * hd, m + r, l + r, acc + r * hd);
+                last[r]--;
+            }
         }
         for (int start = 0; start <= max_last; start += BLK_TILE) {
             const int n = max_last + 1 - start < BLK_TILE ? max_last + 1 - start : BLK_TILE;
             const int npad = (n + 2 * VW - 1) & ~(2 * VW - 1);
             const char *krow[BLK_TILE], *vrow[BLK_TILE]; /* each key's K and V rows (the tile spans blocks) */
-            for (int j = 0; j < n; j++) {
+            if (quant) pdserve_kv_tile(a, table, start, n, g, g, conv, hd, (int64_t)BLK_TILE * hd);
+            for (int j = 0; j < n && quant; j++) {
+                krow[j] = (const char *)(conv + (int64_t)j * hd);
+                vrow[j] = (const char *)(conv + (int64_t)(BLK_TILE + j) * hd);
+            }
+            for (int j = 0; j < n && !quant; j++) {
                 const int pos = start + j;
                 const int64_t row = (int64_t)table[pos / bs] * block_stride + (int64_t)(pos % bs) * key_stride +
                                     (int64_t)g * hd;
@@ -190,6 +204,7 @@ static void block_bf16_64(const Args *a, const BlockItem *it) { attend_block(a, 
 static void block_bf16_128(const Args *a, const BlockItem *it) { attend_block(a, it, 128, 1); }
 static void block_bf16_any(const Args *a, const BlockItem *it) { attend_block(a, it, a->head_dim, 1); }
 
+/* (a quantized cache takes the float32 kernels: they read its rows converted) */
 block_fn pdserve_block_pick(const Args *a) {
     const int bf16 = a->dtype == DTYPE_BF16;
     if (a->head_dim == 64) return bf16 ? block_bf16_64 : block_f32_64;

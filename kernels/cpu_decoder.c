@@ -64,8 +64,8 @@ static void gate_and_up(int32_t fmt, const void *w, const float *x, float *gate_
 }
 
 /* Returns 0, or a negative code for arguments it does not take (nothing is written then). */
-int pdserve_decoder_f32(const int64_t *layer_weights, int32_t num_layers, float *kv_cache, int64_t kv_layer_stride,
-                        float *hidden, float *out, float *work, const float *cos_t, const float *sin_t,
+int pdserve_decoder_f32(const int64_t *layer_weights, int32_t num_layers, void *kv_cache, int64_t kv_layer_bytes,
+                        int32_t kv_format, float *kv_scales, int64_t scales_layer_floats, float *hidden, float *out, float *work, const float *cos_t, const float *sin_t,
                         const int64_t *write_rows, const int32_t *query_start_loc, const int32_t *seq_lens,
                         const int32_t *block_tables, int32_t num_seqs, int32_t table_width, int64_t tokens,
                         int32_t hidden_size, int32_t num_heads, int32_t kv_heads, int32_t head_dim,
@@ -76,22 +76,37 @@ int pdserve_decoder_f32(const int64_t *layer_weights, int32_t num_layers, float 
     if (block_size <= 0 || (block_size & (block_size - 1)) != 0) return -3;
     if (tokens < 1) return -4;
     if (intermediate % PANEL != 0) return -6;
+    if (kv_format != DTYPE_F32 && (kv_format < DTYPE_INT8 || kv_format > DTYPE_INT4 || !kv_scales)) return -7;
+    const int quant = kv_format != DTYPE_F32;
     const int64_t T = tokens, H = hidden_size, I = intermediate, hd = head_dim;
     const int64_t q_width = (int64_t)num_heads * hd, kv_width = (int64_t)kv_heads * hd;
     const int64_t qkv_width = q_width + 2 * kv_width;
     float *x = work, *qkv = x + T * H, *attn = qkv + T * qkv_width, *gate_up = attn + T * q_width;
     float *act = gate_up + T * 2 * I, *delta = act + T * I;
 
+    /* a quantized cache reads each row's own K and V from qkv, exact (cpu_kv_codes.c) */
     Args args = {qkv, kv_cache, attn, query_start_loc, seq_lens, block_tables, qkv_width,
-                 table_width, num_heads, kv_heads, head_dim, block_size, DTYPE_F32, scale};
+                 table_width, num_heads, kv_heads, head_dim, block_size, kv_format, scale,
+                 NULL, qkv + q_width, qkv + q_width + kv_width, qkv_width};
     /* row items of one token's KV head group (the most items to share), blocked ones for prompt chunks as
      * the per-op call plans them */
     Plan plan;
     if (pdserve_plan_attention(&args, num_seqs, num_heads / kv_heads, &plan) != 0) return -5;
     int32_t *taken = (int32_t *)calloc((size_t)num_layers + 1, sizeof(int32_t)); /* each layer's item counter */
-    if (!taken) {
+    /* a quantized cache's write: the slots (block * block_size + offset) and runs of tokens in one block */
+    int64_t *slots = quant ? (int64_t *)malloc((size_t)(2 * T + 1) * sizeof(int64_t)) : NULL;
+    if (!taken || (quant && !slots)) {
         pdserve_plan_free(&plan);
+        free(taken);
+        free(slots);
         return -5;
+    }
+    int64_t write_tasks = 0;
+    if (quant) {
+        for (int64_t tok = 0; tok < T; tok++) {
+            slots[tok] = write_rows[tok] / (2 * block_size) * block_size + write_rows[tok] % (2 * block_size);
+        }
+        write_tasks = pdserve_kv_runs(slots, T, block_size, slots + T) * 2 * kv_heads;
     }
     const int threads = num_threads < 1 ? 1 : num_threads;
 
@@ -106,7 +121,7 @@ int pdserve_decoder_f32(const int64_t *layer_weights, int32_t num_layers, float 
             const int64_t *lw = layer_weights + (int64_t)layer * W_PER_LAYER;
             const void *w_qkv = (const void *)lw[W_QKV], *w_gu = (const void *)lw[W_GATE_UP];
             const float *bias = (const float *)lw[W_QKV_BIAS];
-            float *kv = kv_cache + layer * kv_layer_stride;
+            char *kv = (char *)kv_cache + layer * kv_layer_bytes;
             norm_rows(hidden, layer ? delta : 0, (const float *)lw[W_INPUT_NORM], x, T, H, eps, t, nt);
 #pragma omp barrier
             pdserve_any_panels(FORMAT(lw, 0), w_qkv, x, bias, qkv, T, qkv_width, H, q0, q1);
@@ -114,14 +129,24 @@ int pdserve_decoder_f32(const int64_t *layer_weights, int32_t num_layers, float 
             for (int64_t tok = t; tok < T; tok += nt) {
                 float *row = qkv + tok * qkv_width;
                 pdserve_rope_token(row, cos_t + tok * hd, sin_t + tok * hd, num_heads + kv_heads, head_dim);
-                memcpy(kv + write_rows[tok] * kv_width, row + q_width, (size_t)kv_width * sizeof(float));
-                memcpy(kv + (write_rows[tok] + block_size) * kv_width, row + q_width + kv_width,
+                if (quant) continue;
+                float *rows = (float *)kv;
+                memcpy(rows + write_rows[tok] * kv_width, row + q_width, (size_t)kv_width * sizeof(float));
+                memcpy(rows + (write_rows[tok] + block_size) * kv_width, row + q_width + kv_width,
                        (size_t)kv_width * sizeof(float));
+            }
+            float *layer_scales = quant ? kv_scales + layer * scales_layer_floats : NULL;
+            if (quant) { /* each (block, part, KV head) requantized with the roped rows */
+#pragma omp barrier
+                const KvWrite w = {(uint8_t *)kv, layer_scales, {qkv + q_width, qkv + q_width + kv_width}, qkv_width,
+                                   kv_format, block_size, kv_heads, head_dim};
+                for (int64_t task = t; task < write_tasks; task += nt) pdserve_kv_write_task(&w, slots, slots + T, task);
             }
 #pragma omp barrier
             {
                 Args la = args;
                 la.kv = kv;
+                la.scales = layer_scales;
                 pdserve_plan_work(&la, &plan, &taken[layer]);
             }
 #pragma omp barrier
@@ -142,5 +167,6 @@ int pdserve_decoder_f32(const int64_t *layer_weights, int32_t num_layers, float 
     }
     pdserve_plan_free(&plan);
     free(taken);
+    free(slots);
     return 0;
 }

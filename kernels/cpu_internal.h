@@ -9,8 +9,9 @@
 
 #define INTERNAL __attribute__((visibility("hidden")))
 
-/* cpu_attention.c: one paged-attention call's arguments (its header comment has the layout) */
-enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
+/* cpu_attention.c: one paged-attention call's arguments (its header comment has the layout). The cache's
+ * format: float32 or bfloat16 (q and out share it), or quantized (cpu_kv_codes.c; q and out float32) */
+enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_INT8 = 2, DTYPE_E4M3 = 3, DTYPE_E5M2 = 4, DTYPE_INT4 = 5 };
 
 typedef struct {
     const void *q;
@@ -22,6 +23,9 @@ typedef struct {
     int64_t q_token_stride;
     int32_t table_width, num_heads, kv_heads, head_dim, block_size, dtype;
     float scale;
+    const float *scales; /* a quantized cache's scales (int4: its lows and steps) */
+    const float *k_new, *v_new; /* a quantized cache: the step's K and V exact, token t's KV head h at */
+    int64_t new_stride;         /* k_new + t * new_stride + h * head_dim */
 } Args;
 
 #define MAX_HEAD_DIM 256
@@ -76,6 +80,38 @@ INTERNAL void pdserve_plan_work(const Args *a, const Plan *plan, int32_t *next);
 INTERNAL int64_t pdserve_plan_items(const int32_t *query_start_loc, int32_t num_seqs, int32_t num_heads,
                                     int32_t per_item, Item *items);
 
+/* cpu_kv_codes.c: a quantized cache read as float32 rows (its header comment has the formats) */
+#define KV_INT4_GROUP 16 /* channels sharing one (low, step): kernels/kv_int4.py's GROUP */
+/* bytes of one head's row in the cache (0 for float32 and bfloat16, which the kernels read in place) */
+INTERNAL int64_t pdserve_kv_row_bytes(const Args *a);
+/* K and V of positions pos0..pos0+n-1 (block table `table`), KV heads h_lo..h_hi, as float32: part p of
+ * head h of key j at dst + j * key_stride + p * part_stride + (h - h_lo) * head_dim */
+INTERNAL void pdserve_kv_tile(const Args *a, const int32_t *table, int pos0, int n, int h_lo, int h_hi, float *dst,
+                              int64_t key_stride, int64_t part_stride);
+/* A row over a quantized cache sees its own key and value exact, as the first key of its online softmax
+ * (then the cached keys before it): its running max m = its own score (q, already scaled, against the new
+ * K of `token`, the step's token index), sum l = 1, acc = its own V */
+INTERNAL void pdserve_kv_own(const Args *a, int64_t token, int kv_head, const float *q, float *m, float *l,
+                             float *acc);
+/* One layer's write of a quantized cache: codes, scales, and the step's new K and V rows (token t's at
+ * rows[0 or 1] + t * row_stride, its KV heads one after another) */
+typedef struct {
+    uint8_t *kv;
+    float *scales;
+    const float *rows[2];
+    int64_t row_stride;
+    int32_t fmt, bs, kvh, hd;
+} KvWrite;
+/* run_start[0..runs] = the first token of each run of consecutive tokens in one block (slots: block *
+ * bs + offset; a block's new rows are contiguous), run_start[runs] = n; returns runs. A write is
+ * runs x 2 x kv_heads independent tasks: */
+INTERNAL int64_t pdserve_kv_runs(const int64_t *slots, int64_t n, int32_t bs, int64_t *run_start);
+/* task (run, part, KV head): the block requantized with its run's rows, kernels/kv_quant.py's bytes */
+INTERNAL void pdserve_kv_write_task(const KvWrite *w, const int64_t *slots, const int64_t *run_start, int64_t task);
+/* this thread's buffer of at least `floats` floats (64-byte aligned, valid until its next call); aborts when
+ * memory runs out */
+INTERNAL float *pdserve_kv_scratch(int64_t floats);
+
 /* cpu_ops.c: the pieces of its kernels, for callers that already run inside an OpenMP team */
 /* one row: h += d (d may be NULL), o = rms_norm(h) * wt */
 INTERNAL void pdserve_add_rms_norm_row(float *h, const float *d, const float *wt, float *o, int64_t dim,
@@ -92,11 +128,6 @@ INTERNAL void pdserve_silu_mul_range(const float *g, const float *u, float *o, i
 #define PACKED_TILE_PANELS 3 /* the panels of one register tile (cpu_packed.c) */
 #else
 #define PACKED_TILE_PANELS 1
-/* cpu_bf16.c: output panels q0..q1-1 of every row of x (float32, rounded to bfloat16 here) against bfloat16
- * panels (its header comment has the layout and the arithmetic; k even) */
-INTERNAL void pdserve_bf16_panels(const uint16_t *p, const float *x, const float *bias, float *y, int64_t m,
-                                  int64_t n, int64_t k, int64_t q0, int64_t q1);
-
 #endif
 INTERNAL void pdserve_packed_panels(const float *p, const float *x, const float *bias, float *y, int64_t m,
                                     int64_t n, int64_t k, int64_t q0, int64_t q1);

@@ -1,6 +1,7 @@
 """The native CPU attention backend: ``cpu_attention.c`` built on first use and called through ctypes.
 
-The same library holds ``cpu_attention_blocked.c`` (the kernel for prompt chunks), ``cpu_ops.c`` (the
+The same library holds ``cpu_attention_blocked.c`` (the kernel for prompt chunks), ``cpu_kv_codes.c``
+(a quantized cache's rows converted a tile at a time, for both), ``cpu_ops.c`` (the
 per-layer small ops and the few-row product;
 ``kernels/native_ops.py`` wraps them, as it does ``cpu_packed.c``, ``cpu_qpacked.c``, ``cpu_qint8.c`` and
 ``cpu_bf16.c``, the products), ``cpu_decoder.c`` (every layer of a few-row step in one call;
@@ -42,20 +43,25 @@ from typing import Any
 
 import torch
 
+from kernels import kv_int4
 from kernels.attention import AttentionMetadata
+from kernels.kv_quant import is_quantized, stored_head_dim
 from kernels.torch_ref import TorchAttentionBackend
 
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("cpu_attention.c", "cpu_attention_blocked.c", "cpu_attention_plan.c",
-                             "cpu_ops.c", "cpu_packed.c", "cpu_qpacked.c", "cpu_qint8.c", "cpu_bf16.c",
+                             "cpu_kv_codes.c", "cpu_ops.c", "cpu_packed.c", "cpu_qpacked.c", "cpu_qint8.c",
+                             "cpu_bf16.c",
                              "cpu_decoder.c", "cpu_greedy.c", "cpu_mla.c"))
 # included by the sources: part of the build's hash
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_simd.h", "cpu_internal.h"))
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-shared", "-fPIC", "-fopenmp")
 SUPPORTED_MACHINES = ("x86_64", "aarch64")
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+# a quantized cache's formats (cpu_internal.h's DTYPE_*; kernels/cpu_kv_codes.c)
+QUANT_CODES = {torch.int8: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4, kv_int4.STORAGE_DTYPE: 5}
 _MAX_HEAD_DIM = 256
 
 
@@ -129,7 +135,16 @@ def load_library() -> ctypes.CDLL | None:
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,  # query_start_loc, seq_lens, block_tables
         ctypes.c_int32, ctypes.c_int32,  # num_seqs, table width
         ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32,  # heads, kv heads, head_dim, block
-        ctypes.c_float, ctypes.c_int32, ctypes.c_int32,  # scale, dtype, num_threads
+        ctypes.c_float, ctypes.c_int32,  # scale, dtype
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,  # scales, new K, new V
+        ctypes.c_int32,  # num_threads
+    ]
+    write = lib.pdserve_kv_write
+    write.restype = ctypes.c_int32
+    write.argtypes = [
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32,  # kv, scales, format
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,  # K, V, slots, tokens
+        ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32,  # block size, kv heads, dim, threads
     ]
     bind_ops(lib)
     return lib
@@ -182,7 +197,8 @@ def bind_ops(lib: ctypes.CDLL) -> None:
     decoder = lib.pdserve_decoder_f32
     decoder.restype = i32
     decoder.argtypes = [
-        ptr, i32, ptr, i64,  # layer weight pointers, num_layers, kv cache, floats between layers
+        ptr, i32, ptr, i64,  # layer weight pointers, num_layers, kv cache, bytes between layers
+        i32, ptr, i64,  # the cache's format, a quantized cache's scales, scale floats between layers
         ptr, ptr, ptr, ptr, ptr,  # hidden, out, workspace, cos, sin
         ptr, ptr, ptr, ptr,  # write rows, query_start_loc, seq_lens, block tables
         i32, i32, i64,  # sequences, table width, tokens
@@ -202,10 +218,13 @@ PagedArrays = tuple[AttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor,
 
 
 class NativeCpuAttentionBackend:
-    """``AttentionBackend`` for CPU tensors in float32 or bfloat16; anything else goes to the torch backend.
+    """``AttentionBackend`` for CPU caches in float32 or bfloat16 (q and the output in the cache's dtype) or
+    quantized (int8, fp8 or int4 with their scales: q and the output in float32); anything else goes to the
+    torch backend.
 
-    Quantized KV (fp8/int8 with scales) is one of the "anything else": the C kernel reads
-    fp32/bf16 in place and the torch reference dequantizes after its gather.
+    A quantized cache is written natively with the torch reference's bytes (``kv_quant.write_quantized``'s
+    requantize-on-write), then read in place: the kernels convert a tile of codes at a time to float32 and
+    see each query's own K/V exact, as the torch reference does (``kernels/cpu_kv_codes.c``).
 
     ``num_threads`` defaults to ``torch.get_num_threads()`` at each call. Layers with a sliding window,
     sinks or a softcap go to the torch reference too (``features`` is empty).
@@ -218,9 +237,11 @@ class NativeCpuAttentionBackend:
         if lib is None:
             raise RuntimeError("native CPU attention library is unavailable")
         self._kernel = lib.pdserve_paged_attention
+        self._write = lib.pdserve_kv_write
         self._num_threads = num_threads
         self._meta: AttentionMetadata | None = None
         self._write_rows = torch.empty(0, dtype=torch.int64)
+        self._slots = torch.empty(0, dtype=torch.int64)
         self._query_start_loc = torch.empty(0, dtype=torch.int32)
         self._seq_lens = torch.empty(0, dtype=torch.int32)
         self._block_tables = torch.empty(0, dtype=torch.int32)
@@ -237,19 +258,25 @@ class NativeCpuAttentionBackend:
 
     def prepare(self, meta: AttentionMetadata) -> None:
         bs = meta.block_size
-        slots = meta.slot_mapping.to("cpu", torch.int64)
+        slots = self._slots = meta.slot_mapping.to("cpu", torch.int64)
         self._write_rows = torch.div(slots, bs, rounding_mode="floor") * (2 * bs) + slots % bs
         self._query_start_loc = meta.query_start_loc.to("cpu", torch.int32).contiguous()
         self._seq_lens = meta.seq_lens.to("cpu", torch.int32).contiguous()
         self._block_tables = meta.block_tables.to("cpu", torch.int32).contiguous()
         self._meta = meta
 
-    def supports(self, q: torch.Tensor, kv_layer: torch.Tensor) -> bool:
-        _, _, block_size, kv_heads, head_dim = kv_layer.shape
+    def supports(self, q: torch.Tensor, kv_layer: torch.Tensor,
+                 kv_scales: torch.Tensor | None = None) -> bool:
+        _, _, block_size, kv_heads, stored = kv_layer.shape
+        head_dim = q.shape[2]
+        quantized = is_quantized(kv_layer.dtype)
         return (
             kv_layer.device.type == "cpu"
             and q.device.type == "cpu"
-            and kv_layer.dtype in _DTYPE_CODES
+            and (kv_layer.dtype in _DTYPE_CODES
+                 or (quantized and kv_scales is not None and kv_scales.is_contiguous()
+                     and kv_scales.device.type == "cpu"))
+            and stored == stored_head_dim(kv_layer.dtype, head_dim)
             and kv_layer.is_contiguous()
             and head_dim % 16 == 0
             and head_dim <= _MAX_HEAD_DIM
@@ -274,32 +301,43 @@ class NativeCpuAttentionBackend:
         if meta is None:
             raise RuntimeError("NativeCpuAttentionBackend.forward called before prepare")
         plain = window is None and sinks is None and softcap is None
-        if not plain or not self.supports(q, kv_layer):
+        if not plain or not self.supports(q, kv_layer, kv_scales):
             if self._fallback_meta is not meta:
                 self._fallback.prepare(meta)
                 self._fallback_meta = meta
             return self._fallback.forward(q, k, v, kv_layer, scale, kv_scales, window=window, sinks=sinks,
                                           softcap=softcap)
         bs = meta.block_size
-        _, _, _, kv_heads, head_dim = kv_layer.shape
-        rows = kv_layer.view(-1, kv_heads, head_dim)
-        rows.index_copy_(0, self._write_rows, k.to(kv_layer.dtype))
-        rows.index_copy_(0, self._write_rows + bs, v.to(kv_layer.dtype))
+        num_tokens, num_heads, head_dim = q.shape
+        kv_heads = kv_layer.shape[3]
+        threads = self._num_threads or torch.get_num_threads()
+        if is_quantized(kv_layer.dtype):
+            assert kv_scales is not None
+            compute, code = torch.float32, QUANT_CODES[kv_layer.dtype]
+            k_new, v_new = (t.to(compute).contiguous() for t in (k, v))
+            status = self._write(kv_layer.data_ptr(), kv_scales.data_ptr(), code, k_new.data_ptr(),
+                                 v_new.data_ptr(), self._slots.data_ptr(), num_tokens, bs, kv_heads, head_dim,
+                                 threads)
+            if status != 0:
+                raise RuntimeError(f"native KV write failed with code {status}")
+            extra: tuple[int | None, ...] = (kv_scales.data_ptr(), k_new.data_ptr(), v_new.data_ptr())
+        else:
+            rows = kv_layer.view(-1, kv_heads, head_dim)
+            rows.index_copy_(0, self._write_rows, k.to(kv_layer.dtype))
+            rows.index_copy_(0, self._write_rows + bs, v.to(kv_layer.dtype))
+            compute, code, extra = kv_layer.dtype, _DTYPE_CODES[kv_layer.dtype], (None, None, None)
 
-        qc = q.to(kv_layer.dtype)
+        qc = q.to(compute)
         if qc.stride(2) != 1 or qc.stride(1) != head_dim:
             qc = qc.contiguous()
-        num_tokens, num_heads, _ = q.shape
-        out = torch.empty((num_tokens, num_heads, head_dim), dtype=kv_layer.dtype)
+        out = torch.empty((num_tokens, num_heads, head_dim), dtype=compute)
         if num_tokens == 0:
             return out.to(q.dtype)
-        threads = self._num_threads or torch.get_num_threads()
         status = self._kernel(
             qc.data_ptr(), qc.stride(0), kv_layer.data_ptr(), out.data_ptr(),
             self._query_start_loc.data_ptr(), self._seq_lens.data_ptr(), self._block_tables.data_ptr(),
             meta.num_seqs, self._block_tables.shape[1] if self._block_tables.dim() == 2 else 0,
-            num_heads, kv_heads, head_dim, bs,
-            scale, _DTYPE_CODES[kv_layer.dtype], threads,
+            num_heads, kv_heads, head_dim, bs, scale, code, *extra, threads,
         )
         if status != 0:
             raise RuntimeError(f"native paged attention failed with code {status}")

@@ -32,11 +32,14 @@ Every write is deterministic, so the same sequence of writes (same chunking) yie
 the same bytes on any worker: a disaggregated prefill and a colocated one agree.
 
 Attention reads gather the quantized rows and dequantize them with the gathered
-scales (``kernels/torch_ref.py``); the native C kernel reads fp32/bf16 in place only,
-so quantized KV always goes through the torch reference kernel.
+scales (``kernels/torch_ref.py``); the native CPU kernels write the same bytes and read
+the codes in place, a tile at a time converted to the same float32 values
+(``kernels/cpu_kv_codes.c``); the Triton kernels dequantize as they load.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -111,6 +114,13 @@ def codes_to_float(q: torch.Tensor) -> torch.Tensor:
         lut = torch.arange(256, dtype=torch.uint8, device=q.device).view(q.dtype).to(torch.float32)
         _LUTS[key] = lut
     return torch.take(lut, q.view(torch.uint8).long())
+
+
+@functools.lru_cache(maxsize=8)
+def code_values(kv_dtype: torch.dtype) -> torch.Tensor:
+    """The float32 values of the 256 codes of an 8-bit cache dtype, indexed by the code's byte (the native
+    kernels' table; do not write to it)."""
+    return codes_to_float(torch.arange(256, dtype=torch.int32).to(torch.uint8).view(kv_dtype)).contiguous()
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -27,15 +27,10 @@ import math
 import torch
 
 from kernels.cpu_native import load_library, native_available
-from kernels.kv_quant import codes_to_float
+from kernels.kv_quant import code_values
 from kernels.mla import MlaTorchBackend, SeqGroup
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # cpu_mla.c's; 8-bit codes are 2
-
-
-def code_values(kv_dtype: torch.dtype) -> torch.Tensor:
-    """The float32 values of the 256 codes of an 8-bit cache dtype, indexed by the code's byte."""
-    return codes_to_float(torch.arange(256, dtype=torch.int32).to(torch.uint8).view(kv_dtype)).contiguous()
 
 
 class MlaNativeBackend(MlaTorchBackend):
@@ -48,7 +43,6 @@ class MlaNativeBackend(MlaTorchBackend):
             raise RuntimeError("native CPU kernel library is unavailable")
         self._kernel = lib.pdserve_mla_decode
         self._num_threads = num_threads
-        self._codes: dict[torch.dtype, torch.Tensor] = {}
 
     def mix(self, group: SeqGroup, query: torch.Tensor, kv_layer: torch.Tensor,
             kv_scales: torch.Tensor | None, rank: int, scale: float) -> torch.Tensor:
@@ -62,9 +56,7 @@ class MlaNativeBackend(MlaTorchBackend):
             code, scales, values = _DTYPE_CODES[kv_layer.dtype], None, None
         else:
             code, scales = 2, kv_scales.contiguous()
-            values = self._codes.get(kv_layer.dtype)
-            if values is None:
-                values = self._codes[kv_layer.dtype] = code_values(kv_layer.dtype)
+            values = code_values(kv_layer.dtype)
         status = self._kernel(
             query.data_ptr(), out.data_ptr(), kv_layer.data_ptr(),
             None if scales is None else scales.data_ptr(), None if values is None else values.data_ptr(),

@@ -15,8 +15,9 @@ Contract:
   multiples of 4 (every Llama-family model's are); otherwise equal to rounding.
 - ``handles`` says whether a step can take it: any number of tokens (decode steps, prompt chunks and
   mixed steps alike: the packed product and the attention plan take every row count), float32 CPU
-  hidden states, a contiguous float32 cache of this model's shape, no KV scales (quantized caches take
-  the per-op path), and the ``NativeCpuAttentionBackend`` prepared for the step (``paged_arrays``).
+  hidden states, a contiguous cache of this model's shape in float32 or quantized (int8, fp8 or int4 with
+  its contiguous scales, written and read as ``kernels/cpu_kv_codes.c`` does for the per-op path), and
+  the ``NativeCpuAttentionBackend`` prepared for the step (``paged_arrays``).
 - Weights: the four matrices packed (``NativeOps.pack``, ``NativeOps.qpack`` for a matrix kept in its
   GGUF blocks, or ``NativeOps.pack_bf16``, as the layers' ``PreparedLinear`` holds them, each with its
   ``native_format``; bitwise the same products, the int8-activation and bfloat16 ones included),
@@ -38,8 +39,9 @@ from dataclasses import dataclass
 import torch
 
 from kernels.attention import AttentionBackend
-from kernels.cpu_native import NativeCpuAttentionBackend, load_library
+from kernels.cpu_native import QUANT_CODES, NativeCpuAttentionBackend, load_library
 from kernels.gguf_blocks import BlockKind
+from kernels.kv_quant import stored_head_dim
 from kernels.native_ops import BF16_FORMAT, INT8_FLAG, PANEL, NativeOps, native_ops
 
 KEEP_WORKSPACE_BYTES = 64 << 20  # scratch kept between calls (a decode step of SmolLM2 needs 29 KB a token)
@@ -154,15 +156,20 @@ class NativeDecoder:
         """Whether this step can run here (the module docstring's conditions)."""
         s = self.shape
         tokens = hidden.shape[0]
-        if tokens < 1 or kv_scales is not None:
+        if tokens < 1:
             return False
         if hidden.dtype != torch.float32 or hidden.device.type != "cpu" or not hidden.is_contiguous():
             return False
-        if (kv_cache.dtype != torch.float32 or kv_cache.device.type != "cpu" or not kv_cache.is_contiguous()
-                or kv_cache.dim() != 6):
+        if kv_cache.device.type != "cpu" or not kv_cache.is_contiguous() or kv_cache.dim() != 6:
             return False
-        layers, _, two, block_size, kv_heads, head_dim = kv_cache.shape
-        if (layers, two, kv_heads, head_dim) != (self.num_layers, 2, s.num_kv_heads, s.head_dim):
+        if kv_scales is None and kv_cache.dtype != torch.float32:
+            return False
+        if kv_scales is not None and (kv_cache.dtype not in QUANT_CODES or not kv_scales.is_contiguous()
+                                      or kv_scales.device.type != "cpu"):
+            return False
+        layers, _, two, block_size, kv_heads, stored = kv_cache.shape
+        if (layers, two, kv_heads, stored) != (self.num_layers, 2, s.num_kv_heads,
+                                               stored_head_dim(kv_cache.dtype, s.head_dim)):
             return False
         if block_size & (block_size - 1) or s.head_dim % 16 or s.head_dim > 256:
             return False
@@ -172,7 +179,7 @@ class NativeDecoder:
         return arrays is not None and arrays[0].block_size == block_size and arrays[0].num_tokens == tokens
 
     def run(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
-            backend: AttentionBackend) -> torch.Tensor:
+            backend: AttentionBackend, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
         """Final-normed hidden states ``[T, hidden]``; ``hidden`` (the embeddings) is used as scratch and
         the step's K/V are written into ``kv_cache``. The caller checked ``handles``."""
         arrays = backend.paged_arrays() if isinstance(backend, NativeCpuAttentionBackend) else None
@@ -193,7 +200,11 @@ class NativeDecoder:
         out = torch.empty_like(hidden)
         width = block_tables.shape[1] if block_tables.dim() == 2 else 0
         status = self._call(
-            self._pointers.data_ptr(), self.num_layers, kv_cache.data_ptr(), kv_cache[0].numel(),
+            self._pointers.data_ptr(), self.num_layers, kv_cache.data_ptr(),
+            kv_cache[0].numel() * kv_cache.element_size(),
+            0 if kv_scales is None else QUANT_CODES[kv_cache.dtype],
+            None if kv_scales is None else kv_scales.data_ptr(),
+            0 if kv_scales is None else kv_scales[0].numel(),
             hidden.data_ptr(), out.data_ptr(), work.data_ptr(), cos.data_ptr(), sin.data_ptr(),
             write_rows.data_ptr(), query_start_loc.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(),
             meta.num_seqs, width, tokens,

@@ -33,7 +33,9 @@ auto``, and the LM head as the step reads it);
 
     python -m bench.lab.step_profile [--configs plain,prepacked] [--batches 1,16,64]
         [--prefill 2048] [--repeats 10] [--threads N] [--dtype auto|float32]
-        [--gguf-activations float32[,int8]] [--json out.json] [--md out.md]
+        [--gguf-activations float32[,int8]] [--kv-cache-dtype auto|int8|fp8|int4]
+        [--attention-backend auto|torch]
+        [--json out.json] [--md out.md]
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from bench.lab.linear_kernels import sweep_shape
 from bench.lab.step_ops import OP_CLASSES, op_class_split
 from engine.config import GGUF_ACTIVATIONS, EngineConfig
 from engine.engine import LLMEngine
+from engine.kv_sizing import kv_block_bytes
 from engine.sampling import SamplingParams
 from kernels.linear import LinearKernel, PreparedLinear
 
@@ -227,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gguf-activations", default="float32",
                         help="the products over GGUF blocks: float32, int8, or both (float32,int8: each "
                              "configuration runs in each mode, labelled native/int8 ...)")
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help="the engine's --kv-cache-dtype (a quantized cache's KV bytes count its scales)")
+    parser.add_argument("--attention-backend", default="auto", help="the engine's --attention-backend")
     parser.add_argument("--json", default=None)
     parser.add_argument("--md", default=None)
     args = parser.parse_args(argv)
@@ -246,12 +252,14 @@ def main(argv: list[str] | None = None) -> int:
         enable_prefix_caching=False, max_num_seqs=max(batches), kv_cache_memory=1024**3,
         # 2,048-token steps at least, so the batches' prompts are prefilled in a few steps, not hundreds
         max_num_batched_tokens=max(args.prefill, max(batches), 2048), compile_cpu=compiled,
-        num_threads=args.threads, dtype=args.dtype,
+        num_threads=args.threads, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+        attention_backend=args.attention_backend,
         # int8 checked here (an explicit --dtype, a CPU without VNNI); each label then sets its own mode
         gguf_activations="int8" if "int8" in modes else "float32"))
     bandwidth = read_bandwidth(args.bw_bytes)
     wbytes = step_weight_bytes(engine)
-    kv_token = engine.model_config.kv_bytes_per_token(engine.config.kv_torch_dtype.itemsize)
+    bs = engine.config.block_size
+    kv_token = kv_block_bytes(engine.model_config, bs, engine.config.kv_torch_dtype) / bs
     print(f"torch threads {torch.get_num_threads()}; read bandwidth {bandwidth / 1e9:.1f} GB/s; "
           f"weights {wbytes / 1e6:.0f} MB", flush=True)
     scenarios = [(f"decode x{b}", b, args.context, False) for b in batches]
@@ -273,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     table = markdown(rows, configs)
     print("\n" + table)
     meta = {"torch_threads": torch.get_num_threads(), "dtype": args.dtype, "gguf_activations": modes,
+            "kv_cache_dtype": args.kv_cache_dtype, "attention_backend": args.attention_backend,
             "read_bandwidth_gbs": bandwidth / 1e9, "weight_bytes": wbytes, "context": args.context,
             "repeats": args.repeats}
     if args.json:

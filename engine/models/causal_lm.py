@@ -394,7 +394,7 @@ class CausalLM(nn.Module):
         ops = native_ops() if self.use_native_ops and self.fusable else None
         decoder = self.native_decoder if self.use_native_decoder and ops is not None else None
         if decoder is not None and decoder.handles(hidden, kv_cache, backend, kv_scales):
-            return decoder.run(hidden, cos, sin, kv_cache, backend)
+            return decoder.run(hidden, cos, sin, kv_cache, backend, kv_scales)
         if ops is not None and ops.usable(hidden, cos):
             delta: torch.Tensor | None = None
             for i, layer in enumerate(layers):

@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 import torch
 
-from kernels.attention import AttentionMetadata
+from kernels.attention import AttentionBackend, AttentionMetadata
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -70,6 +70,25 @@ def make_case(
     )
     meta = AttentionMetadata.build(block_size, query_lens, seq_lens, tables)
     return Case(meta, kv, torch.cat(qs), new_k, new_v, expected, full_k, full_v, tables)
+
+
+def attention_backend(name: str) -> AttentionBackend:
+    """A fresh backend by name: ``torch``, ``triton`` (interpreted on CPU) or ``native``; the native one is
+    skipped where its library cannot be built."""
+    import pytest
+
+    from kernels.cpu_native import NativeCpuAttentionBackend, native_available
+    from kernels.torch_ref import TorchAttentionBackend
+
+    if name == "torch":
+        return TorchAttentionBackend()
+    if name == "triton":
+        from kernels.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    if not native_available():
+        pytest.skip("native CPU kernels cannot be built here")
+    return NativeCpuAttentionBackend()
 
 
 def quantized_cache(case: Case, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

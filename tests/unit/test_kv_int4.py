@@ -15,7 +15,7 @@ from engine.kv_sizing import kv_block_bytes, num_kv_blocks
 from kernels import TorchAttentionBackend, kv_int4
 from kernels.attention import AttentionMetadata
 from kernels.kv_quant import write_quantized
-from tests.unit.attention_cases import dense_attention, make_case
+from tests.unit.attention_cases import attention_backend, dense_attention, make_case
 from tests.unit.test_kv_quant import SMOLLM2
 
 
@@ -100,17 +100,15 @@ def test_reused_block_starts_a_fresh_range() -> None:
     torch.testing.assert_close(stored_values(kv, params)[0, 0, 0, 0].float(), small[0, 0], atol=0.05, rtol=0)
 
 
-@pytest.mark.parametrize("backend_name", ["torch", "triton"])
+@pytest.mark.parametrize("backend_name", ["torch", "triton", "native"])
 def test_attention_reads_the_stored_bytes(backend_name: str) -> None:
     """Each query sees the earlier tokens as the bytes say and its own K/V exactly, in prefill chunks
-    and decodes, on the torch reference and the Triton kernels (interpreted on CPU)."""
+    and decodes, on the torch reference, the Triton kernels (interpreted on CPU) and the native CPU kernels
+    (row items and, for the 21-token chunk, blocked ones)."""
     bs, heads, kv_heads, dim = 16, 6, 2, 64
     case = make_case([1, 9, 1, 21], [37, 41, 16, 21], heads, kv_heads, dim, bs, seed=5)
     kv, params = fill(tuple(case.kv.shape), case, bs)
-    from kernels.triton_backend import TritonAttentionBackend
-
-    backend: TorchAttentionBackend | TritonAttentionBackend = (
-        TorchAttentionBackend() if backend_name == "torch" else TritonAttentionBackend())
+    backend = attention_backend(backend_name)
     backend.prepare(case.meta)
     out = backend.forward(case.q, case.new_k, case.new_v, kv, dim**-0.5, params)
     values = stored_values(kv, params)

@@ -15,7 +15,7 @@ from engine.kv_sizing import kv_block_bytes, num_kv_blocks
 from engine.model_runner import ModelRunner
 from kernels import TorchAttentionBackend
 from kernels.kv_quant import dequantize, qmax, write_quantized
-from tests.unit.attention_cases import dense_attention, make_case, quantized_cache
+from tests.unit.attention_cases import attention_backend, dense_attention, make_case, quantized_cache
 
 QUANT = [torch.float8_e4m3fn, torch.float8_e5m2, torch.int8]
 SMOLLM2 = ModelConfig(architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
@@ -108,14 +108,15 @@ def test_attention_over_a_quantized_cache_matches_dense(dtype: torch.dtype, atol
         backend.forward(case.q, case.new_k, case.new_v, kv, dim**-0.5)
 
 
-def test_each_query_sees_its_own_token_exactly_and_the_rest_as_stored() -> None:
+@pytest.mark.parametrize("backend_name", ["torch", "native"])
+def test_each_query_sees_its_own_token_exactly_and_the_rest_as_stored(backend_name: str) -> None:
     """Over an fp8 cache, a query attends to the earlier tokens as stored (dequantized codes)
     and to its own K/V unquantized, in prefill chunks and decodes alike; the step's tokens are
     still written as codes."""
     bs, heads, kv_heads, dim = 4, 4, 2, 16
     case = make_case([6, 1, 3], [6, 9, 7], heads, kv_heads, dim, bs, seed=5)
     kv, scales = quantized_cache(case, torch.float8_e4m3fn)  # earlier tokens as stored codes
-    backend = TorchAttentionBackend()
+    backend = attention_backend(backend_name)
     backend.prepare(case.meta)
     out = backend.forward(case.q, case.new_k, case.new_v, kv, dim**-0.5, scales)
 

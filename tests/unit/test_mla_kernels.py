@@ -18,9 +18,9 @@ import torch
 
 from kernels.attention import AttentionMetadata
 from kernels.cpu_native import native_available
-from kernels.kv_quant import SCALED_DTYPES  # int4 stores no latent cache
+from kernels.kv_quant import SCALED_DTYPES, code_values  # int4 stores no latent cache
 from kernels.mla import MlaTorchBackend
-from kernels.mla_backends import MlaNativeBackend, MlaTritonBackend, code_values, mla_backend
+from kernels.mla_backends import MlaNativeBackend, MlaTritonBackend, mla_backend
 
 pytestmark = pytest.mark.skipif(not native_available(), reason="no C compiler for the native kernels")
 

@@ -15,13 +15,14 @@ from transformers import (
 )
 
 from engine.config import ModelConfig, RopeScaling
-from engine.kv_tensors import allocate_kv_cache
+from engine.kv_tensors import allocate_kv_cache, allocate_kv_scales
 from engine.layers.attention import Attention
 from engine.layers.decoder import DecoderLayer
 from engine.layers.mlp import GatedMLP
 from engine.models.causal_lm import CausalLM
 from kernels import AttentionBackend, get_attention_backend
 from kernels.attention import AttentionMetadata
+from kernels.kv_quant import is_quantized
 from kernels.mla import MlaTorchBackend
 from kernels.native_ops import native_ops
 
@@ -95,13 +96,17 @@ def model_config(hf: PretrainedConfig) -> ModelConfig:
 class PagedRunner:
     """Runs steps of (sequence id, new tokens) over a paged cache with shuffled block ids."""
 
-    def __init__(self, hf: HFModel | None, model: CausalLM | None = None) -> None:
+    def __init__(self, hf: HFModel | None, model: CausalLM | None = None,
+                 kv_dtype: torch.dtype = torch.float32) -> None:
         if model is None:
             assert hf is not None
             model = CausalLM(model_config(hf.config), torch.float32)
             model.load_weights(hf.state_dict().items())
         self.model = model
-        self.kv = allocate_kv_cache(model.config, NUM_BLOCKS, BLOCK_SIZE, torch.float32, "cpu")
+        self.kv = allocate_kv_cache(model.config, NUM_BLOCKS, BLOCK_SIZE, kv_dtype, "cpu")
+        # a quantized cache's scales (kernels/kv_quant.py, kernels/kv_int4.py)
+        self.kv_scales = (allocate_kv_scales(model.config, NUM_BLOCKS, "cpu", dtype=kv_dtype)
+                          if is_quantized(kv_dtype) else None)
         mla = model.config.mla is not None
         self.backend: AttentionBackend = (cast(AttentionBackend, MlaTorchBackend()) if mla
                                           else get_attention_backend("cpu"))
@@ -139,7 +144,8 @@ class PagedRunner:
         if self.compiled is not None and self.compiled.handles(meta):
             hidden = self.compiled.forward(torch.tensor(ids), torch.tensor(positions), self.kv, self.backend)
         else:
-            hidden = self.model(torch.tensor(ids), torch.tensor(positions), self.kv, self.backend, meta)
+            hidden = self.model(torch.tensor(ids), torch.tensor(positions), self.kv, self.backend, meta,
+                                self.kv_scales)
         return list(self.model.compute_logits(hidden).split(query_lens))
 
 

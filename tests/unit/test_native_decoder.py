@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kernels import native_decoder
+from kernels.kv_quant import KV_CACHE_DTYPES
 from kernels.native_ops import native_ops
 from kernels.torch_ref import TorchAttentionBackend
 from tests.unit.test_model_tiny import PagedRunner, hf_model, prompt
@@ -54,6 +55,27 @@ def test_one_call_decoder_is_bitwise_the_per_layer_path(variant: str, threads: i
             assert torch.equal(got, want)
         assert torch.equal(one_call.kv, per_layer.kv)  # the step's K/V written to the same slots
     assert calls == [28, 2, 1, 6]
+
+
+@pytest.mark.parametrize("name", ["int8", "fp8", "int4"])
+def test_one_call_decoder_writes_and_reads_a_quantized_cache_as_the_per_layer_path(
+        name: str, threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over an int8, fp8 or int4 cache the one call requantizes each touched block and attends as the
+    per-layer path does (kernels/cpu_kv_codes.c): the same logits, codes and scales, bit for bit."""
+    hf = hf_model("wide-heads")
+    dtype = KV_CACHE_DTYPES[name]
+    assert dtype is not None
+    one_call, per_layer = PagedRunner(hf, kv_dtype=dtype), PagedRunner(hf, kv_dtype=dtype)
+    per_layer.model.use_native_decoder = False
+    calls = spy_calls(one_call, monkeypatch)
+    for work in STEPS:
+        for got, want in zip(one_call.step(work), per_layer.step(work), strict=True):
+            assert torch.equal(got, want)
+        assert torch.equal(one_call.kv.view(torch.uint8), per_layer.kv.view(torch.uint8))
+        assert one_call.kv_scales is not None and per_layer.kv_scales is not None
+        assert torch.equal(one_call.kv_scales, per_layer.kv_scales)
+    assert calls == [28, 2, 1, 6]
+    assert torch.count_nonzero(one_call.kv.view(torch.uint8)) > 0
 
 
 def test_one_call_decoder_gives_the_same_bits_on_any_thread_count() -> None:
