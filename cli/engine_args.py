@@ -130,7 +130,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-eviction", choices=("none", "h2o"), default=d.kv_eviction,
                    help="h2o: keep each sequence within --kv-budget tokens by freeing, before each chunk, "
                         "its whole blocks that received the least attention so far, outside the last "
-                        "--kv-recent tokens (attention runs on the torch kernel, which scores the blocks)")
+                        "--kv-recent tokens (the native CPU kernels score the blocks; on CUDA the torch "
+                        "kernel does)")
     g.add_argument("--kv-budget", type=int, default=d.kv_budget, metavar="TOKENS",
                    help="with --kv-eviction h2o: the KV tokens one sequence may hold")
     g.add_argument("--kv-recent", type=int, default=d.kv_recent, metavar="TOKENS",

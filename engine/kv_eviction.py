@@ -4,9 +4,10 @@ H2O (Zhang et al., 2023) keeps, per sequence, the tokens with the largest accumu
 recent window, and evicts the others once the sequence passes its budget. pdserve's cache is paged
 and one block table serves every layer, so it evicts whole blocks:
 
-- **Scores.** The torch attention backend, given a float32 ``[num_blocks]`` tensor (``mass``), adds to
-  each block the attention probability its keys received in every step: summed over layers, KV heads,
-  the query heads of each group and the step's queries (``kernels/torch_ref.py``). A block written
+- **Scores.** The attention backend, given a float32 ``[num_blocks]`` tensor (``mass``), adds to each
+  block the attention probability its keys received in every step: summed over layers, KV heads, the
+  query heads of each group and the step's queries (the native CPU kernels, ``kernels/cpu_native.py``
+  and ``cpu_attention_mass.c``; elsewhere the torch kernel, ``kernels/torch_ref.py``). A block written
   from its first row starts again from zero. Prompt chunks score the earlier chunks, decodes score
   everything they read.
 - **Eviction.** Before a sequence's next chunk is scheduled, while its held tokens plus the chunk

@@ -36,6 +36,7 @@ from engine.models.causal_lm import CausalLM
 from engine.scheduler import SchedulerOutput
 from engine.tp_group import Call, CallReply, StepPlan, Stop, TpGroup, run_handler
 from kernels import AttentionBackend, AttentionMetadata, TorchAttentionBackend, get_attention_backend
+from kernels.cpu_native import NativeCpuAttentionBackend, native_available
 from kernels.mla_backends import mla_backend
 
 if TYPE_CHECKING:
@@ -126,7 +127,10 @@ class ModelRunner:
         if self.model_config.mla is not None:
             return cast(AttentionBackend, mla_backend(self.device, name, self.config.native_kernels,
                                                       self.config.torch_dtype))
-        if self.kv_mass is not None:  # only the torch kernel scores blocks
+        if self.kv_mass is not None:  # the native CPU kernels and the torch one score blocks
+            if (name == "auto" and self.device.type == "cpu" and self.config.native_kernels
+                    and native_available()):
+                return NativeCpuAttentionBackend(mass=self.kv_mass)
             return TorchAttentionBackend(mass=self.kv_mass)
         if name == "auto" and self.device.type == "cpu" and not self.config.native_kernels:
             name = "torch"

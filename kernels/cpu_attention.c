@@ -78,48 +78,6 @@ static inline vw vmaxw(vw a, vw b) {
     return (vw)(((iw)a & a_wins) | ((iw)b & ~a_wins));
 }
 
-/* lane u of the result is the sum of the lanes of a[u] */
-static inline v8 reduce8(const v8 a[8]) {
-    const i32x8 even = {0, 8, 2, 10, 4, 12, 6, 14}, odd = {1, 9, 3, 11, 5, 13, 7, 15};
-    const i32x8 lo2 = {0, 1, 8, 9, 4, 5, 12, 13}, hi2 = {2, 3, 10, 11, 6, 7, 14, 15};
-    const i32x8 lo4 = {0, 1, 2, 3, 8, 9, 10, 11}, hi4 = {4, 5, 6, 7, 12, 13, 14, 15};
-    v8 x[4], y[2];
-    for (int i = 0; i < 4; i++) {
-        x[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], even) + __builtin_shuffle(a[2 * i], a[2 * i + 1], odd);
-    }
-    for (int i = 0; i < 2; i++) {
-        y[i] = __builtin_shuffle(x[2 * i], x[2 * i + 1], lo2) + __builtin_shuffle(x[2 * i], x[2 * i + 1], hi2);
-    }
-    return __builtin_shuffle(y[0], y[1], lo4) + __builtin_shuffle(y[0], y[1], hi4);
-}
-
-#if VW == 16
-/* lane u of the result is the sum of the lanes of a[u]: in-lane unpacks and shuffles first (the cheap ones),
- * then two steps across 128-bit lanes */
-static inline vw reducew(const vw a[16]) {
-    const iw unp_lo = {0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29};
-    const iw unp_hi = {2, 18, 3, 19, 6, 22, 7, 23, 10, 26, 11, 27, 14, 30, 15, 31};
-    const iw shuf_lo = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
-    const iw shuf_hi = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
-    const iw even128 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
-    const iw odd128 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
-    vw x[8], y[4], z[2];
-    for (int i = 0; i < 8; i++) {
-        x[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], unp_lo) + __builtin_shuffle(a[2 * i], a[2 * i + 1], unp_hi);
-    }
-    /* y[k]: in each 128-bit lane c, the sums over that lane's 4 columns of keys 4k..4k+3 */
-    for (int k = 0; k < 4; k++) {
-        y[k] = __builtin_shuffle(x[2 * k], x[2 * k + 1], shuf_lo) + __builtin_shuffle(x[2 * k], x[2 * k + 1], shuf_hi);
-    }
-    for (int i = 0; i < 2; i++) {
-        z[i] = __builtin_shuffle(y[2 * i], y[2 * i + 1], even128) + __builtin_shuffle(y[2 * i], y[2 * i + 1], odd128);
-    }
-    return __builtin_shuffle(z[0], z[1], even128) + __builtin_shuffle(z[0], z[1], odd128);
-}
-
-#else
-static inline vw reducew(const vw a[8]) { return reduce8(a); }
-#endif
 
 /* the max of the lanes, by halves (the max of floats does not depend on the order, NaN aside) */
 static inline float hmaxw(vw a) {
@@ -383,6 +341,10 @@ static inline __attribute__((always_inline)) void attend_item(const Args *a, con
     for (int r = 0; r < nrows; r++) {
         const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
         for (int d = 0; d < hd; d++) store1(a->out, out_off[r] + d, acc[r * hd + d] * inv, bf16);
+        if (a->m_out) {
+            a->m_out[out_off[r] / hd] = m[r];
+            a->l_out[out_off[r] / hd] = l[r];
+        }
     }
 }
 

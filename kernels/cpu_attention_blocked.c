@@ -193,6 +193,10 @@ static inline __attribute__((always_inline)) void attend_block(const Args *a, co
             const int64_t out_off = ((int64_t)(q0 + tok) * a->num_heads + head) * hd;
             const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
             for (int d = 0; d < hd; d++) store1(a->out, out_off + d, acc[r * hd + d] * inv, bf16);
+            if (a->m_out) {
+                a->m_out[out_off / hd] = m[r];
+                a->l_out[out_off / hd] = l[r];
+            }
         }
     }
 }

@@ -87,13 +87,14 @@ void pdserve_plan_work(const Args *a, const Plan *plan, int32_t *next) {
 
 /* Returns 0 on success, a negative code for arguments the kernel does not support. dtype is the cache's
  * format (cpu_internal.h's DTYPE_*); a quantized one comes with its scales and the step's K and V in
- * float32 ([num_tokens, kv_heads, head_dim]; cpu_kv_codes.c). */
+ * float32 ([num_tokens, kv_heads, head_dim]; cpu_kv_codes.c). m_rows and l_rows, when set, receive each
+ * query row's final running max and sum (row token * num_heads + head), for cpu_attention_mass.c. */
 int pdserve_paged_attention(const void *q, int64_t q_token_stride, const void *kv, void *out,
                             const int32_t *query_start_loc, const int32_t *seq_lens,
                             const int32_t *block_tables, int32_t num_seqs, int32_t table_width,
                             int32_t num_heads, int32_t kv_heads, int32_t head_dim, int32_t block_size,
                             float scale, int32_t dtype, const float *scales, const float *k_new,
-                            const float *v_new, int32_t num_threads) {
+                            const float *v_new, float *m_rows, float *l_rows, int32_t num_threads) {
     if (head_dim <= 0 || head_dim % 16 != 0 || head_dim > MAX_HEAD_DIM) return -1;
     if (kv_heads <= 0 || num_heads % kv_heads != 0) return -2;
     if (block_size <= 0 || (block_size & (block_size - 1)) != 0) return -3;
@@ -101,7 +102,7 @@ int pdserve_paged_attention(const void *q, int64_t q_token_stride, const void *k
     if (dtype >= DTYPE_INT8 && (!scales || !k_new || !v_new)) return -4;
     const Args args = {q, kv, out, query_start_loc, seq_lens, block_tables, q_token_stride, table_width,
                        num_heads, kv_heads, head_dim, block_size, dtype, scale, scales, k_new, v_new,
-                       (int64_t)kv_heads * head_dim};
+                       (int64_t)kv_heads * head_dim, m_rows, l_rows};
     /* blocked items for prompt chunks, row items of as many whole tokens as fit for the rest */
     Plan plan;
     if (pdserve_plan_attention(&args, num_seqs, 0, &plan) != 0) return -5;

@@ -87,7 +87,7 @@ int pdserve_decoder_f32(const int64_t *layer_weights, int32_t num_layers, void *
     /* a quantized cache reads each row's own K and V from qkv, exact (cpu_kv_codes.c) */
     Args args = {qkv, kv_cache, attn, query_start_loc, seq_lens, block_tables, qkv_width,
                  table_width, num_heads, kv_heads, head_dim, block_size, kv_format, scale,
-                 NULL, qkv + q_width, qkv + q_width + kv_width, qkv_width};
+                 NULL, qkv + q_width, qkv + q_width + kv_width, qkv_width, NULL, NULL};
     /* row items of one token's KV head group (the most items to share), blocked ones for prompt chunks as
      * the per-op call plans them */
     Plan plan;

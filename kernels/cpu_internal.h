@@ -26,6 +26,7 @@ typedef struct {
     const float *scales; /* a quantized cache's scales (int4: its lows and steps) */
     const float *k_new, *v_new; /* a quantized cache: the step's K and V exact, token t's KV head h at */
     int64_t new_stride;         /* k_new + t * new_stride + h * head_dim */
+    float *m_out, *l_out;       /* when set: each row's final running max and sum (cpu_attention_mass.c) */
 } Args;
 
 #define MAX_HEAD_DIM 256

@@ -1,7 +1,8 @@
 """The native CPU attention backend: ``cpu_attention.c`` built on first use and called through ctypes.
 
 The same library holds ``cpu_attention_blocked.c`` (the kernel for prompt chunks), ``cpu_kv_codes.c``
-(a quantized cache's rows converted a tile at a time, for both), ``cpu_ops.c`` (the
+(a quantized cache's writes, and its rows converted a tile at a time for both),
+``cpu_attention_mass.c`` (the blocks' attention mass for ``--kv-eviction h2o``), ``cpu_ops.c`` (the
 per-layer small ops and the few-row product;
 ``kernels/native_ops.py`` wraps them, as it does ``cpu_packed.c``, ``cpu_qpacked.c``, ``cpu_qint8.c`` and
 ``cpu_bf16.c``, the products), ``cpu_decoder.c`` (every layer of a few-row step in one call;
@@ -52,8 +53,8 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("cpu_attention.c", "cpu_attention_blocked.c", "cpu_attention_plan.c",
-                             "cpu_kv_codes.c", "cpu_ops.c", "cpu_packed.c", "cpu_qpacked.c", "cpu_qint8.c",
-                             "cpu_bf16.c",
+                             "cpu_attention_mass.c", "cpu_kv_codes.c", "cpu_ops.c", "cpu_packed.c",
+                             "cpu_qpacked.c", "cpu_qint8.c", "cpu_bf16.c",
                              "cpu_decoder.c", "cpu_greedy.c", "cpu_mla.c"))
 # included by the sources: part of the build's hash
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_simd.h", "cpu_internal.h"))
@@ -137,7 +138,18 @@ def load_library() -> ctypes.CDLL | None:
         ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32,  # heads, kv heads, head_dim, block
         ctypes.c_float, ctypes.c_int32,  # scale, dtype
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,  # scales, new K, new V
+        ctypes.c_void_p, ctypes.c_void_p,  # each row's running max and sum out (or None)
         ctypes.c_int32,  # num_threads
+    ]
+    mass = lib.pdserve_attention_mass
+    mass.restype = ctypes.c_int32
+    mass.argtypes = [
+        ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,  # q, q stride, kv
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,  # query_start_loc, seq_lens, block_tables
+        ctypes.c_int32, ctypes.c_int32,  # num_seqs, table width
+        ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32,  # heads, kv heads, head_dim, block
+        ctypes.c_float, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p,  # scale, dtype, scales, new K
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32,  # max, sum, mass, threads
     ]
     write = lib.pdserve_kv_write
     write.restype = ctypes.c_int32
@@ -228,16 +240,27 @@ class NativeCpuAttentionBackend:
 
     ``num_threads`` defaults to ``torch.get_num_threads()`` at each call. Layers with a sliding window,
     sinks or a softcap go to the torch reference too (``features`` is empty).
+
+    ``mass`` (``--kv-eviction h2o``, ``engine/kv_eviction.py``): float32 ``[num_blocks]``, to which every
+    layer adds the attention probability each block's keys received, as ``TorchAttentionBackend`` does:
+    the kernels hand out each row's softmax max and sum and ``cpu_attention_mass.c`` scores the keys
+    again; a block written from its first row starts again from zero. Layers the torch reference takes
+    score there, on the same tensor.
     """
 
     features: frozenset[str] = frozenset()
 
-    def __init__(self, num_threads: int | None = None) -> None:
+    def __init__(self, num_threads: int | None = None, mass: torch.Tensor | None = None) -> None:
         lib = load_library()
         if lib is None:
             raise RuntimeError("native CPU attention library is unavailable")
         self._kernel = lib.pdserve_paged_attention
         self._write = lib.pdserve_kv_write
+        self._mass_kernel = lib.pdserve_attention_mass
+        if mass is not None and (mass.dtype != torch.float32 or mass.device.type != "cpu"
+                                 or not mass.is_contiguous()):
+            raise ValueError("the attention mass must be a contiguous float32 CPU tensor")
+        self.mass = mass
         self._num_threads = num_threads
         self._meta: AttentionMetadata | None = None
         self._write_rows = torch.empty(0, dtype=torch.int64)
@@ -245,7 +268,7 @@ class NativeCpuAttentionBackend:
         self._query_start_loc = torch.empty(0, dtype=torch.int32)
         self._seq_lens = torch.empty(0, dtype=torch.int32)
         self._block_tables = torch.empty(0, dtype=torch.int32)
-        self._fallback = TorchAttentionBackend()
+        self._fallback = TorchAttentionBackend(mass=mass)
         self._fallback_meta: AttentionMetadata | None = None
 
     def paged_arrays(self) -> PagedArrays | None:
@@ -264,6 +287,9 @@ class NativeCpuAttentionBackend:
         self._seq_lens = meta.seq_lens.to("cpu", torch.int32).contiguous()
         self._block_tables = meta.block_tables.to("cpu", torch.int32).contiguous()
         self._meta = meta
+        if self.mass is not None:  # the fallback resets the mass of blocks written from their first row
+            self._fallback.prepare(meta)
+            self._fallback_meta = meta
 
     def supports(self, q: torch.Tensor, kv_layer: torch.Tensor,
                  kv_scales: torch.Tensor | None = None) -> bool:
@@ -333,12 +359,29 @@ class NativeCpuAttentionBackend:
         out = torch.empty((num_tokens, num_heads, head_dim), dtype=compute)
         if num_tokens == 0:
             return out.to(q.dtype)
+        stats = torch.empty(2, num_tokens * num_heads) if self.mass is not None else None  # rows' max, sum
+        width = self._block_tables.shape[1] if self._block_tables.dim() == 2 else 0
+        shape = (num_heads, kv_heads, head_dim, bs)
+        step = (self._query_start_loc.data_ptr(), self._seq_lens.data_ptr(), self._block_tables.data_ptr(),
+                meta.num_seqs, width)
         status = self._kernel(
-            qc.data_ptr(), qc.stride(0), kv_layer.data_ptr(), out.data_ptr(),
-            self._query_start_loc.data_ptr(), self._seq_lens.data_ptr(), self._block_tables.data_ptr(),
-            meta.num_seqs, self._block_tables.shape[1] if self._block_tables.dim() == 2 else 0,
-            num_heads, kv_heads, head_dim, bs, scale, code, *extra, threads,
+            qc.data_ptr(), qc.stride(0), kv_layer.data_ptr(), out.data_ptr(), *step, *shape, scale, code,
+            *extra, *((None, None) if stats is None else (stats[0].data_ptr(), stats[1].data_ptr())), threads,
         )
         if status != 0:
             raise RuntimeError(f"native paged attention failed with code {status}")
+        if stats is not None:
+            self._add_mass(qc, kv_layer, step, shape, scale, code, extra, stats, threads)
         return out if out.dtype == q.dtype else out.to(q.dtype)
+
+    def _add_mass(self, qc: torch.Tensor, kv_layer: torch.Tensor, step: tuple[int, ...],
+                  shape: tuple[int, ...], scale: float, code: int, extra: tuple[int | None, ...],
+                  stats: torch.Tensor, threads: int) -> None:
+        """Each block's share of this layer's attention probabilities, added to ``mass``."""
+        assert self.mass is not None
+        status = self._mass_kernel(
+            qc.data_ptr(), qc.stride(0), kv_layer.data_ptr(), *step, *shape, scale, code, extra[0],
+            extra[1], stats[0].data_ptr(), stats[1].data_ptr(), self.mass.data_ptr(), threads,
+        )
+        if status != 0:
+            raise RuntimeError(f"native attention mass failed with code {status}")

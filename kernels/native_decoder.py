@@ -173,7 +173,7 @@ class NativeDecoder:
             return False
         if block_size & (block_size - 1) or s.head_dim % 16 or s.head_dim > 256:
             return False
-        if not isinstance(backend, NativeCpuAttentionBackend):
+        if not isinstance(backend, NativeCpuAttentionBackend) or backend.mass is not None:
             return False
         arrays = backend.paged_arrays()
         return arrays is not None and arrays[0].block_size == block_size and arrays[0].num_tokens == tokens

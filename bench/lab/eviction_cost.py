@@ -1,13 +1,15 @@
 """What scoring blocks for ``--kv-eviction h2o`` costs a decode step, against eviction off.
 
 For each ``--batches`` size B: B requests of ``--context`` random prompt tokens are prefilled, then
-``--steps`` decode steps are timed (``LLMEngine.step``, median) under three engines over the same
+``--steps`` decode steps are timed (``LLMEngine.step``, median) under four engines over the same
 weights, in turn, ``--rounds`` times:
 
-- ``native``: the default (the native CPU attention kernel, the one-call decoder);
-- ``torch``: ``attention_backend="torch"``, the kernel eviction runs on, eviction off;
-- ``h2o``: ``--kv-eviction h2o`` with a budget above the context, so nothing is evicted and the
-  difference from ``torch`` is the scoring alone (explicit softmax, the mass added per block).
+- ``native``: the default (the native CPU attention kernel, the one-call decoder), eviction off;
+- ``layered``: ``--no-native-decoder``, the native kernels layer by layer, as H2O's steps run;
+- ``h2o``: ``--kv-eviction h2o`` with a budget above the context, so nothing is evicted: the native
+  kernels layer by layer plus their scoring pass (``kernels/cpu_attention_mass.c``); the difference
+  from ``layered`` is the scoring alone;
+- ``h2o-torch``: the same on the torch kernel (``attention_backend="torch"``), its explicit softmax.
 
     python -m bench.lab.eviction_cost [--batches 1,16] [--context 512] [--steps 16] [--rounds 2]
 """
@@ -25,8 +27,9 @@ from engine import LLM, SamplingParams
 
 CONFIGS: dict[str, dict[str, object]] = {
     "native": {},
-    "torch": {"attention_backend": "torch"},
+    "layered": {"native_decoder": False},
     "h2o": {"kv_eviction": "h2o"},
+    "h2o-torch": {"kv_eviction": "h2o", "attention_backend": "torch"},
 }
 
 
@@ -63,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     blocks = max(batches) * (args.context // 16 + 4) + 64
     llms = {name: LLM(args.model, num_threads=args.threads, num_kv_blocks=blocks, max_num_seqs=max(batches),
                       enable_prefix_caching=False,
-                      **({**extra, "kv_budget": args.context * 4} if name == "h2o" else extra))
+                      **({**extra, "kv_budget": args.context * 4} if "kv_eviction" in extra else extra))
             for name, extra in CONFIGS.items()}
     results: dict[tuple[str, int], list[float]] = {}
     for _ in range(args.rounds):
@@ -71,12 +74,13 @@ def main(argv: list[str] | None = None) -> int:
             for name, llm in llms.items():
                 results.setdefault((name, batch), []).append(decode_ms(llm, batch, args.context, args.steps))
     print(f"load average {os.getloadavg()[0]:.2f}; context {args.context}, median of {args.steps} steps")
-    print("| batch | " + " | ".join(f"{n} ms/step" for n in CONFIGS) + " | h2o / torch |")
-    print("|---:|" + "---:|" * (len(CONFIGS) + 1))
+    print("| batch | " + " | ".join(f"{n} ms/step" for n in CONFIGS) + " | h2o / native | h2o / layered |")
+    print("|---:|" + "---:|" * (len(CONFIGS) + 2))
     for batch in batches:
         cells = [", ".join(f"{t:.1f}" for t in results[(n, batch)]) for n in CONFIGS]
-        ratio = min(results[("h2o", batch)]) / min(results[("torch", batch)])
-        print(f"| {batch} | " + " | ".join(cells) + f" | {ratio:.2f} |")
+        best = {n: min(results[(n, batch)]) for n in CONFIGS}
+        print(f"| {batch} | " + " | ".join(cells) +
+              f" | {best['h2o'] / best['native']:.2f} | {best['h2o'] / best['layered']:.2f} |")
     return 0
 
 

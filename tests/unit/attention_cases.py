@@ -72,33 +72,34 @@ def make_case(
     return Case(meta, kv, torch.cat(qs), new_k, new_v, expected, full_k, full_v, tables)
 
 
-def attention_backend(name: str) -> AttentionBackend:
+def attention_backend(name: str, mass: torch.Tensor | None = None) -> AttentionBackend:
     """A fresh backend by name: ``torch``, ``triton`` (interpreted on CPU) or ``native``; the native one is
-    skipped where its library cannot be built."""
+    skipped where its library cannot be built. ``mass``: the blocks' attention mass to add to (torch and
+    native only)."""
     import pytest
 
     from kernels.cpu_native import NativeCpuAttentionBackend, native_available
     from kernels.torch_ref import TorchAttentionBackend
 
     if name == "torch":
-        return TorchAttentionBackend()
+        return TorchAttentionBackend(mass=mass)
     if name == "triton":
         from kernels.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend()
     if not native_available():
         pytest.skip("native CPU kernels cannot be built here")
-    return NativeCpuAttentionBackend()
+    return NativeCpuAttentionBackend(mass=mass)
 
 
 def quantized_cache(case: Case, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """A ``dtype`` (fp8/int8) cache and its per-block scales holding every sequence's earlier tokens of
-    ``case`` as stored codes (the step's own tokens not written yet)."""
-    from kernels.kv_quant import write_quantized
+    """A ``dtype`` (fp8/int8, or int4's uint8) cache and its per-block scales holding every sequence's
+    earlier tokens of ``case`` as stored codes (the step's own tokens not written yet)."""
+    from kernels.kv_quant import scale_shape, stored_head_dim, write_quantized
 
-    bs, kv_heads = case.kv.shape[2], case.kv.shape[3]
-    kv = torch.zeros(case.kv.shape, dtype=dtype)
-    scales = torch.ones(case.kv.shape[0], 2, kv_heads)
+    blocks, _, bs, kv_heads, dim = case.kv.shape
+    kv = torch.zeros(blocks, 2, bs, kv_heads, stored_head_dim(dtype, dim), dtype=dtype)
+    scales = torch.ones(blocks, 2, kv_heads, *scale_shape(dtype, dim))
     for seq, table in enumerate(case.tables):
         done = case.meta.seq_lens_list[seq] - case.meta.query_lens_list[seq]
         pos = torch.arange(done)

@@ -11,8 +11,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
-from kernels import TorchAttentionBackend
-from tests.unit.attention_cases import make_case, quantized_cache
+from kernels import TorchAttentionBackend, kv_int4
+from kernels.cpu_native import NativeCpuAttentionBackend, native_available
+from tests.unit.attention_cases import attention_backend, make_case, quantized_cache
 from tests.unit.conftest import save_word_tokenizer
 
 VOCAB = 64
@@ -79,13 +80,15 @@ def planted(heavy: int, at: int, length: int, seed: int) -> list[int]:
     return ids
 
 
-def test_mass_is_the_attention_each_block_received() -> None:
+@pytest.mark.parametrize("backend_name", ["torch", "native"])
+def test_mass_is_the_attention_each_block_received(backend_name: str) -> None:
     """Per block: the softmax probabilities its keys got, summed over heads, queries and layers, from a
-    dense computation; a block written from its first row starts again."""
+    dense computation; a block written from its first row starts again. The torch kernel forms them in
+    its product, the native CPU kernels in a second pass over the keys."""
     bs, heads, kv_heads, dim = 4, 4, 2, 16
     case = make_case([1, 5, 1], [9, 12, 4], heads, kv_heads, dim, bs, seed=3)
     mass = torch.full((case.kv.shape[0],), 7.0)
-    backend = TorchAttentionBackend(mass=mass)
+    backend = attention_backend(backend_name, mass)
     backend.prepare(case.meta)
     lens = zip(case.tables, case.meta.seq_lens_list, case.meta.query_lens_list, strict=True)
     restarted = {t[p // bs] for t, s, q in lens for p in range(s - q, s) if p % bs == 0}
@@ -113,8 +116,10 @@ def test_mass_is_the_attention_each_block_received() -> None:
     torch.testing.assert_close(mass, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("backend_name", ["torch", "native"])
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int8], ids=str)
-def test_mass_over_a_quantized_cache_counts_each_query_own_exact_key(dtype: torch.dtype) -> None:
+def test_mass_over_a_quantized_cache_counts_each_query_own_exact_key(dtype: torch.dtype,
+                                                                      backend_name: str) -> None:
     """Over a quantized cache a prompt chunk's query attends to the earlier tokens as stored and to its
     own K exactly (``_attend_own_exact``); its probabilities, the own key's included, go to the blocks
     the keys' positions lie in, as a dense computation over those keys gives. Every query head's
@@ -125,7 +130,7 @@ def test_mass_over_a_quantized_cache_counts_each_query_own_exact_key(dtype: torc
     case = make_case([6, 1, 3], [6, 9, 7], heads, kv_heads, dim, bs, seed=5)
     kv, scales = quantized_cache(case, dtype)  # earlier tokens already in the cache, as stored codes
     mass = torch.zeros(case.kv.shape[0])
-    backend = TorchAttentionBackend(mass=mass)
+    backend = attention_backend(backend_name, mass)
     backend.prepare(case.meta)
     backend.forward(case.q, case.new_k, case.new_v, kv, dim**-0.5, scales)
     assert float(mass.sum()) == pytest.approx(heads * sum(case.meta.query_lens_list), rel=1e-5)
@@ -148,11 +153,38 @@ def test_mass_over_a_quantized_cache_counts_each_query_own_exact_key(dtype: torc
     torch.testing.assert_close(mass, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["float32", "int8", "int4"])
+def test_native_kernels_score_blocks_as_the_torch_kernel(name: str) -> None:
+    """Decodes, short chunks and chunks long enough for the blocked kernel, over GQA: the native kernels'
+    masses equal the torch kernel's to float rounding, over a float32 or quantized cache."""
+    bs, heads, kv_heads, dim = 16, 9, 3, 64
+    case = make_case([1, 9, 1, 21, 40], [37, 41, 16, 21, 70], heads, kv_heads, dim, bs, seed=5)
+    if name == "float32":
+        kv, scales = case.kv, None
+    else:
+        kv, scales = quantized_cache(case, torch.int8 if name == "int8" else kv_int4.STORAGE_DTYPE)
+    start = torch.rand(case.kv.shape[0], generator=torch.Generator().manual_seed(0))
+    masses = []
+    for backend_name in ("torch", "native"):
+        mass = start.clone()
+        backend = attention_backend(backend_name, mass)
+        backend.prepare(case.meta)
+        backend.forward(case.q, case.new_k, case.new_v, kv.clone(), dim**-0.5,
+                        None if scales is None else scales.clone())
+        masses.append(mass)
+    assert not torch.equal(masses[1], start)
+    torch.testing.assert_close(masses[1], masses[0], atol=2e-4, rtol=1e-5)
+
+
 def test_the_least_attended_full_block_outside_the_recent_window_goes(tiny_model_dir: Path) -> None:
     llm = LLM(str(tiny_model_dir), kv_eviction="h2o", kv_budget=64, kv_recent=8, num_kv_blocks=32,
               max_num_batched_tokens=48)
     engine = llm.engine
-    assert engine.eviction is not None and isinstance(engine.runner.backend, TorchAttentionBackend)
+    assert engine.eviction is not None and engine.runner.kv_mass is not None
+    backend = engine.runner.backend
+    assert isinstance(backend, (NativeCpuAttentionBackend, TorchAttentionBackend))
+    assert backend.mass is engine.runner.kv_mass  # the step's backend scores the blocks
+    assert isinstance(backend, NativeCpuAttentionBackend) == native_available()
     from engine.request import Request
 
     request = Request("r", list(range(1, 60)), SamplingParams(max_tokens=4))
