@@ -8,6 +8,8 @@
  * An item is MASS_SLOTS blocks of one sequence's table: its sums run over the sequence's new tokens, KV
  * heads and query heads in a fixed order, and one thread then adds the items' sums to the blocks in item
  * order, so the masses do not depend on the thread count (and a block in two tables gets both shares).
+ * pdserve_attention_mass runs a per-layer call; the one-call decoder (cpu_decoder.c) runs the same items
+ * after each layer's attention.
  */
 #include <math.h>
 #include <stdint.h>
@@ -16,12 +18,7 @@
 
 #include "cpu_internal.h"
 
-#define MASS_KEYS VW  /* keys scored together: one vector exp */
-#define MASS_SLOTS 8  /* table slots (blocks) of one item */
-
-typedef struct {
-    int32_t seq, slot0, slot1; /* the sequence's table slots slot0..slot1-1 */
-} MassItem;
+#define MASS_KEYS VW /* keys scored together: one vector exp */
 
 /* Item `it`'s blocks' probabilities over every new token, KV head and query head of its sequence, into
  * acc[slot - slot0], in a fixed order. `hd` and `bf16` (the cache's, 0 for a quantized one's converted
@@ -37,7 +34,7 @@ static inline __attribute__((always_inline)) void mass_body(const Args *a, const
     const int32_t *table = a->block_tables + (int64_t)s * a->table_width;
     const int64_t key_bytes = (int64_t)a->kv_heads * hd * esize, block_bytes = 2 * (int64_t)bs * key_bytes;
     const int k_lo = it->slot0 * bs, shift = __builtin_ctz((unsigned)bs); /* bs: a power of two */
-    float qbuf[64 * MAX_HEAD_DIM] __attribute__((aligned(64))); /* a KV head's query rows (at most 64) */
+    float qbuf[MASS_MAX_QPK * MAX_HEAD_DIM] __attribute__((aligned(64))); /* a KV head's query rows */
     float *conv = quant ? pdserve_kv_scratch((int64_t)MASS_KEYS * 2 * hd) : NULL;
     for (int j = 0; j < it->slot1 - it->slot0; j++) acc[j] = 0.0f;
     for (int tok = 0; tok < q_len; tok++) {
@@ -45,7 +42,7 @@ static inline __attribute__((always_inline)) void mass_body(const Args *a, const
         const int k_hi = it->slot1 * bs - 1 < pos ? it->slot1 * bs - 1 : pos; /* last key of the item it sees */
         if (k_hi < k_lo) continue;
         for (int g = 0; g < a->kv_heads; g++) {
-            float m[64], inv[64];
+            float m[MASS_MAX_QPK], inv[MASS_MAX_QPK];
             for (int i = 0; i < qpk; i++) {
                 const int head = g * qpk + i;
                 const int64_t row = (int64_t)(q0 + tok) * a->num_heads + head;
@@ -95,49 +92,69 @@ static void mass_f32_128(const Args *a, const MassItem *it, float *acc) { mass_b
 static void mass_f32_any(const Args *a, const MassItem *it, float *acc) { mass_body(a, it, acc, a->head_dim, 0); }
 static void mass_bf16_any(const Args *a, const MassItem *it, float *acc) { mass_body(a, it, acc, a->head_dim, 1); }
 
+int pdserve_mass_plan(const Args *a, int32_t num_seqs, MassPlan *plan) {
+    int64_t items = 0;
+    for (int s = 0; s < num_seqs; s++) {
+        items += (a->seq_lens[s] + MASS_SLOTS * a->block_size - 1) / (MASS_SLOTS * a->block_size);
+    }
+    *plan = (MassPlan){(MassItem *)malloc((size_t)(items + 1) * sizeof(MassItem)),
+                       (float *)malloc((size_t)(items + 1) * MASS_SLOTS * sizeof(float)), items, NULL};
+    if (!plan->items || !plan->sums) {
+        pdserve_mass_free(plan);
+        return -5;
+    }
+    int64_t k = 0;
+    for (int s = 0; s < num_seqs; s++) {
+        const int slots = (a->seq_lens[s] + a->block_size - 1) / a->block_size;
+        for (int c = 0; c < slots; c += MASS_SLOTS, k++) {
+            plan->items[k] = (MassItem){s, c, c + MASS_SLOTS < slots ? c + MASS_SLOTS : slots};
+        }
+    }
+    plan->item = a->dtype == DTYPE_BF16 ? mass_bf16_any
+                 : a->head_dim == 64    ? mass_f32_64
+                 : a->head_dim == 128   ? mass_f32_128
+                                        : mass_f32_any;
+    return 0;
+}
+
+void pdserve_mass_free(MassPlan *plan) {
+    free(plan->items);
+    free(plan->sums);
+    plan->items = NULL;
+    plan->sums = NULL;
+}
+
+void pdserve_mass_work(const Args *a, const MassPlan *plan, int64_t i) {
+    plan->item(a, &plan->items[i], plan->sums + i * MASS_SLOTS);
+}
+
+void pdserve_mass_add(const Args *a, const MassPlan *plan, float *mass) {
+    for (int64_t i = 0; i < plan->num_items; i++) {
+        const MassItem *it = &plan->items[i];
+        const int32_t *table = a->block_tables + (int64_t)it->seq * a->table_width;
+        for (int slot = it->slot0; slot < it->slot1; slot++) mass[table[slot]] += plan->sums[i * MASS_SLOTS + slot - it->slot0];
+    }
+}
+
 int pdserve_attention_mass(const void *q, int64_t q_token_stride, const void *kv, const int32_t *query_start_loc,
                            const int32_t *seq_lens, const int32_t *block_tables, int32_t num_seqs,
                            int32_t table_width, int32_t num_heads, int32_t kv_heads, int32_t head_dim,
                            int32_t block_size, float scale, int32_t dtype, const float *scales, const float *k_new,
                            const float *m_rows, const float *l_rows, float *mass, int32_t num_threads) {
     if (head_dim <= 0 || head_dim % 16 != 0 || head_dim > MAX_HEAD_DIM) return -1;
-    if (kv_heads <= 0 || num_heads % kv_heads != 0 || num_heads / kv_heads > 64) return -2;
+    if (kv_heads <= 0 || num_heads % kv_heads != 0 || num_heads / kv_heads > MASS_MAX_QPK) return -2;
     if (block_size <= 0 || (block_size & (block_size - 1)) != 0) return -3;
     if (dtype < DTYPE_F32 || dtype > DTYPE_INT4 || (dtype >= DTYPE_INT8 && (!scales || !k_new))) return -4;
     const Args args = {q, kv, NULL, query_start_loc, seq_lens, block_tables, q_token_stride, table_width,
                        num_heads, kv_heads, head_dim, block_size, dtype, scale, scales, k_new, NULL,
                        (int64_t)kv_heads * head_dim, (float *)m_rows, (float *)l_rows};
-    int64_t items = 0;
-    for (int s = 0; s < num_seqs; s++) items += (seq_lens[s] + MASS_SLOTS * block_size - 1) / (MASS_SLOTS * block_size);
-    MassItem *list = (MassItem *)malloc((size_t)(items + 1) * sizeof(MassItem));
-    float *acc = (float *)malloc((size_t)(items + 1) * MASS_SLOTS * sizeof(float));
-    if (!list || !acc) {
-        free(list);
-        free(acc);
-        return -5;
-    }
-    int64_t k = 0;
-    for (int s = 0; s < num_seqs; s++) {
-        const int slots = (seq_lens[s] + block_size - 1) / block_size;
-        for (int c = 0; c < slots; c += MASS_SLOTS, k++) {
-            list[k] = (MassItem){s, c, c + MASS_SLOTS < slots ? c + MASS_SLOTS : slots};
-        }
-    }
+    MassPlan plan;
+    if (pdserve_mass_plan(&args, num_seqs, &plan) != 0) return -5;
     int threads = num_threads < 1 ? 1 : num_threads;
-    if (threads > items) threads = (int)(items > 0 ? items : 1);
-    void (*item)(const Args *, const MassItem *, float *) =
-        dtype == DTYPE_BF16 ? mass_bf16_any : head_dim == 64 ? mass_f32_64 : head_dim == 128 ? mass_f32_128 : mass_f32_any;
+    if (threads > plan.num_items) threads = (int)(plan.num_items > 0 ? plan.num_items : 1);
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-    for (int64_t i = 0; i < items; i++) item(&args, &list[i], acc + i * MASS_SLOTS);
-    /* one thread adds the items' sums to their blocks, in order (a block shared by two sequences' tables
-     * gets both) */
-    for (int64_t i = 0; i < items; i++) {
-        const int32_t *table = block_tables + (int64_t)list[i].seq * table_width;
-        for (int slot = list[i].slot0; slot < list[i].slot1; slot++) {
-            mass[table[slot]] += acc[i * MASS_SLOTS + slot - list[i].slot0];
-        }
-    }
-    free(list);
-    free(acc);
+    for (int64_t i = 0; i < plan.num_items; i++) pdserve_mass_work(&args, &plan, i);
+    pdserve_mass_add(&args, &plan, mass);
+    pdserve_mass_free(&plan);
     return 0;
 }

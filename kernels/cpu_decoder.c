@@ -70,7 +70,7 @@ int pdserve_decoder_f32(const int64_t *layer_weights, int32_t num_layers, void *
                         const int32_t *block_tables, int32_t num_seqs, int32_t table_width, int64_t tokens,
                         int32_t hidden_size, int32_t num_heads, int32_t kv_heads, int32_t head_dim,
                         int32_t intermediate, int32_t block_size, float scale, float eps, const float *final_norm,
-                        int32_t num_threads) {
+                        float *mass, int32_t num_threads) {
     if (head_dim <= 0 || head_dim % 16 != 0 || head_dim > MAX_HEAD_DIM) return -1;
     if (kv_heads <= 0 || num_heads % kv_heads != 0) return -2;
     if (block_size <= 0 || (block_size & (block_size - 1)) != 0) return -3;
@@ -99,6 +99,20 @@ int pdserve_decoder_f32(const int64_t *layer_weights, int32_t num_layers, void *
         pdserve_plan_free(&plan);
         free(taken);
         free(slots);
+        return -5;
+    }
+    /* --kv-eviction h2o: each row's softmax max and sum, then the blocks' mass (cpu_attention_mass.c) */
+    float *stats = mass ? (float *)malloc((size_t)(2 * T * num_heads) * sizeof(float)) : NULL;
+    MassPlan mplan = {NULL, NULL, 0, NULL};
+    if (mass) {
+        args.m_out = stats;
+        args.l_out = stats ? stats + T * num_heads : NULL;
+    }
+    if (mass && (!stats || num_heads / kv_heads > MASS_MAX_QPK || pdserve_mass_plan(&args, num_seqs, &mplan) != 0)) {
+        pdserve_plan_free(&plan);
+        free(taken);
+        free(slots);
+        free(stats);
         return -5;
     }
     int64_t write_tasks = 0;
@@ -150,6 +164,14 @@ int pdserve_decoder_f32(const int64_t *layer_weights, int32_t num_layers, void *
                 pdserve_plan_work(&la, &plan, &taken[layer]);
             }
 #pragma omp barrier
+            if (mass) { /* the keys scored again, items split by thread; one thread adds them in order */
+                Args la = args;
+                la.kv = kv;
+                la.scales = layer_scales;
+                for (int64_t i = t; i < mplan.num_items; i += nt) pdserve_mass_work(&la, &mplan, i);
+#pragma omp barrier
+                if (t == 0) pdserve_mass_add(&la, &mplan, mass);
+            }
             pdserve_any_panels(FORMAT(lw, 1), (const void *)lw[W_O], attn, 0, delta, T, H, q_width, h0, h1);
 #pragma omp barrier
             norm_rows(hidden, delta, (const float *)lw[W_POST_NORM], x, T, H, eps, t, nt);
@@ -166,7 +188,9 @@ int pdserve_decoder_f32(const int64_t *layer_weights, int32_t num_layers, void *
         norm_rows(hidden, num_layers ? delta : 0, final_norm, out, T, H, eps, t, nt);
     }
     pdserve_plan_free(&plan);
+    pdserve_mass_free(&mplan);
     free(taken);
     free(slots);
+    free(stats);
     return 0;
 }

@@ -113,6 +113,27 @@ INTERNAL void pdserve_kv_write_task(const KvWrite *w, const int64_t *slots, cons
  * memory runs out */
 INTERNAL float *pdserve_kv_scratch(int64_t floats);
 
+/* cpu_attention_mass.c: the blocks' attention mass (its header comment has the arithmetic). A call's items
+ * are MASS_SLOTS table slots of one sequence each; each item's sums land in its own MASS_SLOTS floats of
+ * `sums`, and pdserve_mass_add adds them to the blocks in item order (one thread). */
+#define MASS_SLOTS 8
+#define MASS_MAX_QPK 64 /* query heads per KV head the pass takes */
+typedef struct {
+    int32_t seq, slot0, slot1; /* the sequence's table slots slot0..slot1-1 */
+} MassItem;
+typedef struct {
+    MassItem *items;
+    float *sums;
+    int64_t num_items;
+    void (*item)(const Args *, const MassItem *, float *);
+} MassPlan;
+/* plans a call over the step's sequences (a->m_out and a->l_out hold the rows' softmax max and sum when
+ * the items run); 0, or -5 when out of memory */
+INTERNAL int pdserve_mass_plan(const Args *a, int32_t num_seqs, MassPlan *plan);
+INTERNAL void pdserve_mass_free(MassPlan *plan);
+INTERNAL void pdserve_mass_work(const Args *a, const MassPlan *plan, int64_t i);
+INTERNAL void pdserve_mass_add(const Args *a, const MassPlan *plan, float *mass);
+
 /* cpu_ops.c: the pieces of its kernels, for callers that already run inside an OpenMP team */
 /* one row: h += d (d may be NULL), o = rms_norm(h) * wt */
 INTERNAL void pdserve_add_rms_norm_row(float *h, const float *d, const float *wt, float *o, int64_t dim,

@@ -215,7 +215,7 @@ def bind_ops(lib: ctypes.CDLL) -> None:
         ptr, ptr, ptr, ptr,  # write rows, query_start_loc, seq_lens, block tables
         i32, i32, i64,  # sequences, table width, tokens
         i32, i32, i32, i32, i32, i32,  # hidden, heads, kv heads, head_dim, intermediate, block size
-        f32, f32, ptr, i32,  # scale, eps, final norm, threads
+        f32, f32, ptr, ptr, i32,  # scale, eps, final norm, the blocks' attention mass (or None), threads
     ]
 
 

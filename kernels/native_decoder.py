@@ -17,7 +17,8 @@ Contract:
   mixed steps alike: the packed product and the attention plan take every row count), float32 CPU
   hidden states, a contiguous cache of this model's shape in float32 or quantized (int8, fp8 or int4 with
   its contiguous scales, written and read as ``kernels/cpu_kv_codes.c`` does for the per-op path), and
-  the ``NativeCpuAttentionBackend`` prepared for the step (``paged_arrays``).
+  the ``NativeCpuAttentionBackend`` prepared for the step (``paged_arrays``). A backend with ``mass``
+  (``--kv-eviction h2o``) gets each layer's block scores added in the call, bitwise the per-op path's.
 - Weights: the four matrices packed (``NativeOps.pack``, ``NativeOps.qpack`` for a matrix kept in its
   GGUF blocks, or ``NativeOps.pack_bf16``, as the layers' ``PreparedLinear`` holds them, each with its
   ``native_format``; bitwise the same products, the int8-activation and bfloat16 ones included),
@@ -173,7 +174,7 @@ class NativeDecoder:
             return False
         if block_size & (block_size - 1) or s.head_dim % 16 or s.head_dim > 256:
             return False
-        if not isinstance(backend, NativeCpuAttentionBackend) or backend.mass is not None:
+        if not isinstance(backend, NativeCpuAttentionBackend):
             return False
         arrays = backend.paged_arrays()
         return arrays is not None and arrays[0].block_size == block_size and arrays[0].num_tokens == tokens
@@ -183,6 +184,7 @@ class NativeDecoder:
         """Final-normed hidden states ``[T, hidden]``; ``hidden`` (the embeddings) is used as scratch and
         the step's K/V are written into ``kv_cache``. The caller checked ``handles``."""
         arrays = backend.paged_arrays() if isinstance(backend, NativeCpuAttentionBackend) else None
+        mass = backend.mass if isinstance(backend, NativeCpuAttentionBackend) else None
         if arrays is None:
             raise RuntimeError("the native decoder needs the native attention backend, prepared for the step")
         meta, write_rows, query_start_loc, seq_lens, block_tables = arrays
@@ -209,7 +211,8 @@ class NativeDecoder:
             write_rows.data_ptr(), query_start_loc.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(),
             meta.num_seqs, width, tokens,
             s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate_size, meta.block_size,
-            s.head_dim**-0.5, s.rms_norm_eps, self._final_norm.data_ptr(), torch.get_num_threads(),
+            s.head_dim**-0.5, s.rms_norm_eps, self._final_norm.data_ptr(),
+            None if mass is None else mass.data_ptr(), torch.get_num_threads(),
         )
         if status != 0:
             raise RuntimeError(f"native decoder failed with code {status}")

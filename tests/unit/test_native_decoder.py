@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import cast
 
 import pytest
 import torch
 
 from kernels import native_decoder
+from kernels.cpu_native import NativeCpuAttentionBackend
 from kernels.kv_quant import KV_CACHE_DTYPES
 from kernels.native_ops import native_ops
 from kernels.torch_ref import TorchAttentionBackend
-from tests.unit.test_model_tiny import PagedRunner, hf_model, prompt
+from tests.unit.test_model_tiny import NUM_BLOCKS, PagedRunner, hf_model, prompt
 
 pytestmark = pytest.mark.skipif(native_ops() is None, reason="native CPU kernels cannot be built here")
 
@@ -76,6 +78,28 @@ def test_one_call_decoder_writes_and_reads_a_quantized_cache_as_the_per_layer_pa
         assert torch.equal(one_call.kv_scales, per_layer.kv_scales)
     assert calls == [28, 2, 1, 6]
     assert torch.count_nonzero(one_call.kv.view(torch.uint8)) > 0
+
+
+@pytest.mark.parametrize("name", ["float32", "int8"])
+def test_one_call_decoder_scores_blocks_as_the_per_layer_path(name: str, threads: int,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under --kv-eviction h2o (a backend with ``mass``) the one call adds each layer's block scores as the
+    per-layer path does: the same logits, cache and masses, bit for bit."""
+    hf = hf_model("wide-heads")
+    dtype = KV_CACHE_DTYPES["auto" if name == "float32" else name] or torch.float32
+    one_call, per_layer = PagedRunner(hf, kv_dtype=dtype), PagedRunner(hf, kv_dtype=dtype)
+    for runner in (one_call, per_layer):
+        runner.backend = NativeCpuAttentionBackend(mass=torch.zeros(NUM_BLOCKS))
+    per_layer.model.use_native_decoder = False
+    calls = spy_calls(one_call, monkeypatch)
+    for work in STEPS:
+        for got, want in zip(one_call.step(work), per_layer.step(work), strict=True):
+            assert torch.equal(got, want)
+        assert torch.equal(one_call.kv.view(torch.uint8), per_layer.kv.view(torch.uint8))
+        masses = [cast(NativeCpuAttentionBackend, r.backend).mass for r in (one_call, per_layer)]
+        assert masses[0] is not None and masses[1] is not None and torch.equal(masses[0], masses[1])
+        assert float(masses[0].sum()) > 0
+    assert calls == [28, 2, 1, 6]
 
 
 def test_one_call_decoder_gives_the_same_bits_on_any_thread_count() -> None:
