@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import cast
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -49,13 +48,22 @@ def spy_calls(runner: PagedRunner, monkeypatch: pytest.MonkeyPatch) -> list[int]
 def test_one_call_decoder_is_bitwise_the_per_layer_path(variant: str, threads: int,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     hf = hf_model(variant)
-    one_call, per_layer = PagedRunner(hf), PagedRunner(hf)
+    steps_alike(PagedRunner(hf), PagedRunner(hf), monkeypatch)  # K/V written to the same slots too
+
+
+def steps_alike(one_call: PagedRunner, per_layer: PagedRunner, monkeypatch: pytest.MonkeyPatch,
+                after_step: Callable[[], None] | None = None) -> None:
+    """Run STEPS on ``one_call`` (the one-call decoder, spied) and ``per_layer`` (turned to the per-layer
+    path): the same logits and cache bytes after every step (and ``after_step``'s checks), every step in
+    one call."""
     per_layer.model.use_native_decoder = False
     calls = spy_calls(one_call, monkeypatch)
     for work in STEPS:
         for got, want in zip(one_call.step(work), per_layer.step(work), strict=True):
             assert torch.equal(got, want)
-        assert torch.equal(one_call.kv, per_layer.kv)  # the step's K/V written to the same slots
+        assert torch.equal(one_call.kv.view(torch.uint8), per_layer.kv.view(torch.uint8))
+        if after_step is not None:
+            after_step()
     assert calls == [28, 2, 1, 6]
 
 
@@ -68,15 +76,9 @@ def test_one_call_decoder_writes_and_reads_a_quantized_cache_as_the_per_layer_pa
     dtype = KV_CACHE_DTYPES[name]
     assert dtype is not None
     one_call, per_layer = PagedRunner(hf, kv_dtype=dtype), PagedRunner(hf, kv_dtype=dtype)
-    per_layer.model.use_native_decoder = False
-    calls = spy_calls(one_call, monkeypatch)
-    for work in STEPS:
-        for got, want in zip(one_call.step(work), per_layer.step(work), strict=True):
-            assert torch.equal(got, want)
-        assert torch.equal(one_call.kv.view(torch.uint8), per_layer.kv.view(torch.uint8))
-        assert one_call.kv_scales is not None and per_layer.kv_scales is not None
-        assert torch.equal(one_call.kv_scales, per_layer.kv_scales)
-    assert calls == [28, 2, 1, 6]
+    steps_alike(one_call, per_layer, monkeypatch)
+    assert one_call.kv_scales is not None and per_layer.kv_scales is not None
+    assert torch.equal(one_call.kv_scales, per_layer.kv_scales)
     assert torch.count_nonzero(one_call.kv.view(torch.uint8)) > 0
 
 
@@ -88,18 +90,14 @@ def test_one_call_decoder_scores_blocks_as_the_per_layer_path(name: str, threads
     hf = hf_model("wide-heads")
     dtype = KV_CACHE_DTYPES["auto" if name == "float32" else name] or torch.float32
     one_call, per_layer = PagedRunner(hf, kv_dtype=dtype), PagedRunner(hf, kv_dtype=dtype)
-    for runner in (one_call, per_layer):
-        runner.backend = NativeCpuAttentionBackend(mass=torch.zeros(NUM_BLOCKS))
-    per_layer.model.use_native_decoder = False
-    calls = spy_calls(one_call, monkeypatch)
-    for work in STEPS:
-        for got, want in zip(one_call.step(work), per_layer.step(work), strict=True):
-            assert torch.equal(got, want)
-        assert torch.equal(one_call.kv.view(torch.uint8), per_layer.kv.view(torch.uint8))
-        masses = [cast(NativeCpuAttentionBackend, r.backend).mass for r in (one_call, per_layer)]
-        assert masses[0] is not None and masses[1] is not None and torch.equal(masses[0], masses[1])
-        assert float(masses[0].sum()) > 0
-    assert calls == [28, 2, 1, 6]
+    masses = [torch.zeros(NUM_BLOCKS), torch.zeros(NUM_BLOCKS)]
+    for runner, mass in zip((one_call, per_layer), masses, strict=True):
+        runner.backend = NativeCpuAttentionBackend(mass=mass)
+
+    def same_masses() -> None:
+        assert torch.equal(masses[0], masses[1]) and float(masses[0].sum()) > 0
+
+    steps_alike(one_call, per_layer, monkeypatch, same_masses)
 
 
 def test_one_call_decoder_gives_the_same_bits_on_any_thread_count() -> None:
