@@ -81,15 +81,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "$PDSERVE_CACHE/models (fetched by scripts/fetch_model.py)")
     g.add_argument("--dtype", choices=("auto", *DTYPES), default=d.dtype,
                    help="dtype of weights, activations and KV cache; auto is bfloat16 on CUDA, and on CPU "
-                        "float32 (a GGUF's Q4_0, Q4_1 and Q8_0 matrices staying in their blocks: the same "
-                        "results as float32 under --gguf-activations float32), or bfloat16 for a Hugging "
+                        "float32 (a GGUF's Q4, Q5, Q6_K and Q8_0 matrices and an fp8 checkpoint's "
+                        "codes staying in their blocks: the same results as float32 under "
+                        "--gguf-activations float32), or bfloat16 for a Hugging "
                         "Face checkpoint that names it on a CPU with AVX512-BF16 (logged); an explicit "
                         "dtype dequantizes GGUF blocks. bfloat16 on CPU stores the weights in bfloat16 and "
                         "multiplies them with bfloat16 dot products into float32 sums (AVX512-BF16 where "
                         "the CPU has it; a MoE router stays float32), the activations, norms, attention and "
                         "KV cache staying float32")
     g.add_argument("--gguf-activations", choices=GGUF_ACTIVATIONS, default=d.gguf_activations,
-                   help="the activations of the products over a GGUF's Q4_0, Q4_1 and Q8_0 blocks kept under "
+                   help="the activations of the products over a GGUF's blocks kept under "
                         "--dtype auto on CPU: float32 (the dequantized float32 model's results, bitwise) or "
                         "int8 (quantized per 32 inputs, integer dot products with AVX512-VNNI, as llama.cpp "
                         "computes; other results, refused with an explicit --dtype or a CPU without "
@@ -98,7 +99,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="the method the checkpoint's quantization_config must name (fp8: e4m3 weights "
                         "with per-tensor, per-channel or block scales; mxfp4: gpt-oss's experts); a "
                         "quantized checkpoint is read whatever this says, its weights dequantized to "
-                        "--dtype at load")
+                        "--dtype at load (under --dtype auto on CPU an fp8 checkpoint's dense matrices "
+                        "keep their codes for the native product)")
     g.add_argument("--device", type=_device, default=d.device,
                    help="torch device: cpu, cuda or cuda:N")
     g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d.kv_cache_dtype,

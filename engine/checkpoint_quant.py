@@ -15,9 +15,13 @@ Two are read (``KNOWN_METHODS``); any other is refused with that list, never loa
   (``[..., G x 32, rows]``: input-major), as transformers reads it.
 
 The weights are dequantized to float32 as they are read (``dequantized``), so a quantized checkpoint
-runs as its dequantized model does and takes the model dtype's memory; multiplying the codes in place
-is not done yet. With a tensor-parallel shard, a quantized tensor is read whole, dequantized, then cut
-(its scales' blocks need not align with the ranks' cuts).
+runs as its dequantized model does. Asked to keep them (``keep``: ``--dtype auto`` on CPU with the native
+product, one rank), an fp8 matrix whose scales cover whole runs of 32 inputs (block widths that are
+multiples of 32, as DeepSeek's 128; channel and tensor scales) comes out as its codes instead, a
+``kernels.gguf_blocks`` ``FP8`` matrix (``fp8_blocks``): the native product multiplies the codes as read,
+with the dequantized model's values exactly, in a byte and an eighth a weight. MXFP4 experts are
+dequantized either way. With a tensor-parallel shard, a quantized tensor is read whole, dequantized, then
+cut (its scales' blocks need not align with the ranks' cuts).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from safetensors import safe_open
 
 from engine.config import QUANTIZATION_METHODS as KNOWN_METHODS
 from engine.tensor_parallel import TpShard
+from kernels.gguf_blocks import QK, BlockMatrix, fp8_matrix
 
 _FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 _FP8_SCALES = (".weight_scale_inv", ".weight_scale")
@@ -113,6 +118,31 @@ def dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, i
                      f"weight_block_size)")
 
 
+def fp8_blocks(codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> BlockMatrix | None:
+    """``codes`` and ``scale`` (as ``dequantize_fp8`` takes them) as an ``FP8`` matrix of one scale per row
+    and 32 inputs, or None where a run of 32 inputs would span two scales (block widths that are not a
+    multiple of 32), the input width is not a multiple of 32 or a code is NaN (the caller dequantizes)."""
+    if codes.dtype != torch.float8_e4m3fn or codes.dim() != 2 or codes.shape[1] % QK:
+        return None
+    if ((codes.view(torch.uint8) & 0x7F) == 0x7F).any():  # NaN codes: the native product reads no NaN
+        return None
+    out_f, in_f = codes.shape
+    scale = scale.to(torch.float32)
+    if block is not None:
+        bo, bi = block
+        if bi % QK or tuple(scale.shape) != (-(-out_f // bo), -(-in_f // bi)):
+            return None
+        per_row = scale.repeat_interleave(bo, 0)[:out_f]  # [out, in / bi]
+        spread = per_row[:, torch.arange(in_f // QK) * QK // bi]
+    elif scale.numel() == 1:
+        spread = scale.reshape(1, 1).expand(out_f, in_f // QK)
+    elif scale.numel() == out_f:
+        spread = scale.reshape(out_f, 1).expand(out_f, in_f // QK)
+    else:
+        return None
+    return fp8_matrix(codes, spread.contiguous())
+
+
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, name: str) -> torch.Tensor:
     """``X`` from ``X_blocks`` and ``X_scales`` as float32, input-major (see the module docstring)."""
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.shape[:-1] != scales.shape:
@@ -128,10 +158,11 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, name: str) -> t
     return rows.transpose(-1, -2).contiguous()
 
 
-def dequantized(files: list[Path], quant: CheckpointQuant, shard: TpShard | None
-                ) -> Iterator[tuple[str, torch.Tensor]]:
+def dequantized(files: list[Path], quant: CheckpointQuant, shard: TpShard | None, keep: bool = False
+                ) -> Iterator[tuple[str, torch.Tensor | BlockMatrix]]:
     """Every weight of ``files`` as float32 where it was quantized (the others as stored), scales consumed;
-    ``shard``'s slice of each when given."""
+    ``shard``'s slice of each when given; with ``keep`` (and no shard), the fp8 matrices ``fp8_blocks``
+    takes as their codes."""
     with contextlib.ExitStack() as stack:
         handles = [stack.enter_context(safe_open(str(p), framework="pt")) for p in files]
         where = {name: h for h in handles for name in h.keys()}  # noqa: SIM118 - not a mapping
@@ -154,6 +185,10 @@ def dequantized(files: list[Path], quant: CheckpointQuant, shard: TpShard | None
                 scale = next((name + s.removeprefix(".weight") for s in _FP8_SCALES
                               if name + s.removeprefix(".weight") in where), None)
                 if scale is not None:
+                    kept = fp8_blocks(get(name), get(scale), quant.block) if keep else None
+                    if kept is not None:
+                        yield name, kept
+                        continue
                     tensor = dequantize_fp8(get(name), get(scale), quant.block, name)
             if tensor is None:
                 tensor = get(name)

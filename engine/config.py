@@ -419,9 +419,9 @@ class EngineConfig:
 
     @property
     def keeps_gguf_blocks(self) -> bool:
-        """Whether a GGUF's Q4_0, Q4_1 and Q8_0 matrices stay in their blocks (``--dtype auto``, the
-        default; the products are bitwise those of the float32 weights, ``kernels/cpu_qpacked.c``).
-        An explicit ``--dtype`` dequantizes them."""
+        """Whether a GGUF's Q4, Q5, Q6_K and Q8_0 matrices (and fp8 codes) stay in their blocks (``--dtype
+        auto``, the default; the products are bitwise those of the float32 weights,
+        ``kernels/cpu_qpacked.c``). An explicit ``--dtype`` dequantizes them."""
         return self.dtype.lower() == "auto"
 
     @property
@@ -434,14 +434,15 @@ class EngineConfig:
                 and torch.device(self.device).type == "cpu" and self.native_kernels
                 and self.linear_kernel == "native")
 
-    def resolve_auto(self, model: ModelConfig, cpu_runs_bf16: bool) -> tuple[EngineConfig, str]:
+    def resolve_auto(self, model: ModelConfig, cpu_runs_bf16: bool,
+                     fp8_codes: bool = False) -> tuple[EngineConfig, str]:
         """``--dtype auto`` for this model: on CPU a checkpoint that names bfloat16 takes the native
         bfloat16 products (``bf16_products``) where the CPU runs them natively (``cpu_runs_bf16``:
         AVX512-BF16) and nothing else asks for float32 (the native product, no ``--compile-cpu``, float32
-        GGUF activations); anything else is as given. Returns the config and why, in words ("" when
-        unchanged)."""
+        GGUF activations, an fp8 checkpoint whose codes the float32 products keep: ``fp8_codes``); anything
+        else is as given. Returns the config and why, in words ("" when unchanged)."""
         if (not cpu_runs_bf16 or self.dtype.lower() != "auto" or torch.device(self.device).type != "cpu"
-                or self.compile_enabled or self.gguf_activations != "float32"
+                or self.compile_enabled or self.gguf_activations != "float32" or fp8_codes
                 or model.checkpoint_dtype not in ("bfloat16", "bf16")):
             return self, ""
         candidate = dataclasses.replace(self, dtype="bfloat16")

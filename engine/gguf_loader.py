@@ -7,9 +7,10 @@ what llama.cpp's converter changed (Q/K rows permuted for ``llama``-arch models,
 as ``1 + w``). This module is the generic part: tensors are dequantized with ``gguf.quants.dequantize``
 (every type it implements, MXFP4 included; any other is an error naming the tensor and its type) and
 reshaped to the Hugging Face layout (GGUF lists dimensions innermost first); llama.cpp's 3-D expert
-tensors come out as one tensor per expert. ``iter_blocks`` keeps the Q4_0, Q4_1 and Q8_0 matrices in
-their blocks instead (``kernels/gguf_blocks.py``), for a model that computes on them. Given a
-tensor-parallel ``TpShard``, a tensor (or expert)
+tensors come out as one tensor per expert. ``iter_blocks`` keeps the Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+Q4_K, Q5_K and Q6_K matrices in their blocks instead (``kernels/gguf_blocks.py``), for a model that
+computes on them. Given a tensor-parallel ``TpShard``, a tensor (or
+expert)
 split by rows is cut before it is dequantized (GGUF rows are whole quantization blocks), one split by
 columns after.
 """
@@ -33,7 +34,7 @@ from engine.gguf_file import GGUFFile
 from engine.models.gguf_config import GgufFormat, one_to_one, unpermute_qk
 from engine.models.registry import family, gguf_family
 from engine.tensor_parallel import TpShard, WeightSlice
-from kernels.gguf_blocks import BlockKind, BlockMatrix
+from kernels.gguf_blocks import GGUF_KINDS, BlockKind, BlockMatrix
 
 __all__ = ["gguf_config", "gguf_format", "iter_blocks", "iter_gguf_weights", "iter_tensors", "open_gguf",
            "read_gguf_config",
@@ -144,7 +145,9 @@ def _format(config: ModelConfig) -> GgufFormat:
 
 
 def _blocks(tensor_type: GGMLQuantizationType) -> BlockKind | None:
-    return BlockKind.__members__.get(tensor_type.name)
+    """The kind a matrix of this type is kept as, or None (dequantized)."""
+    kind = BlockKind.__members__.get(tensor_type.name)
+    return kind if kind in GGUF_KINDS else None
 
 
 def _fixed(reader: GGUFFile, config: ModelConfig, shard: TpShard | None, fmt: GgufFormat,

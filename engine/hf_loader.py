@@ -4,7 +4,8 @@
 Only local files are read; nothing here talks to a model hub. Weights come out
 lazily, one ``(hf_name, tensor)`` pair at a time, in the dtype they are stored in
 (callers cast), or, from a quantized checkpoint, dequantized to float32
-(``engine/checkpoint_quant.py``). Tied embeddings are not repeated: a checkpoint without
+(``engine/checkpoint_quant.py``), or kept as their fp8 codes for the native product
+(``iter_hf_blocks``). Tied embeddings are not repeated: a checkpoint without
 ``lm_head.weight`` yields none. Given a tensor-parallel ``TpShard``, each tensor is read
 as the rank's slice only (``safe_open(...).get_slice``), not whole.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import torch
 from safetensors import safe_open
@@ -22,6 +24,7 @@ from engine.config import ModelConfig
 from engine.models.hf_config import read_json
 from engine.models.registry import hf_family
 from engine.tensor_parallel import TpShard
+from kernels.gguf_blocks import BlockMatrix
 
 
 def _check_folder(folder: Path) -> None:
@@ -85,8 +88,17 @@ def iter_hf_weights(folder: str | Path, shard: TpShard | None = None) -> Iterato
     shard = shard if shard is not None and shard.size > 1 else None
     quant = read_checkpoint_quant(folder)
     if quant is not None:
-        return dequantized(files, quant, shard)
+        return cast(Iterator[tuple[str, torch.Tensor]], dequantized(files, quant, shard))
     return iter_safetensors_files(files, shard)
+
+
+def iter_hf_blocks(folder: str | Path) -> Iterator[tuple[str, torch.Tensor | BlockMatrix]]:
+    """``iter_hf_weights`` of the whole model, but an fp8 checkpoint's matrices as their codes where
+    ``engine.checkpoint_quant.fp8_blocks`` keeps them (``kernels.gguf_blocks.BlockMatrix``)."""
+    quant = read_checkpoint_quant(folder)
+    if quant is None or quant.method != "fp8":
+        return iter_hf_weights(folder)
+    return dequantized(safetensors_files(folder), quant, None, keep=True)
 
 
 def iter_safetensors_files(files: list[Path], shard: TpShard | None) -> Iterator[tuple[str, torch.Tensor]]:

@@ -21,7 +21,13 @@ from engine.checkpoint_quant import CheckpointQuant
 from engine.config import ModelConfig
 from engine.gguf_cache import cached_gguf_weights
 from engine.gguf_loader import iter_blocks, open_gguf, read_gguf_config
-from engine.hf_loader import iter_hf_weights, read_checkpoint_quant, read_hf_config, safetensors_files
+from engine.hf_loader import (
+    iter_hf_blocks,
+    iter_hf_weights,
+    read_checkpoint_quant,
+    read_hf_config,
+    safetensors_files,
+)
 from engine.tensor_parallel import TpShard
 from engine.tokenizer import Tokenizer
 from kernels.gguf_blocks import BlockMatrix
@@ -80,11 +86,14 @@ class ModelSource:
         return iter_hf_weights(self.path, shard)
 
     def iter_blocks(self, shard: TpShard | None = None) -> Iterator[tuple[str, torch.Tensor | BlockMatrix]]:
-        """``iter_weights``, but a GGUF read whole keeps its Q4_0, Q4_1 and Q8_0 matrices in their blocks
-        (``BlockMatrix``; not dequantized, not cached: ``engine.gguf_loader.iter_blocks``)."""
-        if self.kind == "gguf" and (shard is None or shard.size == 1):
+        """``iter_weights``, but a GGUF read whole keeps its Q4, Q5, Q6_K and Q8_0 matrices in
+        their blocks (``BlockMatrix``; not dequantized, not cached: ``engine.gguf_loader.iter_blocks``), and
+        an fp8 checkpoint read whole its matrices' codes (``engine.hf_loader.iter_hf_blocks``)."""
+        if shard is not None and shard.size > 1:
+            return self.iter_weights(shard)
+        if self.kind == "gguf":
             return iter_blocks(open_gguf(self.path), self.config)
-        return self.iter_weights(shard)
+        return iter_hf_blocks(self.path)
 
     def load_tokenizer(self) -> Tokenizer:
         eos = self.config.eos_token_ids

@@ -159,9 +159,24 @@ INTERNAL void pdserve_packed_group(const float *panels, int64_t v, int64_t k, co
                                    int64_t ldy, const float *bias, int64_t cols);
 
 /* cpu_qpacked.c: weights kept in GGUF blocks (its header comment has the layout). Formats of a packed matrix: */
-enum { WF_F32 = 0, WF_Q4_0 = 1, WF_Q4_1 = 2, WF_Q8_0 = 3, WF_BF16 = 4 /* cpu_bf16.c's panels */ };
+enum { WF_F32 = 0, WF_Q4_0 = 1, WF_Q4_1 = 2, WF_Q8_0 = 3, WF_BF16 = 4 /* cpu_bf16.c's panels */, WF_Q4_K = 5, WF_Q6_K = 6,
+       WF_KMIX = 7 /* Q4_K and Q6_K rows in Q6_K's records (gguf_blocks.py's KMIX rows) */,
+       WF_FP8 = 8 /* an fp8 (e4m3) checkpoint's codes, a float32 scale per 32 inputs */, WF_Q5_0 = 9, WF_Q5_1 = 10,
+       WF_Q5_K = 11 };
+#define WF_KINDS 12 /* one past the largest format */
+/* Q4_0's, Q4_1's and Q4_K's records plus a plane of fifth bits */
+#define WF_Q5(fmt) ((fmt) == WF_Q5_0 || (fmt) == WF_Q5_1 || (fmt) == WF_Q5_K)
+#define WF_BYTE_K(fmt) ((fmt) == WF_Q6_K || (fmt) == WF_KMIX) /* one record layout, one product */
 /* bytes of one packed record (PANEL features x 32 inputs) of a kind (exported) */
 int64_t pdserve_qrecord_bytes(int32_t fmt);
+/* where a record's codes start, after its scales (float16 d; Q4_1 and Q5_1 also m; Q4_K, Q5_K float32 d and m; Q6_K and
+ * KMIX float32 d of each half and m; FP8 a float32 d) */
+static inline int64_t pdserve_qcodes_at(int32_t fmt) {
+    return fmt == WF_Q4_1 || fmt == WF_Q5_1 || fmt == WF_FP8 ? 4 * PANEL
+           : fmt == WF_Q4_K || fmt == WF_Q5_K                 ? 8 * PANEL
+           : WF_BYTE_K(fmt)                                   ? 12 * PANEL
+                                                              : 2 * PANEL;
+}
 #define TILE_ROWS_MAX 8 /* the most rows of one register tile: fewer rows read the weights once */
 /* A format's flag: the product quantizes its activations to int8 and multiplies them with VNNI (cpu_qint8.c),
  * on the same packed records */
@@ -174,11 +189,12 @@ INTERNAL void pdserve_any_panels(int32_t fmt, const void *p, const float *x, con
 
 /* cpu_qint8.c: activation rows quantized to int8 per block of 32 inputs (its header comment has the
  * arithmetic): q [m][k] (a Q4 format's in its evens-then-odds order), and per row and block d (the scale),
- * ds = d * sum q and corr = offset * sum q (8 for Q4_0, 128 for Q8_0, 0 for Q4_1) */
+ * ds = d * sum q, corr = offset * sum q (8 for Q4_0, 128 for Q8_0, 32 for Q6_K, 0 for Q4_1 and Q4_K) and lo,
+ * the sum of the block's first 16 q (Q6_K's scales cover 16 inputs each) */
 typedef struct {
     int8_t *q;
     float *d, *ds;
-    int32_t *corr;
+    int32_t *corr, *lo;
     int64_t m, k;
 } QRows;
 /* m rows of x (k inputs, a multiple of 32) for a product of kind fmt, in this thread's buffer (valid until

@@ -1,4 +1,5 @@
-/* The int8-activation product over weights kept in their GGUF blocks (Q4_0, Q4_1, Q8_0): llama.cpp's
+/* The int8-activation product over weights kept in their GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K):
+ * llama.cpp's
  * arithmetic with AVX-512 VNNI. y = x . W^T (+ bias), on cpu_qpacked.c's packed records, unchanged.
  *
  * Activations: each row is quantized once per product (per thread: pdserve_quantize_rows) in blocks of
@@ -10,14 +11,19 @@
  * of the weight codes, as the unsigned operand, with qa, per output feature and block:
  *   Q4_0  w = d_w (q - 8), q in 0..15:    I = sum q qa - 8 S
  *   Q8_0  w = d_w q, q in -128..127:      I = sum (q + 128) qa - 128 S  (q ^ 0x80 as an unsigned byte)
- *   Q4_1  w = d_w q + m_w:                I = sum q qa
+ *   Q4_1  w = d_w q + m_w:                I = sum q qa   (Q4_K the same, d_w and m_w float32)
+ *   Q5_0  w = d_w (q - 16), q in 0..31:   I = sum q qa - 16 S;  Q5_1 as Q4_1, Q5_K as Q4_K (q in 0..31)
+ *   Q6_K  w = d_w (q - 32) + m_w, q in 0..63, d_w per 16 inputs: I0 = sum q qa - 32 S0 over inputs 0-15 (S0
+ *         their sum of qa), I1 over 16-31 with d_w1 (KMIX the same records; Q6_K's own rows have m_w = 0)
  * Q8_0 takes llama.cpp's offset form, not its sign trick (|q| times qa with q's sign): the offset is one
  * XOR per 64 bytes of codes, shared by every row of the tile, and its correction rides on Q4_0's, while
  * the sign trick costs a masked subtract per row and vector. Every I is exact (|I| < 2^24) and converts to
  * float exactly. Then, in this order, each step one rounding (no FMA: the _round intrinsics keep the
  * compiler from contracting them), so a torch reference that does the same float32 operations is bitwise
  * equal (tests/unit/test_gguf_int8_activations.py):
- *   s = d_w * d_a;  t = s * float(I);  Q4_1: t = t + m_w * (d_a * float(S));  acc = acc + t
+ *   s = d_w * d_a;  t = s * float(I);  Q4_1, Q4_K: t = t + m_w * (d_a * float(S));  acc = acc + t
+ *   Q6_K: t = (d_w0 * d_a) * float(I0);  t = t + (d_w1 * d_a) * float(I1);  t = t + m_w * (d_a * float(S));
+ *         acc = acc + t
  * over the blocks in order from acc = 0, then y = acc + bias. A value depends on its row and its feature
  * only: bitwise the same for any row count, tile or thread split (a token rounds alike in a prompt chunk
  * and a decode step), but not the float32 mode's value (that one is the dequantized float32 model's).
@@ -82,12 +88,15 @@ static inline __m512i dword_pattern(void) {
 }
 #endif
 
-static inline int64_t offset_of(int32_t fmt) { return fmt == WF_Q8_0 ? 128 : fmt == WF_Q4_0 ? 8 : 0; }
+static inline int64_t offset_of(int32_t fmt) {
+    return fmt == WF_Q8_0 ? 128 : fmt == WF_Q4_0 ? 8 : fmt == WF_Q5_0 ? 16 : fmt == WF_Q6_K ? 32 : 0;
+}
 
 const QRows *pdserve_quantize_rows(int32_t fmt, const float *x, int64_t m, int64_t k) {
 #if HAVE_VNNI
+    if (fmt == WF_KMIX) fmt = WF_Q6_K;
     const int64_t blocks = k / QK, cells = m * blocks;
-    const int64_t need = (m * k + 63) / 64 * 64 + cells * (int64_t)(2 * sizeof(float) + sizeof(int32_t));
+    const int64_t need = (m * k + 63) / 64 * 64 + cells * (int64_t)(2 * sizeof(float) + 2 * sizeof(int32_t));
     if (need > qbuf_bytes) {
         free(qbuf);
         qbuf = (uint8_t *)aligned_alloc(64, (size_t)need);
@@ -99,9 +108,10 @@ const QRows *pdserve_quantize_rows(int32_t fmt, const float *x, int64_t m, int64
     a->d = (float *)(qbuf + (m * k + 63) / 64 * 64);
     a->ds = a->d + cells;
     a->corr = (int32_t *)(a->ds + cells);
+    a->lo = a->corr + cells;
     a->m = m;
     a->k = k;
-    const int q4 = fmt != WF_Q8_0;
+    const int q4 = fmt != WF_Q8_0 && fmt != WF_Q6_K;
     const int32_t offset = (int32_t)offset_of(fmt);
     const __m256i order = evens_odds();
     for (int64_t r = 0; r < m; r++)
@@ -112,13 +122,14 @@ const QRows *pdserve_quantize_rows(int32_t fmt, const float *x, int64_t m, int64
             const float d = amax / 127.0f, id = amax != 0.0f ? 127.0f / amax : 0.0f;
             const __m512i i0 = _mm512_cvt_roundps_epi32(_mm512_mul_round_ps(x0, _mm512_set1_ps(id), RN), RN);
             const __m512i i1 = _mm512_cvt_roundps_epi32(_mm512_mul_round_ps(x1, _mm512_set1_ps(id), RN), RN);
-            const int32_t s = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+            const int32_t lo = _mm512_reduce_add_epi32(i0), s = lo + _mm512_reduce_add_epi32(i1);
             __m256i bytes = _mm256_set_m128i(_mm512_cvtsepi32_epi8(i1), _mm512_cvtsepi32_epi8(i0));
             if (q4) bytes = _mm256_shuffle_epi8(bytes, order);
             _mm256_storeu_si256((__m256i *)(a->q + r * k + b * QK), bytes);
             a->d[r * blocks + b] = d;
             a->ds[r * blocks + b] = _mm_cvtss_f32(_mm_mul_round_ss(_mm_set_ss(d), _mm_set_ss((float)s), RN));
             a->corr[r * blocks + b] = offset * s;
+            a->lo[r * blocks + b] = lo;
         }
     return a;
 #else
@@ -133,7 +144,8 @@ static inline __attribute__((always_inline)) void i8tile(const int fmt, const ui
                                                          float *y, int64_t ldy, const float *bias, int64_t cols,
                                                          const uint8_t *pf, const int R) {
     const int64_t k = a->k, blocks = k / QK, rec = pdserve_qrecord_bytes(fmt);
-    const int64_t head = fmt == WF_Q4_1 ? 4 * PANEL : 2 * PANEL;
+    const int64_t head = pdserve_qcodes_at(fmt);
+    const int k_scales = fmt == WF_Q4_K || fmt == WF_Q5_K || fmt == WF_Q6_K; /* float32 scales, not float16 */
     const __m512i dwords = dword_pattern(), bytes = byte_pattern(), low = _mm512_set1_epi8(15);
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     __m512 acc[GROUP_ROWS];
@@ -142,9 +154,19 @@ static inline __attribute__((always_inline)) void i8tile(const int fmt, const ui
         const uint8_t *rp = p + b * rec, *codes = rp + head;
         if (pf)
             for (int64_t line = 0; line < rec; line += 64) __builtin_prefetch(pf + b * rec + line, 0, 3);
-        __m512i isum[GROUP_ROWS];
-        for (int r = 0; r < R; r++) isum[r] = _mm512_setzero_si512();
-        if (fmt == WF_Q8_0) {
+        __m512i isum[GROUP_ROWS], ilo[GROUP_ROWS];
+        for (int r = 0; r < R; r++) isum[r] = ilo[r] = _mm512_setzero_si512();
+        if (fmt == WF_Q6_K) { /* inputs 0-15 into ilo, 16-31 into isum */
+            for (int g = 0; g < QK / 4; g++) {
+                const __m512i w = transpose(_mm512_loadu_si512(codes + 64 * g), dwords, bytes);
+                for (int r = 0; r < R; r++) {
+                    int32_t qa;
+                    memcpy(&qa, a->q + (r0 + r) * k + b * QK + 4 * g, 4);
+                    if (g < QK / 8) ilo[r] = _mm512_dpbusd_epi32(ilo[r], w, _mm512_set1_epi32(qa));
+                    else isum[r] = _mm512_dpbusd_epi32(isum[r], w, _mm512_set1_epi32(qa));
+                }
+            }
+        } else if (fmt == WF_Q8_0) {
             for (int g = 0; g < QK / 4; g++) {
                 const __m512i w = _mm512_xor_si512(transpose(_mm512_loadu_si512(codes + 64 * g), dwords, bytes), flip);
                 for (int r = 0; r < R; r++) {
@@ -156,7 +178,14 @@ static inline __attribute__((always_inline)) void i8tile(const int fmt, const ui
         } else {
             for (int t = 0; t < QK / 8; t++) {
                 const __m512i v = transpose(_mm512_loadu_si512(codes + 64 * t), dwords, bytes);
-                const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                if (WF_Q5(fmt)) { /* the plane's masks are in the transposed order: each bit widens to 16 */
+                    uint64_t even, odd;
+                    memcpy(&even, codes + 16 * PANEL + 16 * t, 8);
+                    memcpy(&odd, codes + 16 * PANEL + 16 * t + 8, 8);
+                    lo = _mm512_or_si512(lo, _mm512_maskz_set1_epi8(even, 16));
+                    hi = _mm512_or_si512(hi, _mm512_maskz_set1_epi8(odd, 16));
+                }
                 for (int r = 0; r < R; r++) {
                     int32_t even, odd;
                     memcpy(&even, a->q + (r0 + r) * k + b * QK + 8 * t, 4);
@@ -166,16 +195,32 @@ static inline __attribute__((always_inline)) void i8tile(const int fmt, const ui
                 }
             }
         }
-        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)rp));
-        const __m512 mw = fmt == WF_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rp + 2 * PANEL)))
-                                         : _mm512_setzero_ps();
+        const __m512 dw = k_scales ? _mm512_loadu_ps(rp) : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)rp));
+        const __m512 dw2 = fmt == WF_Q6_K ? _mm512_loadu_ps(rp + 4 * PANEL) : dw;
+        const __m512 mw = fmt == WF_Q6_K    ? _mm512_loadu_ps(rp + 8 * PANEL)
+                          : k_scales        ? _mm512_loadu_ps(rp + 4 * PANEL)
+                          : fmt == WF_Q4_1 || fmt == WF_Q5_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rp + 2 * PANEL)))
+                                           : _mm512_setzero_ps();
         for (int r = 0; r < R; r++) {
             const int64_t cell = (r0 + r) * blocks + b;
+            const __m512 da = _mm512_set1_ps(a->d[cell]);
             __m512i iv = isum[r];
-            if (fmt != WF_Q4_1) iv = _mm512_sub_epi32(iv, _mm512_set1_epi32(a->corr[cell]));
-            const __m512 s = _mm512_mul_round_ps(dw, _mm512_set1_ps(a->d[cell]), RN);
-            __m512 t = _mm512_mul_round_ps(s, _mm512_cvtepi32_ps(iv), RN);
-            if (fmt == WF_Q4_1) t = _mm512_add_round_ps(t, _mm512_mul_round_ps(mw, _mm512_set1_ps(a->ds[cell]), RN), RN);
+            if (fmt == WF_Q6_K) { /* the second half's offset: 32 (S - S0) */
+                iv = _mm512_sub_epi32(iv, _mm512_set1_epi32(a->corr[cell] - 32 * a->lo[cell]));
+            } else if (fmt != WF_Q4_1 && fmt != WF_Q5_1 && fmt != WF_Q4_K && fmt != WF_Q5_K) {
+                iv = _mm512_sub_epi32(iv, _mm512_set1_epi32(a->corr[cell]));
+            }
+            __m512 t;
+            if (fmt == WF_Q6_K) {
+                const __m512i i0 = _mm512_sub_epi32(ilo[r], _mm512_set1_epi32(32 * a->lo[cell]));
+                t = _mm512_mul_round_ps(_mm512_mul_round_ps(dw, da, RN), _mm512_cvtepi32_ps(i0), RN);
+                t = _mm512_add_round_ps(t, _mm512_mul_round_ps(_mm512_mul_round_ps(dw2, da, RN), _mm512_cvtepi32_ps(iv), RN),
+                                        RN);
+            } else {
+                t = _mm512_mul_round_ps(_mm512_mul_round_ps(dw, da, RN), _mm512_cvtepi32_ps(iv), RN);
+            }
+            if (fmt == WF_Q4_1 || fmt == WF_Q5_1 || fmt == WF_Q4_K || fmt == WF_Q5_K || fmt == WF_Q6_K)
+                t = _mm512_add_round_ps(t, _mm512_mul_round_ps(mw, _mm512_set1_ps(a->ds[cell]), RN), RN);
             acc[r] = _mm512_add_round_ps(acc[r], t, RN);
         }
     }
@@ -198,13 +243,18 @@ typedef void (*i8tile_fn)(const uint8_t *, const QRows *, int64_t, float *, int6
     I8TILE_FN(F, 6) I8TILE_FN(F, 7) I8TILE_FN(F, 8)
 #define I8TILE_TABLE(F) {i8tile_##F##_1, i8tile_##F##_2, i8tile_##F##_3, i8tile_##F##_4, i8tile_##F##_5, \
     i8tile_##F##_6, i8tile_##F##_7, i8tile_##F##_8}
-I8TILE_ROWS(1) I8TILE_ROWS(2) I8TILE_ROWS(3)
-static const i8tile_fn I8TILES[3][GROUP_ROWS] = {I8TILE_TABLE(1), I8TILE_TABLE(2), I8TILE_TABLE(3)};
+I8TILE_ROWS(1) I8TILE_ROWS(2) I8TILE_ROWS(3) I8TILE_ROWS(5) I8TILE_ROWS(6) I8TILE_ROWS(9) I8TILE_ROWS(10) I8TILE_ROWS(11)
+static const i8tile_fn I8TILES[WF_KINDS][GROUP_ROWS] = {[WF_Q4_0] = I8TILE_TABLE(1), [WF_Q4_1] = I8TILE_TABLE(2),
+                                                        [WF_Q8_0] = I8TILE_TABLE(3), [WF_Q4_K] = I8TILE_TABLE(5),
+                                                        [WF_Q6_K] = I8TILE_TABLE(6), [WF_KMIX] = I8TILE_TABLE(6),
+                                                        [WF_Q5_0] = I8TILE_TABLE(9), [WF_Q5_1] = I8TILE_TABLE(10),
+                                                        [WF_Q5_K] = I8TILE_TABLE(11)};
 #endif
 
 void pdserve_i8_panels(int32_t fmt, const uint8_t *p, const QRows *a, const float *bias, float *y, int64_t n,
                        int64_t q0, int64_t q1) {
 #if HAVE_VNNI
+    if (fmt == WF_KMIX) fmt = WF_Q6_K;
     const int64_t panel_bytes = a->k / QK * pdserve_qrecord_bytes(fmt);
     int64_t mc = MC_BYTES / (a->k > 0 ? a->k : 1) / GROUP_ROWS * GROUP_ROWS;
     if (mc < GROUP_ROWS) mc = GROUP_ROWS;
@@ -215,7 +265,7 @@ void pdserve_i8_panels(int32_t fmt, const uint8_t *p, const QRows *a, const floa
             const uint8_t *panel = p + q * panel_bytes, *next = q + 1 < q1 ? panel + panel_bytes : 0;
             for (int64_t r0 = m0; r0 < m1; r0 += GROUP_ROWS) {
                 const int64_t rows = m1 - r0 < GROUP_ROWS ? m1 - r0 : GROUP_ROWS;
-                I8TILES[fmt - 1][rows - 1](panel, a, r0, y + col, n, bias ? bias + col : 0, cols,
+                I8TILES[fmt][rows - 1](panel, a, r0, y + col, n, bias ? bias + col : 0, cols,
                                            r0 == m0 ? next : 0);
             }
         }

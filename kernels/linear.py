@@ -38,7 +38,8 @@ library's product over the blocks (``NativeOps.qpacked_linear``): bitwise the ``
 the dequantized weight, reading the blocks' bytes. Where the native kernel is not in use the blocks
 are dequantized and the weight takes the kernel asked for, as a float weight would. ``set_int8_activations``
 turns such a product to the int8-activation one (``NativeOps.qpacked_linear(..., int8=True)``,
-``kernels/cpu_qint8.c``: llama.cpp's arithmetic, not the float32 values); products without blocks ignore it.
+``kernels/cpu_qint8.c``: llama.cpp's arithmetic, not the float32 values); products without GGUF blocks (an
+fp8 checkpoint's codes, ``BlockKind.FP8``, included) ignore it.
 ``to_bf16`` turns a native float product into the bfloat16 one (``NativeOps.bf16_linear``,
 ``kernels/cpu_bf16.c``: the weight stored in bfloat16, the activations rounded to bfloat16 at the input,
 float32 sums; ``--dtype bfloat16`` on CPU), which then holds only the bfloat16 panels.
@@ -55,7 +56,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from kernels.gguf_blocks import BlockKind, BlockMatrix
+from kernels.gguf_blocks import INT8_KINDS, BlockKind, BlockMatrix
 from kernels.native_ops import BF16_FORMAT, INT8_FLAG, native_ops
 
 LinearKernel = Literal["plain", "prepacked", "native"]
@@ -186,8 +187,9 @@ class PreparedLinear:
 
     def set_int8_activations(self, on: bool) -> None:
         """Quantize the activations to int8 in the product over the blocks (``on``), or not; a product without
-        blocks stays as it is. Raises ``ValueError`` where this build has no int8 product (no AVX512-VNNI)."""
-        if self.kind is None or self._native is None:
+        GGUF blocks (floats, an fp8 checkpoint's codes) stays as it is. Raises ``ValueError`` where this build
+        has no int8 product (no AVX512-VNNI)."""
+        if self.kind is None or self.kind not in INT8_KINDS or self._native is None:
             return
         if on:
             self._native.require_int8()

@@ -57,7 +57,7 @@ import functools
 import torch
 
 from kernels.cpu_native import load_library, native_available
-from kernels.gguf_blocks import QK, BlockKind, BlockMatrix
+from kernels.gguf_blocks import INT8_KINDS, QK, BlockKind, BlockMatrix
 
 PANEL = 16  # output features per packed panel (cpu_internal.h)
 INT8_FLAG = 0x80  # a format's int8-activation flag (cpu_internal.h's WF_I8)
@@ -186,6 +186,8 @@ class NativeOps:
                              f"outputs")
         x, bias, y = _operands(x, bias, in_features, out_features)
         if int8:
+            if kind not in INT8_KINDS:
+                raise ValueError(f"the int8-activation product takes GGUF blocks, not {kind.name}")
             self.require_int8()
         fmt = kind | (INT8_FLAG if int8 else 0)
         self._qpacked(fmt, packed.data_ptr(), x.data_ptr(), _address(bias), y.data_ptr(), x.shape[0],

@@ -112,17 +112,24 @@ def _llama() -> PreTrainedModel:
     return LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, **{k: v for k, v in COMMON.items()}))
 
 
+def _llama_wide() -> PreTrainedModel:
+    """The Llama with every matrix's input width a multiple of 256 (llama.cpp's K formats need it)."""
+    wide = {**COMMON, "hidden_size": 256, "intermediate_size": 512, "head_dim": 64}
+    return LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, **wide))
+
+
 BUILDERS: dict[str, Callable[[], PreTrainedModel]] = {
     "llama": _llama, "qwen3": _qwen3, "qwen3_moe": _qwen3_moe, "mixtral": _mixtral, "gemma3": _gemma3,
     "gpt_oss": _gpt_oss, "deepseek_v2": _deepseek_v2, "deepseek_v3": _deepseek_v3,
 }
+OTHERS: dict[str, Callable[[], PreTrainedModel]] = {"llama_wide": _llama_wide}  # not a family of its own
 NEW_FAMILIES = ("qwen3", "qwen3_moe", "mixtral", "gemma3", "gpt_oss", "deepseek_v2", "deepseek_v3")
 
 
 def build(family: str, seed: int = 0) -> PreTrainedModel:
     """The family's tiny random model (float32, eval, eager attention), weights as the module says."""
     torch.manual_seed(seed)
-    model = BUILDERS[family]()
+    model = {**BUILDERS, **OTHERS}[family]()
     model.config._attn_implementation = "eager"
     with torch.no_grad():
         for param in model.parameters():

@@ -9,7 +9,8 @@ Mixtral's Q/K rows permuted (``LlamaModel.permute``), Gemma's norms stored as ``
 experts de-interleaved and transposed to ``[out, in]``, its sinks named ``attn_sinks.weight``,
 DeepSeek's ``kv_b_proj`` split per head into ``attn_k_b`` (transposed) and ``attn_v_b``; and a
 byte-level (``gpt2``) vocabulary of the folder's words. Matrices may be quantized with
-``gguf.quants.quantize`` (norms and biases stay float32, as the converter keeps them).
+``gguf.quants.quantize``, or ``tests/kquants.py`` for the K types (norms and biases stay float32, as the
+converter keeps them).
 
 Three things the converter would not write, because these tiny models differ there from every published
 model of their family: the Qwen3-MoE model's dense first layer (``mlp_only_layers``) is written under
@@ -31,6 +32,8 @@ import torch
 from gguf import GGMLQuantizationType
 from safetensors.torch import load_file
 
+from bench.lab.kquants import quantize_any
+
 ARCHITECTURES = {"qwen3": "qwen3", "qwen3_moe": "qwen3moe", "mixtral": "llama", "gemma3": "gemma3",
                  "gpt_oss": "gpt-oss", "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2"}
 # and plain Llama (the layout of most GGUF files, and of the default model), written as its LlamaModel does
@@ -41,9 +44,11 @@ MODEL_TYPES = {"llama": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "mi
 
 
 def write_gguf(folder: Path, path: Path, qtype: GGMLQuantizationType | None = None, only: str = "",
-               kv_b_whole: bool = False) -> Path:
+               kv_b_whole: bool = False, types: dict[str, GGMLQuantizationType] | None = None) -> Path:
     """Convert the HF folder ``folder`` into the GGUF file ``path``; with ``qtype``, every weight matrix
-    (experts' stacks too) whose GGUF name contains ``only`` is stored quantized. ``kv_b_whole``: DeepSeek's
+    (experts' stacks too) whose GGUF name contains ``only`` is stored quantized, in ``types[part]`` instead
+    where the name contains ``part`` (the first such key), as llama.cpp's mixes (Q4_K_M) keep some
+    tensors in another type. ``kv_b_whole``: DeepSeek's
     ``kv_b_proj`` as converters before the ``attn_k_b``/``attn_v_b`` split wrote it (with the per-head
     key and value widths as ``key_length``/``value_length``)."""
     config = json.loads((folder / "config.json").read_text())
@@ -63,9 +68,10 @@ def write_gguf(folder: Path, path: Path, qtype: GGMLQuantizationType | None = No
             gguf_name = dense.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, name
         data = np.ascontiguousarray(tensor.float().numpy())
-        if qtype is not None and data.ndim > 1 and gguf_name.endswith(".weight") and only in gguf_name:
-            quantized = gguf.quants.quantize(data, qtype)
-            writer.add_tensor(gguf_name, quantized, raw_shape=quantized.shape, raw_dtype=qtype)
+        chosen = next((t for part, t in (types or {}).items() if part in gguf_name), qtype)
+        if chosen is not None and data.ndim > 1 and gguf_name.endswith(".weight") and only in gguf_name:
+            quantized = quantize_any(data, chosen)
+            writer.add_tensor(gguf_name, quantized, raw_shape=quantized.shape, raw_dtype=chosen)
         else:
             writer.add_tensor(gguf_name, data)
     writer.write_header_to_file()
@@ -269,3 +275,16 @@ def _deepseek(config: dict[str, Any], tensors: dict[str, torch.Tensor], experts:
             yield name.replace("e_score_correction_bias", "e_score_correction.bias"), tensor
         else:
             yield name, tensor
+
+
+def write_q4_k_m(root: Path) -> Path:
+    """The wide tiny Llama (``tests.families``' ``llama_wide``, saved under ``root / "wide"``) as
+    ``root / "Q4_K_M.gguf"``, mixed as llama.cpp's Q4_K_M mixes: Q4_K, with Q6_K for some layers' V (layer 0
+    here: its fused QKV mixes the two kinds) and every layer's down projection; the embedding in Q6_K, the
+    head in Q4_K."""
+    from tests.families import save
+
+    save("llama_wide", root / "wide")
+    q6_k = GGMLQuantizationType.Q6_K
+    return write_gguf(root / "wide", root / "Q4_K_M.gguf", GGMLQuantizationType.Q4_K,
+                      types={"blk.0.attn_v": q6_k, "ffn_down": q6_k, "token_embd": q6_k})

@@ -3,8 +3,9 @@
 A fused matrix (attention's QKV, the MLP's gate/up) arrives as several Hugging Face tensors, each a
 ``kernels.gguf_blocks.BlockMatrix`` of its rows. ``BlockPieces`` keeps each part with its first row;
 ``finish`` stacks a matrix's parts in row order and hands it to its module (``Prepared.set_blocks``)
-when they are blocks of one kind that fill it, and otherwise (a mixed file: Q in one kind, K and V in
-another) dequantizes each part into its float target.
+when they are blocks that fill it (of one kind, or of several GGUF kinds as ``KMIX`` rows,
+``kernels/kmix.py``), and otherwise (a part in floats, an fp8 part beside GGUF ones) dequantizes each part
+into its float target.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from __future__ import annotations
 import torch
 
 from engine.layers.prepared import Prepared
-from kernels.gguf_blocks import BlockMatrix, cat_rows
+from kernels.gguf_blocks import BlockMatrix
+from kernels.kmix import cat_rows
 
 
 class BlockPieces:

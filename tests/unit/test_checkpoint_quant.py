@@ -19,8 +19,12 @@ from engine.checkpoint_quant import dequantize_fp8, dequantize_mxfp4
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.hf_loader import iter_hf_weights
+from engine.layers.attention import Attention
+from engine.layers.mlp import GatedMLP
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
+from kernels.gguf_blocks import BlockKind
+from kernels.native_ops import native_ops
 from tests.families import MIN_MARGIN, build, clear_margin, hf_greedy, prompt
 from tests.unit.conftest import save_word_tokenizer
 
@@ -28,22 +32,25 @@ FP8_MAX = 448.0
 FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 STEPS = 8
+BLOCKS = {"block": 40, "block32": 32}
 
 
 def _fp8(w: torch.Tensor, scheme: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``w`` as (codes, scale, dequantized) in ``scheme``: ``block`` (40 x 40, partial blocks at the
-    edges), ``channel`` or ``tensor``. Written from the formats' definitions, not from the loader."""
-    if scheme == "block":
-        rows, cols = -(-w.shape[0] // 40), -(-w.shape[1] // 40)
+    edges), ``block32`` (32 x 32), ``channel`` or ``tensor``. Written from the formats' definitions, not
+    from the loader."""
+    if scheme.startswith("block"):
+        b = BLOCKS[scheme]
+        rows, cols = -(-w.shape[0] // b), -(-w.shape[1] // b)
         amax = torch.zeros(rows, cols)
         for i in range(rows):
             for j in range(cols):
-                amax[i, j] = w[40 * i:40 * (i + 1), 40 * j:40 * (j + 1)].abs().max()
+                amax[i, j] = w[b * i:b * (i + 1), b * j:b * (j + 1)].abs().max()
         scale = amax / FP8_MAX
         full = torch.zeros_like(w)
         for i in range(rows):
             for j in range(cols):
-                full[40 * i:40 * (i + 1), 40 * j:40 * (j + 1)] = scale[i, j]
+                full[b * i:b * (i + 1), b * j:b * (j + 1)] = scale[i, j]
     elif scheme == "channel":
         scale = w.abs().amax(dim=1, keepdim=True) / FP8_MAX
         full = scale.expand_as(w)
@@ -91,12 +98,12 @@ def fp8_checkpoint(folder: Path, scheme: str) -> PreTrainedModel:
                 continue
             codes, scale, deq = _fp8(param, scheme)
             tensors[name] = codes
-            tensors[name + ("_scale_inv" if scheme == "block" else "_scale")] = scale.contiguous()
+            tensors[name + ("_scale_inv" if scheme in BLOCKS else "_scale")] = scale.contiguous()
             tensors[name.replace(".weight", ".input_scale")] = torch.tensor(1.0)  # not read: products in fp32
             param.copy_(deq)
     quant: dict[str, Any] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
-    if scheme == "block":
-        quant["weight_block_size"] = [40, 40]
+    if scheme in BLOCKS:
+        quant["weight_block_size"] = [BLOCKS[scheme]] * 2
     _save(model, folder, tensors, quant)
     return model
 
@@ -160,6 +167,52 @@ def test_a_quantized_checkpoint_is_cut_after_dequantizing_at_tp2(tmp_path: Path)
     model = fp8_checkpoint(tmp_path, "block")
     ids = [prompt(n, seed=n) for n in (5, 19)]
     assert _greedy(tmp_path, ids, tensor_parallel_size=2) == [hf_greedy(model, p, STEPS) for p in ids]
+
+
+def _logprob_run(llm: LLM) -> list[tuple[list[int], list[list[tuple[int, float]]]]]:
+    params = SamplingParams(max_tokens=STEPS, temperature=0.0, logprobs=5, ignore_eos=True)
+    outs = llm.generate([prompt(n, seed=n) for n in (5, 19, 40)], params)
+    return [(list(o.token_ids), [t.top for t in o.logprobs or [] if t is not None]) for o in outs]
+
+
+@pytest.mark.skipif(native_ops() is None, reason="the native kernel library cannot be built here")
+@pytest.mark.parametrize("scheme", ["block32", "channel", "tensor", "block"])
+def test_fp8_codes_are_multiplied_as_read_with_the_dequantized_models_bits(tmp_path: Path,
+                                                                           scheme: str) -> None:
+    """Under ``--dtype auto`` on CPU the linears keep their fp8 codes (a byte and an eighth a weight) and
+    the native product gives bitwise the dequantized float32 model's logprobs, in one native call per step
+    and on the per-layer path. 40-wide blocks put two scales in some runs of 32 inputs: those checkpoints
+    are dequantized, as before."""
+    fp8_checkpoint(tmp_path, scheme)
+    kept = LLM(str(tmp_path), num_threads=2)
+    floats = LLM(str(tmp_path), dtype="float32", num_threads=2)
+    try:
+        model, reference = kept.engine.runner.model, floats.engine.runner.model
+        layer = model.decoder_layers()[0]
+        attn, mlp = layer.attn, layer.mlp
+        assert isinstance(attn, Attention) and isinstance(mlp, GatedMLP)
+        linears = [attn.qkv_linear, attn.o_linear, mlp.gate_up_linear, mlp.down_linear]
+        assert kept.engine.config.dtype == "auto"
+        if scheme == "block":
+            assert all(lin.kind is None for lin in linears)
+        else:
+            assert [lin.kind for lin in linears] == [BlockKind.FP8] * 4
+            for lin in linears:
+                assert lin.packed is not None
+                assert lin.packed.numel() == -(-lin.out_features // 16) * 16 * lin.in_features // 32 * 36
+            assert model.execution_path == "one native call per step (every layer fused)"
+            assert model.weight_bytes() < reference.weight_bytes()
+        want = _logprob_run(floats)
+        assert _logprob_run(kept) == want  # tokens and top-5 logprobs, bitwise
+        model.use_native_decoder = reference.use_native_decoder = False
+        assert _logprob_run(kept) == _logprob_run(floats)
+        # int8 activations apply to GGUF blocks only: the fp8 codes keep float32 activations
+        for lin in linears:
+            lin.set_int8_activations(True)
+        assert not model.int8_activations
+    finally:
+        kept.close()
+        floats.close()
 
 
 def test_dequantizers_refuse_shapes_that_do_not_fit() -> None:

@@ -3,7 +3,8 @@
 The kernel's products are compared bitwise with ``int8_reference``, a torch model of the same arithmetic:
 the activations quantized per block of 32 inputs (``d = amax / 127``, ``q = round(x * (127 / amax))``),
 exact integer block sums (float64 sums of products below 2^24), then the float32 steps in the C order,
-each one IEEE rounding (``s = d_w * d_a``, ``t = s * I``, Q4_1's ``t + m_w * (d_a * S)``, the running sum
+each one IEEE rounding (``s = d_w * d_a``, ``t = s * I``, Q4_1's and Q4_K's ``t + m_w * (d_a * S)``, Q6_K's
+two halves of 16 inputs each with its own scale, the running sum
 over the blocks, the bias). Bitwise is the tolerance because every step is a correctly rounded float32
 operation done in the same order on both sides (the kernel uses no FMA there). A served tiny model in int8
 mode gives the float32 mode's greedy tokens where the float32 picks are not near ties, on the one-call
@@ -19,23 +20,35 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
-from gguf.quants import quantize
 
+from bench.lab.kquants import quantize_any
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.models.causal_lm import CausalLM
-from kernels.gguf_blocks import BLOCK_BYTES, QK, BlockKind, BlockMatrix
+from kernels.gguf_blocks import (
+    BLOCK_BYTES,
+    GGUF_KINDS,
+    INT8_KINDS,
+    K_KINDS,
+    QK,
+    BlockKind,
+    BlockMatrix,
+    fp8_matrix,
+    k_parts,
+)
+from kernels.kmix import cat_rows
 from kernels.linear import PreparedLinear
 from kernels.native_ops import native_ops
 from tests.families import agree_up_to_a_near_tie, prompt, save
-from tests.gguf_families import write_gguf
+from tests.gguf_families import write_gguf, write_q4_k_m
 from transfer.compat import check_compatible, compat_hash
 from transfer.errors import IncompatibleKvError
 from transfer.wire import WIRE_VERSION, AgentInfo, KvLayout
 from worker.tp_kv import rank_layout
 
-KINDS = {BlockKind.Q4_0: GGMLQuantizationType.Q4_0, BlockKind.Q4_1: GGMLQuantizationType.Q4_1,
-         BlockKind.Q8_0: GGMLQuantizationType.Q8_0}
+KINDS: dict[BlockKind, GGMLQuantizationType] = {
+    kind: GGMLQuantizationType[kind.name] for kind in GGUF_KINDS}
+LEGACY = [BlockKind.Q4_0, BlockKind.Q4_1, BlockKind.Q8_0]  # the kinds the tiny Llama's widths (64, 96) fit
 
 _ops = native_ops()
 pytestmark = pytest.mark.skipif(_ops is None or not _ops.int8_available,
@@ -55,42 +68,78 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def int8_reference(x: torch.Tensor, matrix: BlockMatrix, bias: torch.Tensor | None) -> torch.Tensor:
     """The int8-activation product of ``x`` ``[m, in]`` and ``matrix`` in torch (the module docstring)."""
     n, k = matrix.shape
-    raw = matrix.rows.reshape(n, k // QK, BLOCK_BYTES[matrix.kind])
-    dw = raw[..., 0:2].contiguous().view(torch.float16).float()[..., 0]  # [n, blocks]
-    start = 4 if matrix.kind == BlockKind.Q4_1 else 2
-    if matrix.kind == BlockKind.Q8_0:
-        weights = raw[..., 2:].contiguous().view(torch.int8).double()
-    else:
-        qs = raw[..., start:]
-        weights = torch.cat([qs & 15, qs >> 4], dim=-1).double()  # elements 0..15, then 16..31
-        if matrix.kind == BlockKind.Q4_0:
-            weights = weights - 8
     qa, da = quantize_rows(x)
-    sums = torch.einsum("mbj,nbj->mnb", qa, weights).float()  # exact: every |sum| < 2^24
-    t = (dw[None] * da[:, None]) * sums
-    if matrix.kind == BlockKind.Q4_1:
-        mw = raw[..., 2:4].contiguous().view(torch.float16).float()[..., 0]
-        t = t + mw[None] * (da * qa.sum(-1).float())[:, None]
+    t = _k_terms(qa, da, matrix) if matrix.kind in K_KINDS else _legacy_terms(qa, da, matrix)
     acc = torch.zeros(x.shape[0], n)
     for b in range(k // QK):
         acc = acc + t[..., b]
     return acc if bias is None else acc + bias
 
 
+def _k_terms(qa: torch.Tensor, da: torch.Tensor, matrix: BlockMatrix) -> torch.Tensor:
+    """Each block's float32 term ``[m, n, blocks]`` for a K format: Q4_K and Q5_K as Q4_1 (float32
+    scales); Q6_K's and KMIX's two halves ``(d_w0 * d_a) * I0 + (d_w1 * d_a) * I1``, then their min's
+    term."""
+    codes, scales, mins = k_parts(matrix.kind, matrix.rows, matrix.shape[1])
+    if matrix.kind in (BlockKind.Q4_K, BlockKind.Q5_K):
+        sums = torch.einsum("mbj,nbj->mnb", qa, codes.double()).float()
+        t = (scales[None, ..., 0] * da[:, None]) * sums
+    else:
+        half = QK // 2
+        weights = codes.double() - 32
+        lo = torch.einsum("mbj,nbj->mnb", qa[..., :half], weights[..., :half]).float()
+        hi = torch.einsum("mbj,nbj->mnb", qa[..., half:], weights[..., half:]).float()
+        t = (scales[None, ..., 0] * da[:, None]) * lo + (scales[None, ..., 1] * da[:, None]) * hi
+    return t + mins[None] * (da * qa.sum(-1).float())[:, None]
+
+
+def _legacy_terms(qa: torch.Tensor, da: torch.Tensor, matrix: BlockMatrix) -> torch.Tensor:
+    n, k = matrix.shape
+    raw = matrix.rows.reshape(n, k // QK, BLOCK_BYTES[matrix.kind])
+    dw = raw[..., 0:2].contiguous().view(torch.float16).float()[..., 0]  # [n, blocks]
+    with_m = matrix.kind in (BlockKind.Q4_1, BlockKind.Q5_1)
+    five = matrix.kind in (BlockKind.Q5_0, BlockKind.Q5_1)
+    start = 4 if with_m else 2
+    if matrix.kind == BlockKind.Q8_0:
+        weights = raw[..., 2:].contiguous().view(torch.int8).double()
+    else:
+        qs = raw[..., start + (4 if five else 0):].to(torch.int64)
+        codes = torch.cat([qs & 15, qs >> 4], dim=-1)  # elements 0..15, then 16..31
+        if five:  # the fifth bits: bit e of a little-endian word
+            word = raw[..., start:start + 4].to(torch.int64)
+            bits = word[..., 0] | word[..., 1] << 8 | word[..., 2] << 16 | word[..., 3] << 24
+            codes = codes | ((bits[..., None] >> torch.arange(QK)) & 1) << 4
+        offset = {BlockKind.Q4_0: 8, BlockKind.Q5_0: 16}.get(matrix.kind, 0)
+        weights = (codes - offset).double()
+    sums = torch.einsum("mbj,nbj->mnb", qa, weights).float()  # exact: every |sum| < 2^24
+    t = (dw[None] * da[:, None]) * sums
+    if with_m:
+        mw = raw[..., 2:4].contiguous().view(torch.float16).float()[..., 0]
+        t = t + mw[None] * (da * qa.sum(-1).float())[:, None]
+    return t
+
+
 def _blocks(kind: BlockKind, out_features: int, in_features: int, seed: int) -> BlockMatrix:
+    if kind == BlockKind.KMIX:  # rows of Q4_K, Q6_K, Q8_0 (codes up to 255) and Q4_0, in turn
+        kinds = (BlockKind.Q4_K, BlockKind.Q6_K, BlockKind.Q8_0, BlockKind.Q4_0)
+        parts = [_blocks(kinds[row % 4], 1, in_features, seed + row) for row in range(out_features)]
+        joined = cat_rows(parts)
+        assert joined is not None and joined.kind == BlockKind.KMIX
+        return joined
     rng = np.random.default_rng(seed)
-    raw = quantize(rng.standard_normal((out_features, in_features), dtype=np.float32), KINDS[kind])
+    raw = quantize_any(rng.standard_normal((out_features, in_features), dtype=np.float32), KINDS[kind])
     return BlockMatrix(kind, torch.from_numpy(raw.copy()), in_features)
 
 
-@pytest.mark.parametrize("kind", list(BlockKind))
+@pytest.mark.parametrize("kind", INT8_KINDS)
 def test_int8_products_are_the_reference_bitwise(kind: BlockKind) -> None:
     assert _ops is not None
     threads = torch.get_num_threads()
     gen = torch.Generator().manual_seed(int(kind))
     try:
         # ragged widths; 8192 inputs: chunks of 32 rows (cpu_qint8.c's MC_BYTES), so 40 rows take two
-        for out_features, in_features in ((40, 64), (3, 32), (100, 160), (3, 8192)):
+        shapes = ((40, 64), (3, 32), (100, 160)) if kind in LEGACY else ((40, 256), (3, 512), (100, 256))
+        for out_features, in_features in (*shapes, (3, 8192)):
             matrix = _blocks(kind, out_features, in_features, seed=out_features)
             packed = _ops.qpack(matrix)
             bias = torch.randn(out_features, generator=gen)
@@ -110,10 +159,11 @@ def test_int8_products_are_the_reference_bitwise(kind: BlockKind) -> None:
         torch.set_num_threads(threads)
 
 
-def test_int8_products_are_close_to_float32() -> None:
+@pytest.mark.parametrize("kind", INT8_KINDS)
+def test_int8_products_are_close_to_float32(kind: BlockKind) -> None:
     """The int8 mode rounds the activations: close to the float32 product, not equal to it."""
     assert _ops is not None
-    matrix = _blocks(BlockKind.Q4_0, 64, 256, seed=7)
+    matrix = _blocks(kind, 64, 256, seed=7)
     packed = _ops.qpack(matrix)
     x = torch.randn(4, 256, generator=torch.Generator().manual_seed(3))
     got = _ops.qpacked_linear(x, packed, matrix.kind, 64, None, int8=True)
@@ -123,11 +173,14 @@ def test_int8_products_are_close_to_float32() -> None:
 
 
 @pytest.fixture(scope="module")
-def llama_files(tmp_path_factory: pytest.TempPathFactory) -> dict[BlockKind, Path]:
-    """The tiny Llama (its head scaled by ``tests.families.HEAD_SCALE``) as a GGUF file of each kept kind."""
+def llama_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The tiny Llama (its head scaled by ``tests.families.HEAD_SCALE``) as a GGUF file of each kind it
+    fits, and the wide one as a Q4_K_M file."""
     root = tmp_path_factory.mktemp("int8")
     save("llama", root / "hf")
-    return {kind: write_gguf(root / "hf", root / f"{kind.name}.gguf", KINDS[kind]) for kind in BlockKind}
+    files = {kind.name: write_gguf(root / "hf", root / f"{kind.name}.gguf", KINDS[kind]) for kind in LEGACY}
+    files["Q4_K_M"] = write_q4_k_m(root)
+    return files
 
 
 def _model(llm: LLM) -> CausalLM:
@@ -145,11 +198,11 @@ def _run(llm: LLM) -> Run:
     return [(o.token_ids, [t.top for t in o.logprobs or [] if t is not None]) for o in outs]
 
 
-@pytest.mark.parametrize("kind", list(BlockKind))
-def test_served_int8_model_picks_the_float32_tokens_away_from_ties(llama_files: dict[BlockKind, Path],
-                                                                   kind: BlockKind) -> None:
-    int8 = LLM(str(llama_files[kind]), num_threads=2, gguf_activations="int8")
-    floats = LLM(str(llama_files[kind]), num_threads=2)
+@pytest.mark.parametrize("name", [kind.name for kind in LEGACY])
+def test_served_int8_model_picks_the_float32_tokens_away_from_ties(llama_files: dict[str, Path],
+                                                                   name: str) -> None:
+    int8 = LLM(str(llama_files[name]), num_threads=2, gguf_activations="int8")
+    floats = LLM(str(llama_files[name]), num_threads=2)
     try:
         model = _model(int8)
         assert model.int8_activations and model.lm_head_linear.int8_activations  # the head's product too
@@ -170,6 +223,28 @@ def test_served_int8_model_picks_the_float32_tokens_away_from_ties(llama_files: 
     finally:
         int8.close()
         floats.close()
+
+
+def test_served_int8_k_quants_take_the_one_call_decoder(llama_files: dict[str, Path]) -> None:
+    """A Q4_K_M file in int8 mode: every product over its blocks (layer 0's QKV mixing Q4_K and Q6_K rows)
+    in one native call per step, bitwise the per-layer path. (The wide random model amplifies any rounding
+    too much for a token comparison with float32: the products' values are held to ``int8_reference``
+    above.)"""
+    int8 = LLM(str(llama_files["Q4_K_M"]), num_threads=2, gguf_activations="int8",
+               enable_prefix_caching=False)
+    try:
+        model = _model(int8)
+        assert model.int8_activations and model.lm_head_linear.kind == BlockKind.Q4_K
+        assert model.execution_path == "one native call per step (every layer fused)"
+        layer = model.decoder_layers()[0]
+        assert layer.attn.qkv_linear.kind == BlockKind.KMIX  # type: ignore[union-attr]
+        assert layer.mlp.down_linear.kind == BlockKind.Q6_K  # type: ignore[union-attr]
+        got = _run(int8)
+        assert all(len(tokens) == 8 for tokens, _ in got)
+        model.use_native_decoder = False
+        assert _run(int8) == got
+    finally:
+        int8.close()
 
 
 def test_int8_activations_are_refused_where_they_cannot_apply() -> None:
@@ -196,6 +271,13 @@ def test_a_cpu_without_vnni_refuses_int8(monkeypatch: pytest.MonkeyPatch) -> Non
         _ops.qpacked_linear(torch.zeros(1, 32), linear.packed, matrix.kind, 16, None, int8=True)
     linear.set_int8_activations(False)
     assert not linear.int8_activations
+
+
+def test_fp8_codes_have_no_int8_product() -> None:
+    assert _ops is not None
+    matrix = fp8_matrix(torch.ones(16, 32).to(torch.float8_e4m3fn), torch.ones(16, 1))
+    with pytest.raises(ValueError, match="FP8"):
+        _ops.qpacked_linear(torch.zeros(1, 32), _ops.qpack(matrix), matrix.kind, 16, None, int8=True)
 
 
 def test_int8_activations_are_part_of_transfer_compatibility() -> None:
