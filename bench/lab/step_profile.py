@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bw-bytes", type=int, default=2 * 1024**3)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--dtype", default="auto",
-                        help="the engine's --dtype (auto: a GGUF's Q4_0/Q4_1/Q8_0 matrices in their blocks)")
+                        help="the engine's --dtype (auto: a GGUF's block matrices as held)")
     parser.add_argument("--gguf-activations", default="float32",
                         help="the products over GGUF blocks: float32, int8, or both (float32,int8: each "
                              "configuration runs in each mode, labelled native/int8 ...)")
