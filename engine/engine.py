@@ -160,7 +160,7 @@ def build_runner(source: ModelSource, config: EngineConfig, group: TpGroup | Non
         logger.info("%s (%s, %d layers): %s", source.config.name, source.config.architecture,
                     source.config.num_layers, net.execution_path)
     if config.gguf_activations == "int8" and not net.int8_activations:
-        logger.warning("--gguf-activations int8: %s keeps no matrix in GGUF Q4_0/Q4_1/Q8_0 blocks; every "
+        logger.warning("--gguf-activations int8: %s keeps no matrix in GGUF blocks; every "
                        "product takes float32 activations", source.config.name)
     return_freed_memory()
     groups = kv_layout(source.config, config.hybrid_kv)
