@@ -5,9 +5,10 @@ widths that are multiples of 256; its 576 is not), so this times a layer of a la
 random weights: by default Llama-3.2-1B's (hidden 2048, 32 query heads and 8 KV heads of 64, intermediate
 8192; ``--shape HIDDEN,HEADS,KV_HEADS,HEAD_DIM,INTERMEDIATE``). Formats: ``float32`` (the packed panels),
 ``bf16`` (``--dtype bfloat16``'s panels), ``Q4_0``, ``Q4_1``, ``Q5_0``, ``Q5_1``, ``Q8_0``, ``Q4_K``,
-``Q5_K``, ``Q6_K`` (every matrix in that type), ``Q4_K_M`` (llama.cpp's mix where a layer gets the more bits: Q and
-K in Q4_K with V in Q6_K, so the fused QKV is ``KMIX``; the output and gate/up in Q4_K, down in Q6_K) and
-``fp8`` (an fp8 checkpoint's e4m3 codes over 128 x 128 block scales, as DeepSeek's, kept as ``FP8``).
+``Q5_K``, ``Q6_K`` (every matrix in that type), ``Q4_K_M`` (llama.cpp's mix where a layer gets the more
+bits: Q and K in Q4_K with V in Q6_K, so the fused QKV is ``KMIX``; the output and gate/up in Q4_K, down
+in Q6_K) and ``fp8`` (an fp8 checkpoint's e4m3 codes over 128 x 128 block scales, as DeepSeek's, kept as
+``FP8``).
 
 For each row count, the layer's products (fused QKV, output, fused gate/up, down) are timed, best of
 ``--repeats``, the formats interleaved so load hits all alike, with float32 activations and, for the block
