@@ -167,6 +167,20 @@ enum { WF_F32 = 0, WF_Q4_0 = 1, WF_Q4_1 = 2, WF_Q8_0 = 3, WF_BF16 = 4 /* cpu_bf1
 /* Q4_0's, Q4_1's and Q4_K's records plus a plane of fifth bits */
 #define WF_Q5(fmt) ((fmt) == WF_Q5_0 || (fmt) == WF_Q5_1 || (fmt) == WF_Q5_K)
 #define WF_BYTE_K(fmt) ((fmt) == WF_Q6_K || (fmt) == WF_KMIX) /* one record layout, one product */
+/* IEEE half to float, exactly (the scalar path and the unpacking) */
+static inline float pdserve_half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 31, man = h & 1023;
+    union { uint32_t u; float f; } c;
+    if (exp == 31) {
+        c.u = sign | 0x7f800000u | man << 13;
+    } else if (exp) {
+        c.u = sign | (exp + 112) << 23 | man << 13;
+    } else {
+        c.f = (float)man * 5.9604644775390625e-8f; /* 2^-24: subnormal halves are exact in float */
+        c.u |= sign;
+    }
+    return c.f;
+}
 /* bytes of one packed record (PANEL features x 32 inputs) of a kind (exported) */
 int64_t pdserve_qrecord_bytes(int32_t fmt);
 /* where a record's codes start, after its scales (float16 d; Q4_1 and Q5_1 also m; Q4_K, Q5_K float32 d and m; Q6_K and

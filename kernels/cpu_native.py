@@ -3,8 +3,8 @@
 The same library holds ``cpu_attention_blocked.c`` (the kernel for prompt chunks), ``cpu_kv_codes.c``
 (a quantized cache's writes, and its rows converted a tile at a time for both),
 ``cpu_attention_mass.c`` (the blocks' attention mass for ``--kv-eviction h2o``), ``cpu_ops.c`` (the
-per-layer small ops and the few-row product;
-``kernels/native_ops.py`` wraps them, as it does ``cpu_packed.c``, ``cpu_qpacked.c``, ``cpu_qint8.c`` and
+per-layer small ops and the few-row product; ``kernels/native_ops.py`` wraps them, as it does
+``cpu_packed.c``, ``cpu_qrecords.c`` (GGUF blocks' records), ``cpu_qpacked.c``, ``cpu_qint8.c`` and
 ``cpu_bf16.c``, the products), ``cpu_decoder.c`` (every layer of a few-row step in one call;
 ``kernels/native_decoder.py``), ``cpu_greedy.c`` (the greedy head's screen;
 ``kernels/greedy_head.py``) and ``cpu_mla.c`` (latent attention's absorbed decode form;
@@ -54,7 +54,7 @@ logger = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("cpu_attention.c", "cpu_attention_blocked.c", "cpu_attention_plan.c",
                              "cpu_attention_mass.c", "cpu_kv_codes.c", "cpu_ops.c", "cpu_packed.c",
-                             "cpu_qpacked.c", "cpu_qint8.c", "cpu_bf16.c",
+                             "cpu_qrecords.c", "cpu_qpacked.c", "cpu_qint8.c", "cpu_bf16.c",
                              "cpu_decoder.c", "cpu_greedy.c", "cpu_mla.c"))
 # included by the sources: part of the build's hash
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_simd.h", "cpu_internal.h"))

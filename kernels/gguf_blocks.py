@@ -12,8 +12,8 @@ slices, row concatenations (fused QKV and gate/up) and row permutations (llama.c
 ``rows`` directly.
 
 ``KMIX`` is no file's type: rows of 32-input sub-blocks of 44 bytes each, a float32 scale per 16 inputs,
-a float32 minimum and 32 byte codes, the native Q6_K records' contents (``kernels/cpu_qpacked.c``), into
-which ``kernels/kmix.py`` converts a fused matrix whose parts differ in kind (llama.cpp's Q4_K_M stores
+a float32 minimum and 32 byte codes, the native Q6_K records' contents (``kernels/cpu_qrecords.c``),
+into which ``kernels/kmix.py`` converts a fused matrix whose parts differ in kind (llama.cpp's Q4_K_M stores
 some layers' V in Q6_K, their Q and K in Q4_K), each part with its own values exactly.
 
 ``FP8`` is no GGUF type either: an fp8 (e4m3) checkpoint's weight (``engine/checkpoint_quant.py``) as rows
@@ -151,7 +151,7 @@ def k_parts(kind: BlockKind, rows: torch.Tensor,
     input l) before the codes, q in 0..31. Q6_K (128 bytes of low nibbles, 64 of high bit pairs, 16 int8
     scales, d): a weight is ``scale * (q - 32)``, ``scale = d * sc`` of its 16 inputs, q in 0..63;
     ``mins`` are zero. KMIX: ``scale * (q - 32) + min``, as stored. These are the values
-    ``kernels/cpu_qpacked.c``'s K records hold."""
+    ``kernels/cpu_qrecords.c``'s K records hold."""
     count = rows.shape[0]
     if kind == BlockKind.KMIX:
         subs = rows.reshape(count, in_features // QK, BLOCK_BYTES[kind])

@@ -160,7 +160,7 @@ class NativeOps:
         return (-(-out_features // PANEL), in_features // QK, self._record_bytes[kind])
 
     def qpack(self, matrix: BlockMatrix) -> torch.Tensor:
-        """``matrix`` in ``cpu_qpacked.c``'s panels of blocks (a new ``uint8`` tensor)."""
+        """``matrix`` in ``cpu_qrecords.c``'s panels of records (a new ``uint8`` tensor)."""
         out_features, in_features = matrix.shape
         raw = matrix.rows.contiguous()
         packed = torch.empty(self.qpacked_shape(matrix.kind, out_features, in_features), dtype=torch.uint8)
