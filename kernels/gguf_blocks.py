@@ -104,8 +104,9 @@ class BlockMatrix:
 
 
 def dequantize_rows(kind: BlockKind, rows: torch.Tensor, in_features: int) -> torch.Tensor:
-    """Raw GGUF rows -> float32 ``[rows, in_features]`` (gguf.quants' arithmetic: float32 ``d * q``, plus
-    ``m`` for Q4_1; the K formats as ``k_parts`` says)."""
+    """Raw GGUF rows -> float32 ``[rows, in_features]`` (gguf.quants' arithmetic: float32
+    ``d * (q - offset)``, plus ``m`` for Q4_1 and Q5_1; the K formats as ``k_parts`` says; FP8 its code times
+    its scale)."""
     count = rows.shape[0]
     if kind == BlockKind.FP8:
         blocks = rows.reshape(count, in_features // QK, BLOCK_BYTES[kind])
@@ -120,24 +121,31 @@ def dequantize_rows(kind: BlockKind, rows: torch.Tensor, in_features: int) -> to
             halves = codes.reshape(*codes.shape[:2], 2, QK // 2) - 32
             values = (scales[..., None] * halves.float()).flatten(-2) + mins[..., None]
         return values.reshape(count, in_features)
-    blocks = rows.reshape(count, in_features // QK, BLOCK_BYTES[kind])
+    q, d, m = block_parts(kind, rows, in_features)
+    offset = {BlockKind.Q4_0: 8, BlockKind.Q5_0: 16}.get(kind, 0)
+    values = d * (q - offset).float()
+    return (values if m is None else values + m).reshape(count, in_features)
+
+
+def block_parts(kind: BlockKind, rows: torch.Tensor,
+                in_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A 32-input kind's rows (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) per block: ``(q, d, m)``, its codes as stored
+    (int32 ``[rows, in / 32, 32]``: Q8_0's signed, Q5's with their fifth bits), ``d`` and ``m`` (Q4_1,
+    Q5_1; else None) as float32 ``[rows, in / 32, 1]``."""
+    blocks = rows.reshape(rows.shape[0], in_features // QK, BLOCK_BYTES[kind])
     d = blocks[..., 0:2].contiguous().view(torch.float16).float()
     if kind == BlockKind.Q8_0:
-        q = blocks[..., 2:].contiguous().view(torch.int8).float()
-        return (q * d).reshape(count, in_features)
-    start = 4 if kind in (BlockKind.Q4_1, BlockKind.Q5_1) else 2
+        return blocks[..., 2:].contiguous().view(torch.int8).to(torch.int32), d, None
+    with_m = kind in (BlockKind.Q4_1, BlockKind.Q5_1)
+    m = blocks[..., 2:4].contiguous().view(torch.float16).float() if with_m else None
+    start = 4 if with_m else 2
     five = kind in (BlockKind.Q5_0, BlockKind.Q5_1)
-    qs = blocks[..., start + (4 if five else 0):]
-    codes = torch.cat([qs & 15, qs >> 4], dim=-1).to(torch.int32)  # elements 0..15, then 16..31
+    qs = blocks[..., start + (4 if five else 0):].to(torch.int32)
+    q = torch.cat([qs & 15, qs >> 4], dim=-1)  # elements 0..15, then 16..31
     if five:  # gguf's (ql | qh << 4): bit e of the little-endian word is element e's fifth bit
         word = blocks[..., start:start + 4].contiguous().view(torch.int32)
-        codes = codes | ((word >> torch.arange(QK, dtype=torch.int32)) & 1) << 4
-    if kind == BlockKind.Q4_0:
-        return (d * (codes - 8).float()).reshape(count, in_features)
-    if kind == BlockKind.Q5_0:
-        return (d * (codes - 16).float()).reshape(count, in_features)
-    m = blocks[..., 2:4].contiguous().view(torch.float16).float()
-    return (d * codes.float() + m).reshape(count, in_features)
+        q = q | ((word >> torch.arange(QK, dtype=torch.int32)) & 1) << 4
+    return q, d, m
 
 
 def k_parts(kind: BlockKind, rows: torch.Tensor,

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.gguf_blocks import BLOCK_BYTES, INT8_KINDS, QK, BlockKind, BlockMatrix, k_parts
+from kernels.gguf_blocks import BLOCK_BYTES, INT8_KINDS, K_KINDS, BlockKind, BlockMatrix, block_parts, k_parts
 
 
 def cat_rows(parts: list[BlockMatrix]) -> BlockMatrix | None:
@@ -55,39 +55,15 @@ def _rows(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, in_feat
     return BlockMatrix(BlockKind.KMIX, rows.contiguous(), in_features)
 
 
-def _half(blocks: torch.Tensor, at: int) -> torch.Tensor:
-    """The float16 at byte ``at`` of each block, as float32 ``[..., 1]``."""
-    return blocks[..., at:at + 2].contiguous().view(torch.float16).float()
-
-
-def _nibbles(qs: torch.Tensor) -> torch.Tensor:
-    """A 32-input block's 16 bytes of codes -> its 32 nibbles (element e < 16 low, e >= 16 high)."""
-    return torch.cat([qs & 15, qs >> 4], dim=-1)
-
-
 def _parts(name: str, rows: torch.Tensor,
            in_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(codes, scales, mins)`` in KMIX's terms (the module docstring): int32 ``[rows, in / 32, 32]``,
     float32 ``[rows, in / 32, 2]`` and ``[rows, in / 32]``."""
-    count = rows.shape[0]
-    if name in ("Q4_K", "Q5_K", "Q6_K"):
-        codes, scales, mins = k_parts(BlockKind[name], rows, in_features)
-        return (codes if name == "Q6_K" else codes + 32), scales, mins
-    size = BLOCK_BYTES[BlockKind[name]]
-    blocks = rows.reshape(count, in_features // QK, size).to(torch.int32)
-    raw = rows.reshape(count, in_features // QK, size)
-    d = _half(raw, 0)
-    zero = torch.zeros_like(d)
-    if name == "Q8_0":
-        q = raw[..., 2:].contiguous().view(torch.int8).to(torch.int32)
-        codes, mins = q + 128, -96 * d
-    elif name in ("Q4_0", "Q4_1"):
-        q = _nibbles(blocks[..., size - 16:])
-        codes, mins = (q + 24, zero) if name == "Q4_0" else (q + 32, _half(raw, 2))
-    else:  # Q5_0, Q5_1: a 32-bit word of fifth bits, then the nibbles
-        start = 2 if name == "Q5_0" else 4
-        high = raw[..., start:start + 4].contiguous().view(torch.int32)  # little-endian, as gguf reads it
-        fifth = (high >> torch.arange(QK, dtype=torch.int32)) & 1
-        q = _nibbles(blocks[..., start + 4:]) | fifth << 4
-        codes, mins = (q + 16, zero) if name == "Q5_0" else (q + 32, _half(raw, 2))
-    return codes, d.expand(-1, -1, 2).contiguous(), mins[..., 0].contiguous()
+    kind = BlockKind[name]
+    if kind in K_KINDS:
+        codes, scales, mins = k_parts(kind, rows, in_features)
+        return (codes if kind == BlockKind.Q6_K else codes + 32), scales, mins
+    q, d, m = block_parts(kind, rows, in_features)
+    shift = {BlockKind.Q4_0: 24, BlockKind.Q5_0: 16, BlockKind.Q8_0: 128}.get(kind, 32)
+    mins = -96 * d if kind == BlockKind.Q8_0 else (m if m is not None else torch.zeros_like(d))
+    return q + shift, d.expand(-1, -1, 2).contiguous(), mins[..., 0].contiguous()
