@@ -435,14 +435,15 @@ class EngineConfig:
                 and self.linear_kernel == "native")
 
     def resolve_auto(self, model: ModelConfig, cpu_runs_bf16: bool,
-                     fp8_codes: bool = False) -> tuple[EngineConfig, str]:
+                     kept_codes: bool = False) -> tuple[EngineConfig, str]:
         """``--dtype auto`` for this model: on CPU a checkpoint that names bfloat16 takes the native
         bfloat16 products (``bf16_products``) where the CPU runs them natively (``cpu_runs_bf16``:
         AVX512-BF16) and nothing else asks for float32 (the native product, no ``--compile-cpu``, float32
-        GGUF activations, an fp8 checkpoint whose codes the float32 products keep: ``fp8_codes``); anything
-        else is as given. Returns the config and why, in words ("" when unchanged)."""
+        GGUF activations, an fp8 or MXFP4 checkpoint whose codes the float32 products keep:
+        ``kept_codes``); anything else is as given. Returns the config and why, in words ("" when
+        unchanged)."""
         if (not cpu_runs_bf16 or self.dtype.lower() != "auto" or torch.device(self.device).type != "cpu"
-                or self.compile_enabled or self.gguf_activations != "float32" or fp8_codes
+                or self.compile_enabled or self.gguf_activations != "float32" or kept_codes
                 or model.checkpoint_dtype not in ("bfloat16", "bf16")):
             return self, ""
         candidate = dataclasses.replace(self, dtype="bfloat16")

@@ -131,8 +131,8 @@ def build_runner(source: ModelSource, config: EngineConfig, group: TpGroup | Non
     """
     check_flag(config.quantization, source.kind, source.quant, source.path)
     ops = native_ops() if config.native_kernels else None
-    fp8 = source.quant is not None and source.quant.method == "fp8"
-    config, why = config.resolve_auto(source.config, ops is not None and ops.bf16_native, fp8)
+    codes = source.quant is not None and source.quant.method in ("fp8", "mxfp4")
+    config, why = config.resolve_auto(source.config, ops is not None and ops.bf16_native, codes)
     if why and (group is None or group.rank == 0):
         logger.info(why)
     size = config.tensor_parallel_size

@@ -8,11 +8,10 @@ as ``1 + w``). This module is the generic part: tensors are dequantized with ``g
 (every type it implements, MXFP4 included; any other is an error naming the tensor and its type) and
 reshaped to the Hugging Face layout (GGUF lists dimensions innermost first); llama.cpp's 3-D expert
 tensors come out as one tensor per expert. ``iter_blocks`` keeps the Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
-Q4_K, Q5_K and Q6_K matrices in their blocks instead (``kernels/gguf_blocks.py``), for a model that
-computes on them. Given a tensor-parallel ``TpShard``, a tensor (or
-expert)
-split by rows is cut before it is dequantized (GGUF rows are whole quantization blocks), one split by
-columns after.
+Q4_K, Q5_K and Q6_K matrices (each expert's of a 3-D stack too) in their blocks instead
+(``kernels/gguf_blocks.py``), for a model that computes on them. Given a tensor-parallel ``TpShard``, a
+tensor (or expert) split by rows is cut before it is dequantized (GGUF rows are whole quantization
+blocks), one split by columns after.
 """
 
 from __future__ import annotations
@@ -157,11 +156,15 @@ def _fixed(reader: GGUFFile, config: ModelConfig, shard: TpShard | None, fmt: Gg
         if target is None:
             continue
         hf_shape = [int(d) for d in reversed(tensor.shape)]
-        matrix = len(hf_shape) == 2 and "{expert}" not in target
+        stack = "{expert}" in target
+        matrix = len(hf_shape) == (3 if stack else 2)
         kind = _blocks(tensor.tensor_type) if keep and matrix else None
         if kind is not None:
-            rows = torch.from_numpy(np.array(tensor.data, dtype=np.uint8, copy=True))
-            yield target, BlockMatrix(kind, fmt.fix(target, rows, config).contiguous(), hf_shape[1])
+            parts = ([(target.replace("{expert}", str(e)), tensor.data[e]) for e in range(hf_shape[0])]
+                     if stack else [(target, tensor.data)])
+            for name, data in parts:
+                rows = torch.from_numpy(np.array(data, dtype=np.uint8, copy=True))
+                yield name, BlockMatrix(kind, fmt.fix(name, rows, config).contiguous(), hf_shape[-1])
             continue
         pieces = [(target, tensor.data, hf_shape)]
         if "{expert}" in target:  # [experts, out, in]: one tensor per expert

@@ -24,7 +24,7 @@ from engine.config import ModelConfig
 from engine.models.hf_config import read_json
 from engine.models.registry import hf_family
 from engine.tensor_parallel import TpShard
-from kernels.gguf_blocks import BlockMatrix
+from kernels.gguf_blocks import BlockMatrix, BlockStack
 
 
 def _check_folder(folder: Path) -> None:
@@ -92,11 +92,12 @@ def iter_hf_weights(folder: str | Path, shard: TpShard | None = None) -> Iterato
     return iter_safetensors_files(files, shard)
 
 
-def iter_hf_blocks(folder: str | Path) -> Iterator[tuple[str, torch.Tensor | BlockMatrix]]:
+def iter_hf_blocks(folder: str | Path) -> Iterator[tuple[str, torch.Tensor | BlockMatrix | BlockStack]]:
     """``iter_hf_weights`` of the whole model, but an fp8 checkpoint's matrices as their codes where
-    ``engine.checkpoint_quant.fp8_blocks`` keeps them (``kernels.gguf_blocks.BlockMatrix``)."""
+    ``engine.checkpoint_quant.fp8_blocks`` keeps them (``kernels.gguf_blocks.BlockMatrix``) and MXFP4
+    experts as Q8_0 rows (``mxfp4_stack``)."""
     quant = read_checkpoint_quant(folder)
-    if quant is None or quant.method != "fp8":
+    if quant is None:
         return iter_hf_weights(folder)
     return dequantized(safetensors_files(folder), quant, None, keep=True)
 

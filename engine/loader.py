@@ -30,7 +30,7 @@ from engine.hf_loader import (
 )
 from engine.tensor_parallel import TpShard
 from engine.tokenizer import Tokenizer
-from kernels.gguf_blocks import BlockMatrix
+from kernels.gguf_blocks import BlockMatrix, BlockStack
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SETUP_SCRIPT = "scripts/setup.sh"
@@ -85,10 +85,12 @@ class ModelSource:
             return cached_gguf_weights(open_gguf(self.path), self.config, shard, weights_cache_dir())
         return iter_hf_weights(self.path, shard)
 
-    def iter_blocks(self, shard: TpShard | None = None) -> Iterator[tuple[str, torch.Tensor | BlockMatrix]]:
-        """``iter_weights``, but a GGUF read whole keeps its Q4, Q5, Q6_K and Q8_0 matrices in
-        their blocks (``BlockMatrix``; not dequantized, not cached: ``engine.gguf_loader.iter_blocks``), and
-        an fp8 checkpoint read whole its matrices' codes (``engine.hf_loader.iter_hf_blocks``)."""
+    def iter_blocks(self, shard: TpShard | None = None
+                    ) -> Iterator[tuple[str, torch.Tensor | BlockMatrix | BlockStack]]:
+        """``iter_weights``, but a GGUF read whole keeps its Q4, Q5, Q6_K and Q8_0 matrices (experts' too)
+        in their blocks (``BlockMatrix``; not dequantized, not cached: ``engine.gguf_loader.iter_blocks``),
+        an fp8 checkpoint read whole its matrices' codes and an MXFP4 one its experts as Q8_0 rows
+        (``engine.hf_loader.iter_hf_blocks``)."""
         if shard is not None and shard.size > 1:
             return self.iter_weights(shard)
         if self.kind == "gguf":

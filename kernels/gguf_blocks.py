@@ -103,6 +103,15 @@ class BlockMatrix:
         return dequantize_rows(self.kind, self.rows.index_select(0, ids.reshape(-1)), self.in_features)
 
 
+@dataclass(frozen=True)
+class BlockStack:
+    """An ``[E, out, in]`` stack of experts' weights, one ``BlockMatrix`` per expert: what a loader yields
+    under a checkpoint's stacked tensor name (gpt-oss's MXFP4 experts) for the family's ``canonical`` to split
+    into per-expert matrices."""
+
+    experts: tuple[BlockMatrix, ...]
+
+
 def dequantize_rows(kind: BlockKind, rows: torch.Tensor, in_features: int) -> torch.Tensor:
     """Raw GGUF rows -> float32 ``[rows, in_features]`` (gguf.quants' arithmetic: float32
     ``d * (q - offset)``, plus ``m`` for Q4_1 and Q5_1; the K formats as ``k_parts`` says; FP8 its code times

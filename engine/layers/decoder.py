@@ -70,14 +70,17 @@ class DecoderLayer(Prepared):
         return DecoderLayerWeights(self.input_norm.data, qkv, bias, o, self.post_norm.data, gate_up, down,
                                    tuple(lin.native_format for lin in linears))
 
-    def block_targets(self, prefix: str) -> dict[str, tuple[Prepared, str, int]]:
-        """Hugging Face name -> (module, matrix, first row) of the matrices that can be built from GGUF
-        blocks (dense attention's and the dense MLP's; ``Prepared.set_blocks``)."""
-        found: dict[str, tuple[Prepared, str, int]] = {}
+    def block_targets(self, prefix: str) -> dict[str, tuple[Prepared, str, int, int | None]]:
+        """Hugging Face name -> (module, matrix, first row, expert or None) of the matrices that can be built
+        from GGUF blocks (dense attention's, the dense MLP's and each expert's; ``Prepared.set_blocks``)."""
+        found: dict[str, tuple[Prepared, str, int, int | None]] = {}
         for module, sub in ((self.attn, "self_attn"), (self.mlp, "mlp")):
             if isinstance(module, (Attention, GatedMLP)):
-                found |= {name: (module, attr, row)
+                found |= {name: (module, attr, row, None)
                           for name, (attr, row) in module.block_targets(f"{prefix}.{sub}").items()}
+            elif isinstance(module, MoE):
+                found |= {name: (module, attr, row, expert)
+                          for name, (attr, row, expert) in module.block_targets(f"{prefix}.{sub}").items()}
         return found
 
     def hf_targets(self, prefix: str) -> dict[str, torch.Tensor]:

@@ -98,16 +98,27 @@ class MoE(Prepared):
         experts = range(self.moe.num_experts)
         b13 = self.b13
         b2 = self.b2 if self.ctx.rank0 else None  # row-parallel: one rank adds it
-        self.w13_linears = [PreparedLinear(self.w13[e], None if b13 is None else b13[e], kernel)
-                            for e in experts]
-        self.w2_linears = [PreparedLinear(self.w2[e], None if b2 is None else b2[e], kernel)
-                           for e in experts]
+        self.w13_linears = [PreparedLinear(self.w13[e], None if b13 is None else b13[e], kernel,
+                                           self.blocks("w13", e)) for e in experts]
+        self.w2_linears = [PreparedLinear(self.w2[e], None if b2 is None else b2[e], kernel,
+                                          self.blocks("w2", e)) for e in experts]
 
     def _matrices(self) -> list[tuple[nn.Parameter, list[PreparedLinear]]]:
         return [(self.router, [self.router_linear]), (self.w13, self.w13_linears), (self.w2, self.w2_linears)]
 
     def _float32_matrices(self) -> list[nn.Parameter]:
         return [self.router]
+
+    def block_targets(self, prefix: str) -> dict[str, tuple[str, int, int]]:
+        """Hugging Face name -> (stack, first row, expert) for the experts' matrices, which take GGUF
+        blocks and checkpoint codes one expert at a time (``Prepared.set_blocks``)."""
+        inter = self.w13.shape[1] // 2
+        found: dict[str, tuple[str, int, int]] = {}
+        for e in range(self.moe.num_experts):
+            p = f"{prefix}.experts.{e}"
+            found |= {f"{p}.gate_proj.weight": ("w13", 0, e), f"{p}.up_proj.weight": ("w13", inter, e),
+                      f"{p}.down_proj.weight": ("w2", 0, e)}
+        return found
 
     def hf_targets(self, prefix: str) -> dict[str, torch.Tensor]:
         self.restore_plain()

@@ -10,7 +10,9 @@ becomes a zero-stride stand-in of its shape, 4 bytes) so the weights are in memo
 and the compiled path read them).
 
 A matrix may arrive in GGUF blocks instead (``set_blocks(name, matrix)`` before the build, with the
-parameter left unfilled): the build hands the blocks to its ``PreparedLinear``, which keeps them packed
+parameter left unfilled; ``set_blocks(name, matrix, expert)`` for one matrix of an ``[E, out, in]`` stack,
+the others left floats or given blocks of their own): the build hands the blocks to its
+``PreparedLinear``, which keeps them packed
 (``kernels/gguf_blocks.py``), and forgets them; from then on the packed copy is the one copy, and
 ``restore_plain`` (or a build that keeps the plain matrices) fills the parameter with their dequantized
 values. Only the native kernel takes blocks (the model dequantizes at load for any other).
@@ -58,16 +60,19 @@ class Prepared(nn.Module):
     def _parts(self) -> list[Prepared]:
         return [m for m in self.children() if isinstance(m, Prepared)]
 
-    def set_blocks(self, name: str, matrix: BlockMatrix) -> None:
-        """Build matrix ``name`` (an attribute of this module) from GGUF blocks at the next build."""
-        if tuple(getattr(self, name).shape) != tuple(matrix.shape):
-            raise ValueError(f"blocks of shape {matrix.shape} for {name} of shape "
-                             f"{tuple(getattr(self, name).shape)}")
-        self.__dict__.setdefault("_pending_blocks", {})[name] = matrix
+    def set_blocks(self, name: str, matrix: BlockMatrix, expert: int | None = None) -> None:
+        """Build matrix ``name`` (an attribute of this module; with ``expert``, that matrix of the stack
+        ``name``) from GGUF blocks at the next build."""
+        param = getattr(self, name)
+        shape = tuple(param.shape if expert is None else param.shape[1:])
+        if shape != tuple(matrix.shape):
+            where = name if expert is None else f"{name}[{expert}]"
+            raise ValueError(f"blocks of shape {matrix.shape} for {where} of shape {shape}")
+        self.__dict__.setdefault("_pending_blocks", {})[(name, expert)] = matrix
 
-    def blocks(self, name: str) -> BlockMatrix | None:
-        """The blocks ``set_blocks`` gave for ``name`` and no build has taken yet."""
-        return self.__dict__.get("_pending_blocks", {}).get(name)
+    def blocks(self, name: str, expert: int | None = None) -> BlockMatrix | None:
+        """The blocks ``set_blocks`` gave for ``name`` (its ``expert``) and no build has taken yet."""
+        return self.__dict__.get("_pending_blocks", {}).get((name, expert))
 
     def prepare_linears(self, kernel: LinearKernel, keep_plain: bool = False, bf16: bool = False) -> None:
         if self._built:  # not the first build: the matrices may be released

@@ -49,7 +49,7 @@ from engine.models.registry import family
 from engine.tensor_parallel import TpShard
 from engine.tp_group import TpGroup
 from kernels.attention import AttentionBackend, AttentionMetadata
-from kernels.gguf_blocks import BlockMatrix
+from kernels.gguf_blocks import BlockMatrix, BlockStack
 from kernels.greedy_head import GreedyHead
 from kernels.linear import LinearKernel, PreparedLinear
 from kernels.native_decoder import DecoderShape, NativeDecoder
@@ -235,7 +235,7 @@ class CausalLM(nn.Module):
         return targets
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | BlockMatrix]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | BlockMatrix | BlockStack]]) -> None:
         """Copy Hugging Face-named tensors in, cast to the model dtype.
 
         Raises ``ValueError`` naming the first unexpected, duplicated or
@@ -248,7 +248,8 @@ class CausalLM(nn.Module):
         block_targets = self._block_targets() if self.takes_blocks else {}
         pieces = BlockPieces()
         loaded: set[str] = set()
-        # families that rename or split tensors get floats only (``takes_blocks``)
+        # families that rename or split tensors get floats only unless their canonical passes blocks on
+        # (``takes_blocks``); a BlockStack comes out split into BlockMatrix experts
         named = cast(Iterable[tuple[str, torch.Tensor | BlockMatrix]],
                      self.family.canonical(cast(Iterable[tuple[str, torch.Tensor]], weights), self.config))
         for name, tensor in named:
@@ -325,22 +326,24 @@ class CausalLM(nn.Module):
     def takes_blocks(self) -> bool:
         """Whether ``load_weights`` keeps GGUF blocks (``kernels.gguf_blocks.BlockMatrix``) as they come:
         float32 CPU weights with the native product on one rank, for a family that reads its tensors as
-        they are named. Blocks it does not keep (other matrices, or when this is False) are dequantized."""
+        they are named or whose ``canonical`` passes blocks on (``ModelFamily.canonical_keeps_blocks``).
+        Blocks it does not keep (other matrices, or when this is False) are dequantized."""
+        names_kept = self.family.canonical is as_is or self.family.canonical_keeps_blocks
         return (self.dtype == torch.float32 and self.linear_kernel == "native" and self.group is None
-                and self.family.canonical is as_is and native_ops() is not None
+                and names_kept and native_ops() is not None
                 and self.embed_tokens.device.type == "cpu")
 
-    def _block_targets(self) -> dict[str, tuple[Prepared, str, int]]:
-        found: dict[str, tuple[Prepared, str, int]] = {}
+    def _block_targets(self) -> dict[str, tuple[Prepared, str, int, int | None]]:
+        found: dict[str, tuple[Prepared, str, int, int | None]] = {}
         for i, layer in enumerate(self.decoder_layers()):
             found |= layer.block_targets(f"model.layers.{i}")
         return found
 
     def _take_blocks(self, name: str, matrix: BlockMatrix,
-                     block_targets: dict[str, tuple[Prepared, str, int]],
+                     block_targets: dict[str, tuple[Prepared, str, int, int | None]],
                      pieces: BlockPieces) -> bool:
-        """Keep ``matrix`` for ``name`` in its blocks (the embedding, the head, dense attention's and MLP's
-        matrices; a fused one's parts gathered in ``pieces``), or say it is not taken."""
+        """Keep ``matrix`` for ``name`` in its blocks (the embedding, the head, dense attention's, the MLP's
+        and the experts' matrices; a fused one's parts gathered in ``pieces``), or say it is not taken."""
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             if name == "model.embed_tokens.weight":
                 self.embed_blocks = matrix
@@ -350,8 +353,8 @@ class CausalLM(nn.Module):
         found = block_targets.get(name)
         if found is None:
             return False
-        module, attr, row = found
-        pieces.add(module, attr, row, name, matrix)
+        module, attr, row, expert = found
+        pieces.add(module, attr, row, name, matrix, expert)
         return True
 
     def _drop_embedding_blocks(self) -> None:

@@ -39,6 +39,9 @@ class ModelFamily:
     model_types: tuple[str, ...]
     config_from_hf: Callable[[dict[str, Any], Path], ModelConfig]
     canonical: Callable[[Weights, ModelConfig], Iterator[tuple[str, torch.Tensor]]] = as_is
+    # ``canonical`` passes on (or splits) the loader's ``BlockMatrix`` and ``BlockStack`` weights, so the
+    # model may keep them (``CausalLM.takes_blocks``); as_is does
+    canonical_keeps_blocks: bool = False
     gguf_architectures: tuple[str, ...] = ()
     norm_offset: bool = False
     sandwich_norms: bool = False

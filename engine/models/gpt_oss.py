@@ -9,18 +9,16 @@ Checkpoints store the experts fused: ``mlp.experts.gate_up_proj`` ``[E, hidden, 
 interleaved along the last dimension, ``down_proj`` ``[E, I, hidden]`` (both input-major), their biases,
 and the router as ``mlp.router``; ``canonical`` splits and transposes them into the layer library's
 per-expert ``[out, in]`` matrices. MXFP4-quantized experts (``*_blocks`` / ``*_scales``) arrive
-dequantized when ``quantization_config`` names mxfp4 (``engine/checkpoint_quant.py``); without it they are
-refused.
+dequantized, or as Q8_0 rows of the same values where the model keeps them, when ``quantization_config``
+names mxfp4 (``engine/checkpoint_quant.py``); without it they are refused.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import Any, cast
 
 from engine.config import ModelConfig, MoeConfig
 from engine.gguf_file import GGUFFile
@@ -28,6 +26,7 @@ from engine.models import gguf_config
 from engine.models.family import ModelFamily, Weights
 from engine.models.gguf_config import LLAMA_LAYERS, GgufFormat
 from engine.models.hf_config import base_fields, layer_types, required
+from kernels.gguf_blocks import BlockStack
 
 
 def gpt_oss_config(raw: dict[str, Any], source: Path) -> ModelConfig:
@@ -45,8 +44,10 @@ def gpt_oss_config(raw: dict[str, Any], source: Path) -> ModelConfig:
                        layer_types=kinds, sliding_window=raw.get("sliding_window") if kinds else None)
 
 
-def gpt_oss_names(weights: Weights, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    for name, tensor in weights:
+def gpt_oss_names(weights: Weights, config: ModelConfig) -> Iterator[tuple[str, Any]]:
+    """The layer library's names and layouts; MXFP4 experts kept as Q8_0 rows (a ``BlockStack``,
+    ``engine/checkpoint_quant.py``) split per expert into ``BlockMatrix`` rows the same way."""
+    for name, tensor in cast(Iterable[tuple[str, Any]], weights):
         if name.endswith(("_blocks", "_scales")):
             raise ValueError(f"{name}: MXFP4 experts in a checkpoint whose config.json has no "
                              f"quantization_config naming mxfp4")
@@ -55,6 +56,14 @@ def gpt_oss_names(weights: Weights, config: ModelConfig) -> Iterator[tuple[str, 
             yield name, tensor
         elif last.startswith("router."):
             yield f"{prefix}.mlp.gate.{last.removeprefix('router.')}", tensor
+        elif last == "experts.gate_up_proj" and isinstance(tensor, BlockStack):  # [E][2I, hidden] rows
+            for e, rows in enumerate(tensor.experts):
+                p = f"{prefix}.mlp.experts.{e}"
+                yield f"{p}.gate_proj.weight", rows.with_rows(rows.rows[0::2].contiguous())
+                yield f"{p}.up_proj.weight", rows.with_rows(rows.rows[1::2].contiguous())
+        elif last == "experts.down_proj" and isinstance(tensor, BlockStack):  # [E][hidden, I] rows
+            for e, rows in enumerate(tensor.experts):
+                yield f"{prefix}.mlp.experts.{e}.down_proj.weight", rows
         elif last == "experts.gate_up_proj":  # [E, hidden, 2I], gate and up interleaved
             for e in range(tensor.shape[0]):
                 yield f"{prefix}.mlp.experts.{e}.gate_proj.weight", tensor[e, :, 0::2].t().contiguous()
@@ -94,5 +103,5 @@ def gpt_oss_gguf_config(reader: GGUFFile, path: Path) -> ModelConfig:
 
 
 GPT_OSS = ModelFamily("gpt_oss", "gpt-oss", ("GptOssForCausalLM",), ("gpt_oss",), gpt_oss_config,
-                      canonical=gpt_oss_names, gguf_architectures=("gpt-oss",),
+                      canonical=gpt_oss_names, canonical_keeps_blocks=True, gguf_architectures=("gpt-oss",),
                       gguf=GgufFormat(gpt_oss_gguf_config, GPT_OSS_GGUF_LAYERS))
