@@ -6,7 +6,9 @@
 of ``dense_intermediate``: by default ``top_k x expert_intermediate``, so a token reads as many parameters
 as in the mixture, the router aside) and ``llama`` (that dense model without q/k norms, the layers the
 engine's one-call native decoder computes). Embeddings are tied, so a decode step reads every weight but
-the experts it is not routed to.
+the experts it is not routed to. ``qwen3_moe_fp8`` is ``qwen3_moe``'s checkpoint with its attention and
+expert matrices stored as fp8 (e4m3) codes with one scale per output channel, as fp8 checkpoints ship
+(``quantization_config``: fp8, ``weight_scale``); under ``--dtype auto`` the engine multiplies the codes.
 
 ``model_dir`` builds a model with transformers from its config (seeded, transformers' own random
 initialisation), saves it with a word-level tokenizer (prompts are token ids anyway) under
@@ -29,7 +31,9 @@ import torch
 
 from engine.loader import cache_root
 
-MODELS = ("qwen3_moe", "qwen3", "llama")
+MODELS = ("qwen3_moe", "qwen3", "llama", "qwen3_moe_fp8")
+QUANTIZED = {"qwen3_moe_fp8": "qwen3_moe"}  # a quantized model -> the model whose weights it quantizes
+FP8_MAX = 448.0
 MAX_POSITIONS = 8192
 
 
@@ -67,6 +71,9 @@ def hf_config(model: str, shape: Shape) -> dict[str, Any]:
         return {**common, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
     if model == "llama":
         return {**common, "architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+    if model in QUANTIZED:
+        return {**hf_config(QUANTIZED[model], shape), "quantization_config": {
+            "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}}
     raise ValueError(f"unknown model {model!r}; choose from {', '.join(MODELS)}")
 
 
@@ -79,11 +86,15 @@ def model_dir(model: str, shape: Shape, seed: int = 0, root: Path | None = None)
     folder = root / f"{model}-{digest}"
     if (folder / "config.json").is_file():
         return folder
+    base = model_dir(QUANTIZED[model], shape, seed, root) if model in QUANTIZED else None
     root.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{model}-", dir=root))  # a crash leaves no half folder behind
     try:
-        _build(fields, seed).save_pretrained(str(staging), safe_serialization=True)
-        _save_word_tokenizer(staging, shape.vocab)
+        if base is not None:
+            _write_fp8(base, staging, fields)
+        else:
+            _build(fields, seed).save_pretrained(str(staging), safe_serialization=True)
+            _save_word_tokenizer(staging, shape.vocab)
         try:
             os.replace(staging, folder)
         except OSError:  # another process saved the same model first
@@ -92,6 +103,27 @@ def model_dir(model: str, shape: Shape, seed: int = 0, root: Path | None = None)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return folder
+
+
+def _write_fp8(base: Path, folder: Path, fields: dict[str, Any]) -> None:
+    """``base``'s checkpoint into ``folder`` with every attention and expert matrix as e4m3 codes and a
+    per-channel ``weight_scale`` (its row's largest magnitude / 448), the rest as saved."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(base / "model.safetensors"))
+    for name in list(tensors):
+        if name.endswith("_proj.weight") and (".experts." in name or ".self_attn." in name):
+            w = tensors[name]
+            scale = (w.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+            tensors[name] = (w / scale).to(torch.float8_e4m3fn)
+            tensors[name.removesuffix("weight") + "weight_scale"] = scale.contiguous()
+    save_file(tensors, str(folder / "model.safetensors"))
+    for path in base.iterdir():
+        if path.name not in ("model.safetensors", "config.json"):
+            shutil.copy(path, folder / path.name)
+    config = json.loads((base / "config.json").read_text())
+    config["quantization_config"] = fields["quantization_config"]
+    (folder / "config.json").write_text(json.dumps(config))
 
 
 def _build(fields: dict[str, Any], seed: int) -> Any:

@@ -8,7 +8,8 @@ timed one by one with ``bench.lab.step_profile``'s harness (``timed_step``: sche
 sampling and output). Per step:
 
 - bytes = the weights a step reads whole (attention, norms, routers, dense MLPs, the tied embedding and
-  LM head) + one expert's products x the distinct experts the step's tokens were routed to, summed over
+  LM head), as they are held (float32 panels, or an fp8 model's codes) + one expert's products x the
+  distinct experts the step's tokens were routed to, summed over
   the mixture layers (counted from the routing itself, ``MoE.on_route``) + the KV bytes of every token
   the step's rows attend over;
 - floor = bytes / the read bandwidth of ``step_profile.read_bandwidth`` (a torch ``sum`` over
@@ -40,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from bench.lab.moe_models import MODELS, Shape, model_dir
+from bench.lab.moe_models import MODELS, QUANTIZED, Shape, model_dir
 from bench.lab.step_profile import read_bandwidth, start_scenario, timed_step, weight_bytes
 from bench.sections import machine, opening, publish
 from engine.config import EngineConfig
@@ -48,6 +49,7 @@ from engine.engine import LLMEngine
 from engine.layers.moe import MoE
 from engine.models.causal_lm import CausalLM
 from engine.models.size import parameter_count
+from kernels.linear import PreparedLinear
 
 BEGIN, END = "<!-- bench-moe-step:begin -->", "<!-- bench-moe-step:end -->"
 ROOT = Path(__file__).resolve().parents[2]
@@ -88,13 +90,33 @@ def mixtures(model: CausalLM) -> list[MoE]:
     return [layer.mlp for layer in model.decoder_layers() if isinstance(layer.mlp, MoE)]
 
 
+def held_bytes(linear: PreparedLinear) -> int:
+    """The bytes a product reads: the records of kept codes (an fp8 checkpoint's, GGUF blocks), else its
+    float32 matrix."""
+    if linear.kind is not None and linear.packed is not None:
+        return linear.packed.numel() * linear.packed.element_size()
+    return linear.out_features * linear.in_features * 4
+
+
+def held_total(engine: LLMEngine) -> int:
+    """``step_profile.weight_bytes`` (every distinct parameter by its shape) with each matrix kept as codes
+    counted as its records."""
+    model = engine.runner.model
+    kept = [lin for lin in model.prepared_linears() if lin.kind is not None]
+    return weight_bytes(engine) + sum(held_bytes(lin) - 4 * lin.out_features * lin.in_features
+                                      for lin in kept)
+
+
 def weight_split(model: CausalLM, total: int) -> WeightSplit:
-    """``total`` (every distinct weight's bytes, ``step_profile.weight_bytes``) split as a step reads it."""
+    """``total`` (the bytes the weights hold, ``held_total``) split as a step reads it: each expert's
+    products as held (float32, or kept codes) and its biases."""
     stacks = expert = 0
     for moe in mixtures(model):
-        stacked = [p for p in (moe.w13, moe.w2, moe.b13, moe.b2) if p is not None]
-        stacks += sum(p.numel() * p.element_size() for p in stacked)
-        expert = sum(p[0].numel() * p.element_size() for p in stacked)
+        biases = [p for p in (moe.b13, moe.b2) if p is not None]
+        per_expert = [held_bytes(a) + held_bytes(b) + sum(p[e].numel() * p.element_size() for p in biases)
+                      for e, (a, b) in enumerate(zip(moe.w13_linears, moe.w2_linears, strict=True))]
+        stacks += sum(per_expert)
+        expert = per_expert[0]
     shared, row = total - stacks, 0
     if model.lm_head is not model.embed_tokens:
         table = model.embed_tokens
@@ -163,6 +185,7 @@ class ModelInfo:
     parameters: int
     active: int
     path: str  # the forward path the engine takes (``CausalLM.execution_path``)
+    held: int = 0  # bytes the weights hold (``held_total``)
 
 
 def kv_read_bytes(engine: LLMEngine) -> int:
@@ -175,7 +198,7 @@ def kv_read_bytes(engine: LLMEngine) -> int:
 def run_row(engine: LLMEngine, name: str, batch: int, context: int, repeats: int, bw_bytes: int) -> Row:
     """``repeats`` decode steps of ``batch`` requests at ``context`` tokens, each timed and floored."""
     model = engine.runner.model
-    split = weight_split(model, weight_bytes(engine))
+    split = weight_split(model, held_total(engine))
     start_scenario(engine, batch, context)
     while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.requests.values()):
         engine.step()
@@ -226,11 +249,14 @@ def render(rows: Sequence[Row], infos: dict[str, ModelInfo], shape: Shape, conte
               f"hidden {s.hidden}, {s.layers} layers, {s.heads} query / {s.kv_heads} KV heads of "
               f"{s.head_dim}, vocabulary {s.vocab:,} (tied). `qwen3_moe`: every layer {s.experts} experts of "
               f"{s.expert_intermediate}, top {s.top_k} (renormalised); `qwen3` and `llama`: a dense MLP of "
-              f"{s.dense_mlp} (`llama` without q/k norms).", "",
+              f"{s.dense_mlp} (`llama` without q/k norms); `qwen3_moe_fp8`: `qwen3_moe`'s attention and "
+              "experts stored as fp8 codes with per-channel scales, served under `--dtype auto` (the codes "
+              "multiplied as stored, 36 bytes per 32 weights; the rest float32). Weights MB: every "
+              "parameter at 4 bytes, a matrix kept as codes at its records' bytes.", "",
               "| model | parameters | active per token | weights MB | forward path |",
               "|---|---:|---:|---:|---|"]
     lines += [f"| {i.name} | {i.parameters / 1e6:.1f} M | {i.active / 1e6:.1f} M | "
-              f"{i.parameters * 4 / 1e6:,.0f} | {i.path} |" for i in infos.values()]
+              f"{i.held / 1e6:,.0f} | {i.path} |" for i in infos.values()]
     lines += ["", f"Decode steps at {context} prompt tokens per request, {WARM_STEPS} warm-up steps, then "
               f"{repeats} steps timed one by one (`bench.lab.step_profile`'s phases summed). Floor = "
               "(weights read whole + one expert's bytes x the distinct experts each mixture layer's tokens "
@@ -297,13 +323,14 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, Shape]:
     return args, shape
 
 
-def engine_for(folder: Path, args: argparse.Namespace, kv_token: int) -> LLMEngine:
-    """A float32 engine with room for the largest batch's KV (``kv_token`` bytes a token) and no more."""
+def engine_for(folder: Path, args: argparse.Namespace, kv_token: int, dtype: str = "float32") -> LLMEngine:
+    """An engine (float32; ``auto`` for a quantized checkpoint, whose codes it keeps) with room for the
+    largest batch's KV (``kv_token`` bytes a token) and no more."""
     block = EngineConfig().block_size
     tokens = args.context + WARM_STEPS + args.repeats + 1
     kv = max(args.batches) * (-(-tokens // block) + 1) * block * kv_token
     return LLMEngine(str(folder), EngineConfig(
-        dtype="float32", enable_prefix_caching=False, max_num_seqs=max(args.batches), kv_cache_memory=kv,
+        dtype=dtype, enable_prefix_caching=False, max_num_seqs=max(args.batches), kv_cache_memory=kv,
         max_num_batched_tokens=max(2048, max(args.batches)), num_threads=args.threads))
 
 
@@ -315,9 +342,11 @@ def main(argv: list[str] | None = None) -> int:
     infos: dict[str, ModelInfo] = {}
     for name in args.models:
         folder = model_dir(name, shape)
-        engine = engine_for(folder, args, 2 * shape.layers * shape.kv_heads * shape.head_dim * 4)
+        engine = engine_for(folder, args, 2 * shape.layers * shape.kv_heads * shape.head_dim * 4,
+                            "auto" if name in QUANTIZED else "float32")
         count = parameter_count(engine.model_config)
-        infos[name] = ModelInfo(name, count.total, count.active, engine.runner.model.execution_path)
+        model = engine.runner.model
+        infos[name] = ModelInfo(name, count.total, count.active, model.execution_path, held_total(engine))
         for batch in args.batches:
             rows.append(run_row(engine, name, batch, args.context, args.repeats, args.bw_bytes))
             print(table(rows[-1:])[-1], flush=True)

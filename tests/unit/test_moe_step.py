@@ -15,6 +15,7 @@ from bench.lab.moe_step import (
     END,
     WeightSplit,
     distinct_experts,
+    held_total,
     main,
     mixtures,
     observing,
@@ -171,3 +172,19 @@ def test_bad_flags_are_refused_by_name(flags: list[str], message: str,
         main(flags)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_an_fp8_checkpoints_experts_count_as_their_codes(tmp_path: Path) -> None:
+    """``qwen3_moe_fp8``: the same model with attention and experts as fp8 codes, served under ``--dtype
+    auto``; an expert reads its records (36 bytes per 32 weights), the rest stays float32."""
+    folder = model_dir("qwen3_moe_fp8", SHAPE, root=tmp_path)
+    engine = LLMEngine(str(folder), EngineConfig(enable_prefix_caching=False, max_num_seqs=8,
+                                                 kv_cache_memory=8 * 1024**2, num_threads=1))
+    total = held_total(engine)
+    split = weight_split(engine.runner.model, total)
+    expert = 64 * 64 // 32 * 36 + 64 * 32 // 32 * 36  # gate/up [64, 64] and down [64, 32]
+    attention = (128 * 64 + 64 * 64) // 32 * 36  # qkv [128, 64] and o [64, 64], per layer
+    assert split.expert == expert
+    assert total == 4 * (MOE_TOTAL - 2 * 49_152 - 2 * 12_288) + 2 * 8 * expert + 2 * attention
+    row = run_row(engine, "qwen3_moe_fp8", batch=1, context=20, repeats=1, bw_bytes=1 << 20)
+    assert row.samples[0].bytes == split.step_bytes([2, 2], 1, 23 * KV_TOKEN)
