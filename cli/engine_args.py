@@ -69,7 +69,13 @@ def _device(text: str) -> str:
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Add the flags that configure an engine (model, memory, scheduler limits). Each flag's dest is
     an ``EngineConfig`` field and its default is that field's default (``engine_config_from_args``)."""
-    from engine.config import ATTENTION_BACKENDS, GGUF_ACTIVATIONS, QUANTIZATION_METHODS, EngineConfig
+    from engine.config import (
+        ATTENTION_BACKENDS,
+        GGUF_ACTIVATIONS,
+        KV_EVICTION_POLICIES,
+        QUANTIZATION_METHODS,
+        EngineConfig,
+    )
     from engine.spec_config import parse_speculative_config
     from kernels.linear import LINEAR_KERNELS
 
@@ -129,16 +135,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="bounded KV for endless sessions: keep only the last N tokens' K/V (whole "
                         "blocks) plus the --kv-sinks first tokens; generation is then not limited by "
                         "the pool (default: off; refused beside a model's own sliding-window layers)")
-    g.add_argument("--kv-eviction", choices=("none", "h2o"), default=d.kv_eviction,
-                   help="h2o: keep each sequence within --kv-budget tokens by freeing, before each chunk, "
-                        "its whole blocks that received the least attention so far, outside the last "
-                        "--kv-recent tokens (the native CPU kernels score the blocks; on CUDA the torch "
-                        "kernel does)")
+    g.add_argument("--kv-eviction", choices=KV_EVICTION_POLICIES, default=d.kv_eviction,
+                   help="keep each sequence within --kv-budget tokens by freeing, before each chunk, whole "
+                        "blocks outside the last --kv-recent tokens by the attention they received so far: "
+                        "h2o the blocks of least attention summed over every layer and head, headwise those "
+                        "no single layer's KV head gives a large share of its attention (the native CPU "
+                        "kernels score the blocks; on CUDA the torch kernel does)")
     g.add_argument("--kv-budget", type=int, default=d.kv_budget, metavar="TOKENS",
-                   help="with --kv-eviction h2o: the KV tokens one sequence may hold")
+                   help="with --kv-eviction h2o or headwise: the KV tokens one sequence may hold")
     g.add_argument("--kv-recent", type=int, default=d.kv_recent, metavar="TOKENS",
-                   help="with --kv-eviction h2o: the last tokens never evicted; half the budget "
-                        "when not given")
+                   help="with --kv-eviction h2o or headwise: the last tokens never evicted; half the "
+                        "budget when not given")
     g.add_argument("--hybrid-kv", action=argparse.BooleanOptionalAction, default=d.hybrid_kv,
                    help="a hybrid model's sliding-window layers keep only the KV blocks their window still "
                         "reads, in KV groups of their own (docs/models.md); --no-hybrid-kv keeps every block")

@@ -345,6 +345,8 @@ class DecodeWorker(WorkerBase):
             "pdserve.preemptions": m.num_preemptions,
             "pdserve.kv.evicted_tokens": m.kv_evicted_tokens,
             "pdserve.kv.kept_fraction": 1.0 - m.kv_evicted_tokens / max(1, m.prompt_tokens + m.output_tokens),
+            "pdserve.kv.head_budget_min": m.kv_head_budget_min,
+            "pdserve.kv.head_budget_max": m.kv_head_budget_max,
             "pdserve.spec.draft_tokens": m.spec_draft_tokens,
             "pdserve.spec.accepted_tokens": m.spec_accepted_tokens,
             "pdserve.spec.acceptance_rate": (m.spec_accepted_tokens / m.spec_draft_tokens

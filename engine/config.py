@@ -35,6 +35,9 @@ ATTENTION_BACKENDS = ("auto", "triton", "flashinfer", "torch")
 QUANTIZATION_METHODS = ("fp8", "mxfp4")
 # the activations of the products over GGUF blocks (EngineConfig.gguf_activations, --gguf-activations)
 GGUF_ACTIVATIONS = ("float32", "int8")
+# what frees a sequence's KV blocks by attention (EngineConfig.kv_eviction, --kv-eviction;
+# engine/kv_eviction.py)
+KV_EVICTION_POLICIES = ("none", "h2o", "headwise")
 
 _DTYPES = {
     "float32": torch.float32,
@@ -281,8 +284,8 @@ class EngineConfig:
     kv_offload_disk_bytes: int = 8 * 1024**3
     kv_sinks: int = 0
     kv_window: int | None = None
-    # heavy-hitter eviction (engine/kv_eviction.py): "none" or "h2o", each sequence's KV budget in tokens
-    # and the recent tokens it always keeps (default: half the budget)
+    # attention-aware eviction (engine/kv_eviction.py): "none", "h2o" or "headwise" (KV_EVICTION_POLICIES),
+    # each sequence's KV budget in tokens and the recent tokens it always keeps (default: half the budget)
     kv_eviction: str = "none"
     kv_budget: int | None = None
     kv_recent: int | None = None
@@ -462,14 +465,15 @@ class EngineConfig:
 
     def _check_eviction(self) -> None:
         """``--kv-eviction`` and its budget: ValueError naming the flag."""
-        if self.kv_eviction not in ("none", "h2o"):
-            raise ValueError(f"--kv-eviction must be none or h2o, got {self.kv_eviction!r}")
+        if self.kv_eviction not in KV_EVICTION_POLICIES:
+            raise ValueError(f"--kv-eviction must be one of {', '.join(KV_EVICTION_POLICIES)}, "
+                             f"got {self.kv_eviction!r}")
         if self.kv_eviction == "none":
             if self.kv_budget is not None or self.kv_recent is not None:
-                raise ValueError("--kv-budget and --kv-recent need --kv-eviction h2o")
+                raise ValueError("--kv-budget and --kv-recent need --kv-eviction h2o or headwise")
             return
         if self.kv_budget is None:
-            raise ValueError("--kv-eviction h2o needs --kv-budget TOKENS")
+            raise ValueError(f"--kv-eviction {self.kv_eviction} needs --kv-budget TOKENS")
         recent = self.kv_recent_tokens
         if recent < 1 or self.kv_budget < recent + 2 * self.block_size:
             raise ValueError(f"--kv-budget ({self.kv_budget}) must exceed --kv-recent ({recent}) by at least "
@@ -477,17 +481,17 @@ class EngineConfig:
         for flag, on in (("--kv-window", self.kv_window is not None),
                          ("--speculative-config", self.speculative_config is not None)):
             if on:
-                raise ValueError(f"--kv-eviction h2o does not combine with {flag}")
+                raise ValueError(f"--kv-eviction {self.kv_eviction} does not combine with {flag}")
 
     @property
     def kv_compression(self) -> str:
         """What frees a running sequence's blocks, as both sides of a KV transfer must agree (a sequence
         handed over keeps being compressed the same way): ``""`` (nothing), ``"window=W,sinks=S"``
-        (``--kv-window``) or ``"h2o,budget=B,recent=R"`` (``--kv-eviction h2o``)."""
+        (``--kv-window``) or ``"<policy>,budget=B,recent=R"`` (``--kv-eviction h2o`` or ``headwise``)."""
         if self.kv_window is not None:
             return f"window={self.kv_window},sinks={self.kv_sinks}"
-        if self.kv_eviction == "h2o":
-            return f"h2o,budget={self.kv_budget},recent={self.kv_recent_tokens}"
+        if self.kv_eviction != "none":
+            return f"{self.kv_eviction},budget={self.kv_budget},recent={self.kv_recent_tokens}"
         return ""
 
     @property

@@ -107,7 +107,7 @@ class Reservation:
 class HeldKv:
     """A finished ``hold_kv`` request's KV, for its handoff (``LLMEngine.held_kv``): every group's table,
     the tokens of the blocks it dropped (a compressed sequence), each group-0 block's attention mass
-    (``--kv-eviction h2o``; empty otherwise)."""
+    (``--kv-eviction``: its ``layers x kv_heads`` masses, block after block; empty otherwise)."""
 
     tables: list[list[int]]
     dropped_tokens: int = 0
@@ -329,7 +329,7 @@ class LLMEngine:
 
     def compressed_bound(self) -> int | None:
         """The most tokens a sequence holds once its prompt is computed, with ``--kv-window`` (sinks, the
-        window and a block, plus the last chunk) or ``--kv-eviction h2o`` (its budget, or its recent
+        window and a block, plus the last chunk) or ``--kv-eviction`` (its budget, or its recent
         window and a block when that is larger); None without either."""
         bs = self.kv.block_size
         if self.kv_window is not None:
@@ -354,11 +354,12 @@ class LLMEngine:
 
     def held_kv(self, request_id: str) -> HeldKv:
         """What a finished ``hold_kv`` request holds, for its handoff: every KV group's table, the tokens
-        its dropped blocks held, and (``--kv-eviction h2o``) group 0's blocks' attention mass."""
+        its dropped blocks held, and (``--kv-eviction``) group 0's blocks' attention mass, each block's
+        ``layers x kv_heads`` masses in table order."""
         tables = self.kv.tables_of(request_id)
         mass: list[float] = []
         if self.eviction is not None and tables[0]:
-            mass = self.eviction.mass[torch.tensor(tables[0], dtype=torch.int64)].tolist()
+            mass = self.eviction.mass[torch.tensor(tables[0], dtype=torch.int64)].flatten().tolist()
         return HeldKv(tables, self.kv.dropped_tokens(request_id), mass)
 
     def cancel_reservation(self, request_id: str) -> None:
@@ -370,7 +371,8 @@ class LLMEngine:
                         block_mass: list[float] | None = None) -> RequestOutput:
         """Run a reserved request whose prompt K/V now fills its blocks, from its first token on; a
         compressed one (``compress_reservation``) goes on with its kept blocks and, under
-        ``--kv-eviction h2o``, the attention mass they had gathered on the prefill worker."""
+        ``--kv-eviction``, the attention mass they had gathered on the prefill worker (``HeldKv.block_mass``:
+        a row of ``layers x kv_heads`` masses per block)."""
         request = self.reserved.pop(request_id)
         n = len(request.prompt_token_ids)
         request.num_computed_tokens = n
@@ -378,9 +380,13 @@ class LLMEngine:
         if self.eviction is not None:
             request.metrics.kv_evicted_tokens = request.kv_dropped_tokens
             if block_mass:
-                table = self.kv.blocks_of(request_id)[: len(block_mass)]
-                self.eviction.mass[torch.tensor(table, dtype=torch.int64)] = torch.tensor(
-                    block_mass[: len(table)], dtype=torch.float32, device=self.eviction.mass.device)
+                width = self.eviction.mass.shape[1]
+                if len(block_mass) % width:
+                    raise ValueError(f"block_mass of {len(block_mass)} values: not rows of {width}")
+                rows = torch.tensor(block_mass, dtype=torch.float32, device=self.eviction.mass.device)
+                table = self.kv.blocks_of(request_id)[: len(block_mass) // width]
+                blocks = torch.tensor(table, dtype=torch.int64)
+                self.eviction.mass[blocks] = rows.view(-1, width)[: len(table)]
         request.metrics.cached_prompt_tokens = max(request.metrics.cached_prompt_tokens, cached_prompt_tokens)
         self.kv.cache_blocks(request_id, request.prompt_token_ids, n)
         request.append_token(first_token, logprobs, self.max_model_len)

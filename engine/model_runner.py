@@ -98,10 +98,11 @@ class ModelRunner:
         self.kv_groups = groups or kv_layout(model_config, engine_config.hybrid_kv)
         self.slots = num_slots(self.kv_groups)
         model.set_kv_groups(self.kv_groups)
-        # --kv-eviction h2o: the attention mass each block received (engine/kv_eviction.py); the scratch
-        # block of padded steps included
-        self.kv_mass = (torch.zeros(num_blocks + 1, dtype=torch.float32, device=self.device)
-                        if engine_config.kv_eviction == "h2o" else None)
+        # --kv-eviction: the attention mass each block received per layer and KV head (engine/kv_eviction.py),
+        # [blocks, layers x kv_heads]; the scratch block of padded steps included
+        self.kv_mass = (torch.zeros(num_blocks + 1, model_config.num_layers * kv_config.num_kv_heads,
+                                    dtype=torch.float32, device=self.device)
+                        if engine_config.kv_eviction != "none" else None)
         self.backends = [self._new_backend() for _ in self.kv_groups]
         self.backend = self.backends[0]
         # the block pool's size; padded decode steps (engine/graph_runner.py) add one block past it, the

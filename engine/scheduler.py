@@ -30,9 +30,9 @@ positions; attention sees the sink blocks, then the kept blocks, so a token
 attends to the sinks and to between ``window`` and ``window + block_size - 1``
 previous tokens. A request's KV stays bounded however long it generates.
 
-Heavy-hitter eviction (``--kv-eviction h2o``, ``engine/kv_eviction.py``): before a request's chunk,
-its blocks of least attention mass outside its recent window are freed until the chunk fits its
-budget, and the chunk is cut to what the budget leaves.
+Attention-aware eviction (``--kv-eviction h2o|headwise``, ``engine/kv_eviction.py``): before a
+request's chunk, its least-attended blocks outside its recent window (by the policy's score) are freed
+until the chunk fits its budget, and the chunk is cut to what the budget leaves.
 
 In-flight prefix dedup (``engine/prefix_wait.py``): a waiting request whose next uncached full blocks (at
 least ``prefix_wait_min_tokens`` tokens of them, by chained hash; 0 turns this
@@ -117,7 +117,7 @@ class Scheduler:
         eviction: KvEviction | None = None,
     ) -> None:
         self.kv_window = kv_window
-        self.eviction = eviction  # --kv-eviction h2o (engine/kv_eviction.py)
+        self.eviction = eviction  # --kv-eviction (engine/kv_eviction.py)
         if preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"--preemption-mode must be recompute or swap, got {preemption_mode!r}")
         if preemption_mode == "swap" and swapper is None:

@@ -4,12 +4,13 @@
  * The attention kernels (cpu_attention.c, cpu_attention_blocked.c) hand out each query row's running max m
  * and sum l (Args.m_out, Args.l_out; row t * num_heads + h). This pass scores every key a row saw again
  * (q already scaled, against the key as the kernel read it: in place, converted from a quantized cache, or
- * the row's own exact key there) and adds exp(s - m) / l, the key's probability, to its block's mass.
- * An item is MASS_SLOTS blocks of one sequence's table: its sums run over the sequence's new tokens, KV
- * heads and query heads in a fixed order, and one thread then adds the items' sums to the blocks in item
- * order, so the masses do not depend on the thread count (and a block in two tables gets both shares).
- * pdserve_attention_mass runs a per-layer call; the one-call decoder (cpu_decoder.c) runs the same items
- * after each layer's attention.
+ * the row's own exact key there) and adds exp(s - m) / l, the key's probability, to its block's mass of
+ * the row's KV head: mass[block * stride + g] (the caller points `mass` at its layer's first KV head, so a
+ * block's row holds every layer's and KV head's mass). An item is MASS_SLOTS blocks of one sequence's
+ * table: its sums run over the sequence's new tokens and each KV head's query heads in a fixed order, and
+ * one thread then adds the items' sums to the blocks in item order, so the masses do not depend on the
+ * thread count (and a block in two tables gets both shares). pdserve_attention_mass runs a per-layer call;
+ * the one-call decoder (cpu_decoder.c) runs the same items after each layer's attention.
  */
 #include <math.h>
 #include <stdint.h>
@@ -20,8 +21,8 @@
 
 #define MASS_KEYS VW /* keys scored together: one vector exp */
 
-/* Item `it`'s blocks' probabilities over every new token, KV head and query head of its sequence, into
- * acc[slot - slot0], in a fixed order. `hd` and `bf16` (the cache's, 0 for a quantized one's converted
+/* Item `it`'s blocks' probabilities over every new token and query head of its sequence, per KV head g,
+ * into acc[(slot - slot0) * kv_heads + g], in a fixed order. `hd` and `bf16` (the cache's, 0 for a quantized one's converted
  * rows) are compile-time constants in each specialisation. */
 static inline __attribute__((always_inline)) void mass_body(const Args *a, const MassItem *it, float *acc, int hd,
                                                             int kb) {
@@ -36,7 +37,7 @@ static inline __attribute__((always_inline)) void mass_body(const Args *a, const
     const int k_lo = it->slot0 * bs, shift = __builtin_ctz((unsigned)bs); /* bs: a power of two */
     float qbuf[MASS_MAX_QPK * MAX_HEAD_DIM] __attribute__((aligned(64))); /* a KV head's query rows */
     float *conv = quant ? pdserve_kv_scratch((int64_t)MASS_KEYS * 2 * hd) : NULL;
-    for (int j = 0; j < it->slot1 - it->slot0; j++) acc[j] = 0.0f;
+    for (int j = 0; j < (it->slot1 - it->slot0) * a->kv_heads; j++) acc[j] = 0.0f;
     for (int tok = 0; tok < q_len; tok++) {
         const int pos = ctx + tok;
         const int k_hi = it->slot1 * bs - 1 < pos ? it->slot1 * bs - 1 : pos; /* last key of the item it sees */
@@ -80,7 +81,7 @@ static inline __attribute__((always_inline)) void mass_body(const Args *a, const
                         dots[j] = dot;
                     }
                     const vw e = expw(reducew(dots) - m[i]) * inv[i];
-                    for (int j = 0; j < n; j++) acc[((p0 + j) >> shift) - it->slot0] += e[j];
+                    for (int j = 0; j < n; j++) acc[(((p0 + j) >> shift) - it->slot0) * a->kv_heads + g] += e[j];
                 }
             }
         }
@@ -98,7 +99,7 @@ int pdserve_mass_plan(const Args *a, int32_t num_seqs, MassPlan *plan) {
         items += (a->seq_lens[s] + MASS_SLOTS * a->block_size - 1) / (MASS_SLOTS * a->block_size);
     }
     *plan = (MassPlan){(MassItem *)malloc((size_t)(items + 1) * sizeof(MassItem)),
-                       (float *)malloc((size_t)(items + 1) * MASS_SLOTS * sizeof(float)), items, NULL};
+                       (float *)malloc((size_t)(items + 1) * MASS_SLOTS * a->kv_heads * sizeof(float)), items, NULL};
     if (!plan->items || !plan->sums) {
         pdserve_mass_free(plan);
         return -5;
@@ -125,14 +126,19 @@ void pdserve_mass_free(MassPlan *plan) {
 }
 
 void pdserve_mass_work(const Args *a, const MassPlan *plan, int64_t i) {
-    plan->item(a, &plan->items[i], plan->sums + i * MASS_SLOTS);
+    plan->item(a, &plan->items[i], plan->sums + i * MASS_SLOTS * a->kv_heads);
 }
 
-void pdserve_mass_add(const Args *a, const MassPlan *plan, float *mass) {
+void pdserve_mass_add(const Args *a, const MassPlan *plan, float *mass, int64_t stride) {
+    const int kvh = a->kv_heads;
     for (int64_t i = 0; i < plan->num_items; i++) {
         const MassItem *it = &plan->items[i];
         const int32_t *table = a->block_tables + (int64_t)it->seq * a->table_width;
-        for (int slot = it->slot0; slot < it->slot1; slot++) mass[table[slot]] += plan->sums[i * MASS_SLOTS + slot - it->slot0];
+        const float *sums = plan->sums + i * MASS_SLOTS * kvh;
+        for (int slot = it->slot0; slot < it->slot1; slot++) {
+            float *row = mass + (int64_t)table[slot] * stride;
+            for (int g = 0; g < kvh; g++) row[g] += sums[(slot - it->slot0) * kvh + g];
+        }
     }
 }
 
@@ -140,7 +146,8 @@ int pdserve_attention_mass(const void *q, int64_t q_token_stride, const void *kv
                            const int32_t *seq_lens, const int32_t *block_tables, int32_t num_seqs,
                            int32_t table_width, int32_t num_heads, int32_t kv_heads, int32_t head_dim,
                            int32_t block_size, float scale, int32_t dtype, const float *scales, const float *k_new,
-                           const float *m_rows, const float *l_rows, float *mass, int32_t num_threads) {
+                           const float *m_rows, const float *l_rows, float *mass, int64_t mass_stride,
+                           int32_t num_threads) {
     if (head_dim <= 0 || head_dim % 16 != 0 || head_dim > MAX_HEAD_DIM) return -1;
     if (kv_heads <= 0 || num_heads % kv_heads != 0 || num_heads / kv_heads > MASS_MAX_QPK) return -2;
     if (block_size <= 0 || (block_size & (block_size - 1)) != 0) return -3;
@@ -154,7 +161,7 @@ int pdserve_attention_mass(const void *q, int64_t q_token_stride, const void *kv
     if (threads > plan.num_items) threads = (int)(plan.num_items > 0 ? plan.num_items : 1);
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (int64_t i = 0; i < plan.num_items; i++) pdserve_mass_work(&args, &plan, i);
-    pdserve_mass_add(&args, &plan, mass);
+    pdserve_mass_add(&args, &plan, mass, mass_stride);
     pdserve_mass_free(&plan);
     return 0;
 }

@@ -101,7 +101,8 @@ int pdserve_decoder_f32(const int64_t *layer_weights, int32_t num_layers, void *
         free(slots);
         return -5;
     }
-    /* --kv-eviction h2o: each row's softmax max and sum, then the blocks' mass (cpu_attention_mass.c) */
+    /* --kv-eviction: each row's softmax max and sum, then the blocks' mass per layer and KV head (`mass`:
+     * [blocks, num_layers * kv_heads], cpu_attention_mass.c) */
     float *stats = mass ? (float *)malloc((size_t)(2 * T * num_heads) * sizeof(float)) : NULL;
     MassPlan mplan = {NULL, NULL, 0, NULL};
     if (mass) {
@@ -170,7 +171,7 @@ int pdserve_decoder_f32(const int64_t *layer_weights, int32_t num_layers, void *
                 la.scales = layer_scales;
                 for (int64_t i = t; i < mplan.num_items; i += nt) pdserve_mass_work(&la, &mplan, i);
 #pragma omp barrier
-                if (t == 0) pdserve_mass_add(&la, &mplan, mass);
+                if (t == 0) pdserve_mass_add(&la, &mplan, mass + (int64_t)layer * kv_heads, (int64_t)num_layers * kv_heads);
             }
             pdserve_any_panels(FORMAT(lw, 1), (const void *)lw[W_O], attn, 0, delta, T, H, q_width, h0, h1);
 #pragma omp barrier

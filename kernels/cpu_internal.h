@@ -113,9 +113,10 @@ INTERNAL void pdserve_kv_write_task(const KvWrite *w, const int64_t *slots, cons
  * memory runs out */
 INTERNAL float *pdserve_kv_scratch(int64_t floats);
 
-/* cpu_attention_mass.c: the blocks' attention mass (its header comment has the arithmetic). A call's items
- * are MASS_SLOTS table slots of one sequence each; each item's sums land in its own MASS_SLOTS floats of
- * `sums`, and pdserve_mass_add adds them to the blocks in item order (one thread). */
+/* cpu_attention_mass.c: the blocks' attention mass per KV head (its header comment has the arithmetic). A
+ * call's items are MASS_SLOTS table slots of one sequence each; each item's sums land in its own
+ * MASS_SLOTS x kv_heads floats of `sums`, and pdserve_mass_add adds them to the blocks' rows (`stride`
+ * floats apart, KV head g at + g) in item order (one thread). */
 #define MASS_SLOTS 8
 #define MASS_MAX_QPK 64 /* query heads per KV head the pass takes */
 typedef struct {
@@ -132,7 +133,7 @@ typedef struct {
 INTERNAL int pdserve_mass_plan(const Args *a, int32_t num_seqs, MassPlan *plan);
 INTERNAL void pdserve_mass_free(MassPlan *plan);
 INTERNAL void pdserve_mass_work(const Args *a, const MassPlan *plan, int64_t i);
-INTERNAL void pdserve_mass_add(const Args *a, const MassPlan *plan, float *mass);
+INTERNAL void pdserve_mass_add(const Args *a, const MassPlan *plan, float *mass, int64_t stride);
 
 /* cpu_ops.c: the pieces of its kernels, for callers that already run inside an OpenMP team */
 /* one row: h += d (d may be NULL), o = rms_norm(h) * wt */

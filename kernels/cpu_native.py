@@ -2,7 +2,7 @@
 
 The same library holds ``cpu_attention_blocked.c`` (the kernel for prompt chunks), ``cpu_kv_codes.c``
 (a quantized cache's writes, and its rows converted a tile at a time for both),
-``cpu_attention_mass.c`` (the blocks' attention mass for ``--kv-eviction h2o``), ``cpu_ops.c`` (the
+``cpu_attention_mass.c`` (the blocks' attention mass for ``--kv-eviction``), ``cpu_ops.c`` (the
 per-layer small ops and the few-row product; ``kernels/native_ops.py`` wraps them, as it does
 ``cpu_packed.c``, ``cpu_qrecords.c`` (GGUF blocks' records), ``cpu_qpacked.c``, ``cpu_qint8.c`` and
 ``cpu_bf16.c``, the products), ``cpu_decoder.c`` (every layer of a few-row step in one call;
@@ -149,7 +149,8 @@ def load_library() -> ctypes.CDLL | None:
         ctypes.c_int32, ctypes.c_int32,  # num_seqs, table width
         ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32,  # heads, kv heads, head_dim, block
         ctypes.c_float, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p,  # scale, dtype, scales, new K
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32,  # max, sum, mass, threads
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,  # max, sum, mass, its stride
+        ctypes.c_int32,  # threads
     ]
     write = lib.pdserve_kv_write
     write.restype = ctypes.c_int32
@@ -241,11 +242,12 @@ class NativeCpuAttentionBackend:
     ``num_threads`` defaults to ``torch.get_num_threads()`` at each call. Layers with a sliding window,
     sinks or a softcap go to the torch reference too (``features`` is empty).
 
-    ``mass`` (``--kv-eviction h2o``, ``engine/kv_eviction.py``): float32 ``[num_blocks]``, to which every
-    layer adds the attention probability each block's keys received, as ``TorchAttentionBackend`` does:
-    the kernels hand out each row's softmax max and sum and ``cpu_attention_mass.c`` scores the keys
-    again; a block written from its first row starts again from zero. Layers the torch reference takes
-    score there, on the same tensor.
+    ``mass`` (``--kv-eviction``, ``engine/kv_eviction.py``): float32 ``[num_blocks, layers x kv_heads]``,
+    to which every layer adds, in its columns, the attention probability each block's keys received from
+    each KV head's query heads, as ``TorchAttentionBackend`` does (``mass_layer`` counts the layers since
+    ``prepare``): the kernels hand out each row's softmax max and sum and ``cpu_attention_mass.c`` scores
+    the keys again; a block written from its first row starts again from zero. Layers the torch reference
+    takes score there, on the same tensor and layer.
     """
 
     features: frozenset[str] = frozenset()
@@ -261,6 +263,7 @@ class NativeCpuAttentionBackend:
                                  or not mass.is_contiguous()):
             raise ValueError("the attention mass must be a contiguous float32 CPU tensor")
         self.mass = mass
+        self.mass_layer = 0
         self._num_threads = num_threads
         self._meta: AttentionMetadata | None = None
         self._write_rows = torch.empty(0, dtype=torch.int64)
@@ -287,6 +290,7 @@ class NativeCpuAttentionBackend:
         self._seq_lens = meta.seq_lens.to("cpu", torch.int32).contiguous()
         self._block_tables = meta.block_tables.to("cpu", torch.int32).contiguous()
         self._meta = meta
+        self.mass_layer = 0
         if self.mass is not None:  # the fallback resets the mass of blocks written from their first row
             self._fallback.prepare(meta)
             self._fallback_meta = meta
@@ -331,6 +335,8 @@ class NativeCpuAttentionBackend:
             if self._fallback_meta is not meta:
                 self._fallback.prepare(meta)
                 self._fallback_meta = meta
+            self._fallback.mass_layer = self.mass_layer
+            self.mass_layer += 1
             return self._fallback.forward(q, k, v, kv_layer, scale, kv_scales, window=window, sinks=sinks,
                                           softcap=softcap)
         bs = meta.block_size
@@ -372,16 +378,21 @@ class NativeCpuAttentionBackend:
             raise RuntimeError(f"native paged attention failed with code {status}")
         if stats is not None:
             self._add_mass(qc, kv_layer, step, shape, scale, code, extra, stats, threads)
+        self.mass_layer += 1
         return out if out.dtype == q.dtype else out.to(q.dtype)
 
     def _add_mass(self, qc: torch.Tensor, kv_layer: torch.Tensor, step: tuple[int, ...],
                   shape: tuple[int, ...], scale: float, code: int, extra: tuple[int | None, ...],
                   stats: torch.Tensor, threads: int) -> None:
-        """Each block's share of this layer's attention probabilities, added to ``mass``."""
+        """Each block's share of this layer's attention probabilities per KV head, added to its columns of
+        ``mass``."""
         assert self.mass is not None
+        kv_heads, width = shape[1], self.mass.shape[1]
+        first = self.mass_layer % (width // kv_heads) * kv_heads
         status = self._mass_kernel(
             qc.data_ptr(), qc.stride(0), kv_layer.data_ptr(), *step, *shape, scale, code, extra[0],
-            extra[1], stats[0].data_ptr(), stats[1].data_ptr(), self.mass.data_ptr(), threads,
+            extra[1], stats[0].data_ptr(), stats[1].data_ptr(), self.mass.data_ptr() + 4 * first, width,
+            threads,
         )
         if status != 0:
             raise RuntimeError(f"native attention mass failed with code {status}")

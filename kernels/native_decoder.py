@@ -18,7 +18,8 @@ Contract:
   hidden states, a contiguous cache of this model's shape in float32 or quantized (int8, fp8 or int4 with
   its contiguous scales, written and read as ``kernels/cpu_kv_codes.c`` does for the per-op path), and
   the ``NativeCpuAttentionBackend`` prepared for the step (``paged_arrays``). A backend with ``mass``
-  (``--kv-eviction h2o``) gets each layer's block scores added in the call, bitwise the per-op path's.
+  (``--kv-eviction``: ``[blocks, layers x kv_heads]``) gets each layer's block scores per KV head added
+  in the call, bitwise the per-op path's.
 - Weights: the four matrices packed (``NativeOps.pack``, ``NativeOps.qpack`` for a matrix kept in its
   GGUF blocks, or ``NativeOps.pack_bf16``, as the layers' ``PreparedLinear`` holds them, each with its
   ``native_format``; bitwise the same products, the int8-activation and bfloat16 ones included),
@@ -187,6 +188,9 @@ class NativeDecoder:
         mass = backend.mass if isinstance(backend, NativeCpuAttentionBackend) else None
         if arrays is None:
             raise RuntimeError("the native decoder needs the native attention backend, prepared for the step")
+        if mass is not None and mass.shape[1] != self.num_layers * self.shape.num_kv_heads:
+            raise ValueError(f"attention mass of {mass.shape[1]} columns for {self.num_layers} layers of "
+                             f"{self.shape.num_kv_heads} KV heads")
         meta, write_rows, query_start_loc, seq_lens, block_tables = arrays
         s = self.shape
         tokens = hidden.shape[0]

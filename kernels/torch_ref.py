@@ -30,11 +30,13 @@ product-softmax-product in float32 instead of SDPA (a sink is one more logit col
 whose value is zero). Gathers land in a workspace that is reused across layers and
 steps, since fresh multi-megabyte allocations page-fault on CPU.
 
-Attention mass (``mass``, for ``--kv-eviction h2o``, ``engine/kv_eviction.py``): when the backend is
-given a float32 ``[num_blocks]`` tensor, every layer forms its product explicitly and adds, per
-cached key, the probability every query head of the step gave it (summed over layers, heads and
-queries) to the key's block; a block written from its first row in a step starts again from zero.
-Over a quantized cache a prompt chunk's own exact keys count for the blocks their positions lie in.
+Attention mass (``mass``, for ``--kv-eviction``, ``engine/kv_eviction.py``): when the backend is
+given a float32 ``[num_blocks, layers x kv_heads]`` tensor, every layer forms its product explicitly and
+adds, per cached key, the probability the query heads of each KV head gave it (summed over those query
+heads and the step's queries) to the key's block, in the column ``layer x kv_heads + kv_head``; a block
+written from its first row in a step starts again from zero. The layer is the count of ``forward`` calls
+since ``prepare`` (``mass_layer``: the model calls every layer once a step, in order). Over a quantized
+cache a prompt chunk's own exact keys count for the blocks their positions lie in.
 """
 
 from __future__ import annotations
@@ -224,8 +226,10 @@ class TorchAttentionBackend:
     features = frozenset({"window", "sinks", "softcap"})
 
     def __init__(self, mass: torch.Tensor | None = None) -> None:
-        # attention mass per block (``engine/kv_eviction.py``): float32 ``[num_blocks]``, or None
+        # attention mass per block, layer and KV head (``engine/kv_eviction.py``): float32
+        # ``[num_blocks, layers x kv_heads]``, or None; ``mass_layer``: the layer the next forward scores
         self.mass = mass
+        self.mass_layer = 0
         self._meta: AttentionMetadata | None = None
         self._groups: list[_Group] = []
         self._write_rows = torch.empty(0, dtype=torch.int64)
@@ -239,6 +243,7 @@ class TorchAttentionBackend:
         self._write_rows = torch.div(slots, bs, rounding_mode="floor") * (2 * bs) + slots % bs
         self._slots = slots
         self._meta = meta
+        self.mass_layer = 0
         if self.mass is not None:  # a block written from its first row has a new owner: its mass restarts
             fresh = torch.div(slots[slots % bs == 0], bs, rounding_mode="floor")
             self.mass.index_fill_(0, fresh.to(self.mass.device), 0.0)
@@ -295,6 +300,14 @@ class TorchAttentionBackend:
         sinks: torch.Tensor | None = None,
         softcap: float | None = None,
     ) -> torch.Tensor:
+        try:
+            return self._forward(q, k, v, kv_layer, scale, kv_scales, window, sinks, softcap)
+        finally:
+            self.mass_layer += 1
+
+    def _forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
+                 scale: float, kv_scales: torch.Tensor | None, window: int | None,
+                 sinks: torch.Tensor | None, softcap: float | None) -> torch.Tensor:
         if self._meta is None:
             raise RuntimeError("TorchAttentionBackend.forward called before prepare")
         if window is not None and window < 1:
@@ -373,7 +386,7 @@ class TorchAttentionBackend:
             return _grouped_sdpa(q, kv[0], kv[1], mask, n, q_len, scale, features)
         probs: list[torch.Tensor] = []
         out = _grouped_sdpa(q, kv[0], kv[1], mask, n, q_len, scale, features, probs)
-        self._add_mass(group, probs[0].sum(dim=(1, 2)), block_size)
+        self._add_mass(group, probs[0].sum(dim=2), block_size)
         return out
 
     def _attend_own_exact(self, group: _Group, q: torch.Tensor, kv: torch.Tensor,
@@ -391,17 +404,23 @@ class TorchAttentionBackend:
             return _grouped_sdpa(q, keys, values, mask, n, q_len, scale, features)
         probs: list[torch.Tensor] = []
         out = _grouped_sdpa(q, keys, values, mask, n, q_len, scale, features, probs)
-        per_key = probs[0].sum(dim=(1, 2))  # [n, max_len + q_len]
-        cached = per_key[:, : group.max_len].float().scatter_add(1, group.positions(),
-                                                                  per_key[:, group.max_len :].float())
+        per_key = probs[0].sum(dim=2)  # [n, kv_heads, max_len + q_len]
+        own_at = group.positions()[:, None, :].expand(-1, kv_heads, -1)
+        cached = per_key[..., : group.max_len].float().scatter_add(2, own_at,
+                                                                   per_key[..., group.max_len :].float())
         self._add_mass(group, cached, block_size)
         return out
 
     def _add_mass(self, group: _Group, per_key: torch.Tensor, block_size: int) -> None:
-        """Add each cached key's probability (``[n, max_len]``) to the block its row lies in."""
+        """Add each cached key's probability per KV head (``[n, kv_heads, max_len]``) to the block its row
+        lies in, in this layer's columns."""
         assert self.mass is not None
+        kv_heads = per_key.shape[1]
+        layer = self.mass_layer % (self.mass.shape[1] // kv_heads)
         blocks = torch.div(group.rows, 2 * block_size, rounding_mode="floor")
-        self.mass.index_add_(0, blocks.reshape(-1), per_key.reshape(-1).to(self.mass.dtype))
+        columns = self.mass[:, layer * kv_heads : (layer + 1) * kv_heads]
+        per_row = per_key.permute(0, 2, 1).reshape(-1, kv_heads).to(self.mass.dtype)
+        columns.index_add_(0, blocks.reshape(-1), per_row)
 
     @staticmethod
     def _put_fresh(group: _Group, kv: torch.Tensor, fresh: tuple[torch.Tensor, torch.Tensor]) -> None:

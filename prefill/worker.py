@@ -8,7 +8,7 @@ Contract with the decode side (docs/architecture.md, "One request, hop by hop"):
   K/V (``ceil(prompt_len / block_size)`` blocks; the first token's K/V is not
   computed here). A sequence compressed while it ran (``--kv-window``,
   ``--kv-eviction``) is handed over as it is: its kept blocks, the tokens it
-  dropped and (H2O) its blocks' attention mass. Errors come back as a
+  dropped and (H2O, head-wise) its blocks' attention mass. Errors come back as a
   ``WorkerError``, never raised across Ray.
   The router does not wait for the result: it hands the call's ``ObjectRef`` to
   the decode worker, which awaits it, pulls the blocks and streams the tokens.

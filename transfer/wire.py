@@ -177,7 +177,9 @@ class KvHandle(msgspec.Struct, frozen=True):
     # handoff; ``block_ids`` then lists the kept blocks in table order, ``num_tokens - dropped_tokens``
     # tokens (positions stay the tokens' own: K is stored after rotary)
     dropped_tokens: int = 0
-    block_mass: list[float] = []  # --kv-eviction h2o: each block's attention mass so far, as block_ids
+    # --kv-eviction: each block's attention mass so far per layer and KV head (layers x kv_heads values a
+    # block, in block_ids' order)
+    block_mass: list[float] = []
 
 
 class TransferStats(msgspec.Struct, frozen=True):

@@ -4,8 +4,9 @@ Each ``--runs`` entry is ``label=kv_cache_dtype[:budget[:policy]]``: the KV stor
 ``kv_cache_dtype`` (``auto``: the model dtype) and, with a budget (a fraction of ``--window``), bounded
 to that many tokens by ``policy``: ``window``, StreamingLLM's rule as the engine applies it
 (``KV_SINKS`` tokens kept from the start, the rest a sliding window of whole blocks,
-``engine/scheduler.py``), or ``h2o`` (``--kv-eviction h2o`` with that ``--kv-budget`` and its default
-recent half, ``engine/kv_eviction.py``). A bounded entry's served runs (the needles) take ``--chunk``
+``engine/scheduler.py``), ``h2o`` or ``headwise`` (``--kv-eviction h2o|headwise`` with that
+``--kv-budget`` and its default recent half, ``engine/kv_eviction.py``). A bounded entry's served runs (the
+needles) take ``--chunk``
 tokens a step too, so a prompt is cut as in the perplexity pass. For every entry:
 
 * **perplexity** of ``--text`` (default ``/usr/share/common-licenses/GPL-3``) read in independent
@@ -44,7 +45,8 @@ KV_SINKS = 16
 
 
 def parse_run(spec: str) -> tuple[str, str, float | None, str]:
-    """``label=dtype[:fraction[:policy]]``: policy ``window`` (StreamingLLM, the default) or ``h2o``."""
+    """``label=dtype[:fraction[:policy]]``: policy ``window`` (StreamingLLM, the default), ``h2o`` or
+    ``headwise``."""
     label, rest = spec.split("=", 1)
     dtype, _, tail = rest.partition(":")
     budget, _, policy = tail.partition(":")
@@ -67,7 +69,7 @@ class _Sequence:
 
 @torch.inference_mode()
 def bounded_perplexity_nll(engine: LLMEngine, ids: list[int], chunk: int, budget: int | None) -> float:
-    """Summed NLL of ``ids[1:]``, ``chunk`` tokens a step. With ``budget`` and ``--kv-eviction h2o`` the
+    """Summed NLL of ``ids[1:]``, ``chunk`` tokens a step. With ``budget`` and ``--kv-eviction`` the
     engine's ``KvEviction.fit`` runs before each chunk, as the scheduler calls it; with ``budget`` alone
     the sequence keeps ``KV_SINKS`` tokens of blocks from its start and drops whole blocks the window of
     ``budget - KV_SINKS`` tokens has passed, between steps (``Scheduler._slide``'s rule)."""
@@ -119,7 +121,7 @@ def needle_prompts(llm: LLM, text: str, haystack: int, depths: list[float]) -> l
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", required=True,
-                        help="label=kv_cache_dtype[:budget fraction[:window|h2o]], comma-separated")
+                        help="label=kv_cache_dtype[:budget fraction[:window|h2o|headwise]], comma-separated")
     parser.add_argument("--model", default=None)
     parser.add_argument("--text", default="/usr/share/common-licenses/GPL-3")
     parser.add_argument("--window", type=int, default=2048)
@@ -139,8 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         label, dtype, fraction, policy = parse_run(spec)
         budget = None if fraction is None else int(args.window * fraction)
         bounded: dict[str, object] = {}
-        if budget is not None and policy == "h2o":
-            bounded = {"kv_eviction": "h2o", "kv_budget": budget, "max_num_batched_tokens": args.chunk}
+        if budget is not None and policy in ("h2o", "headwise"):
+            bounded = {"kv_eviction": policy, "kv_budget": budget, "max_num_batched_tokens": args.chunk}
         elif budget is not None:
             bounded = {"kv_sinks": KV_SINKS, "kv_window": budget - KV_SINKS,
                        "max_num_batched_tokens": args.chunk}

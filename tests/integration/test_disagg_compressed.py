@@ -1,8 +1,8 @@
 """A compressed sequence across the disaggregated handoff: a prompt the prefill worker computed in chunks
-under ``--kv-window`` (sinks + window) or ``--kv-eviction h2o`` arrives on the decode worker as it is,
-its kept blocks only, the tokens it dropped and (H2O) its blocks' attention mass, and decodes exactly as
-the same prompt colocated on the decode worker; both workers hold no block afterwards. The two sides
-must agree on the scheme (``KvLayout.kv_compression``)."""
+under ``--kv-window`` (sinks + window) or ``--kv-eviction h2o`` arrives on the decode worker as it is, its
+kept blocks only, the tokens it dropped and (H2O) its blocks' attention mass per layer and KV head, and
+decodes exactly as the same prompt colocated on the decode worker; both workers hold no block afterwards.
+The two sides must agree on the scheme (``KvLayout.kv_compression``)."""
 
 from __future__ import annotations
 
@@ -30,6 +30,8 @@ CONFIGS = {
     "window": EngineConfig(**BASE, kv_window=64, kv_sinks=16),  # type: ignore[arg-type]
     "h2o": EngineConfig(**BASE, kv_eviction="h2o", kv_budget=96),  # type: ignore[arg-type]
 }
+# head-wise crosses as H2O does (its engine's half: tests/unit/test_kv_eviction.py); its scheme differs
+HEADWISE = EngineConfig(**BASE, kv_eviction="headwise", kv_budget=96)  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
@@ -62,7 +64,9 @@ def _used_blocks(group: WorkerGroup) -> dict[str, int]:
 
 def test_compressed_sequence_decodes_as_colocated(scheme: tuple[str, WorkerGroup]) -> None:
     name, group = scheme
-    tokenizer = load_model_source(MODEL).load_tokenizer()
+    source = load_model_source(MODEL)
+    tokenizer = source.load_tokenizer()
+    width = source.config.num_layers * source.config.num_kv_heads  # a block's masses: per layer and KV head
     bs = 16
     for i, text in enumerate((STORY * 6 + "\nWhat did the keeper write down?", STORY * 9 + " And then?")):
         prompt = tokenizer.encode(f"{i}: {text}")
@@ -75,9 +79,11 @@ def test_compressed_sequence_decodes_as_colocated(scheme: tuple[str, WorkerGroup
         assert handle.dropped_tokens % bs == 0 and len(handle.block_ids) == math.ceil(kept / bs)
         after = {s.worker_id: s for s in run(PDClient(group.prefill, group.decode).stats())}["decode-0"]
         assert after.transfer.blocks - before.transfer.blocks == len(handle.block_ids)  # only the kept ones
-        # H2O's blocks arrive with the mass that chooses its next victims; a window needs none
-        assert len(handle.block_mass) == (len(handle.block_ids) if name == "h2o" else 0)
-        assert all(m > 0 for m in handle.block_mass)
+        # H2O's blocks arrive with the masses (per layer and KV head) that choose its next victims; a
+        # window needs none
+        assert len(handle.block_mass) == (0 if name == "window" else len(handle.block_ids) * width)
+        assert name == "window" or sum(handle.block_mass[:width]) > 0
+        assert all(m >= 0 for m in handle.block_mass)
         local = run(collect(PDClient([], group.decode), req(prompt, 24)))
         assert remote == local and len(local) == 24, (remote, local)
 
@@ -89,7 +95,8 @@ def test_compressed_sequence_decodes_as_colocated(scheme: tuple[str, WorkerGroup
 
 def test_the_compression_scheme_is_part_of_transfer_compatibility() -> None:
     layout = KvLayout("m", "float32", 2, 8, 16, 2, 16, 4, kv_compression=CONFIGS["window"].kv_compression)
-    for other in ("", CONFIGS["h2o"].kv_compression, "window=128,sinks=16"):
+    others = ("", CONFIGS["h2o"].kv_compression, HEADWISE.kv_compression, "window=128,sinks=16")
+    for other in others:
         theirs = msgspec.structs.replace(layout, kv_compression=other)
         assert compat_hash(theirs) != compat_hash(layout)
         info = AgentInfo(WIRE_VERSION, compat_hash(theirs), "peer", b"", 0, 0, "DRAM", theirs)
@@ -97,4 +104,5 @@ def test_the_compression_scheme_is_part_of_transfer_compatibility() -> None:
             check_compatible(layout, info)
     assert CONFIGS["window"].kv_compression == "window=64,sinks=16"
     assert CONFIGS["h2o"].kv_compression == "h2o,budget=96,recent=48"
+    assert HEADWISE.kv_compression == "headwise,budget=96,recent=48"
     assert EngineConfig().kv_compression == ""

@@ -82,22 +82,23 @@ def planted(heavy: int, at: int, length: int, seed: int) -> list[int]:
 
 @pytest.mark.parametrize("backend_name", ["torch", "native"])
 def test_mass_is_the_attention_each_block_received(backend_name: str) -> None:
-    """Per block: the softmax probabilities its keys got, summed over heads, queries and layers, from a
-    dense computation; a block written from its first row starts again. The torch kernel forms them in
-    its product, the native CPU kernels in a second pass over the keys."""
+    """Per block, layer and KV head: the softmax probabilities its keys got from the KV head's query heads,
+    summed over them and the step's queries, from a dense computation; a block written from its first
+    row starts again; the second forward of a step is the second layer's columns. The torch kernel forms
+    them in its product, the native CPU kernels in a second pass over the keys."""
     bs, heads, kv_heads, dim = 4, 4, 2, 16
     case = make_case([1, 5, 1], [9, 12, 4], heads, kv_heads, dim, bs, seed=3)
-    mass = torch.full((case.kv.shape[0],), 7.0)
+    mass = torch.full((case.kv.shape[0], 2 * kv_heads), 7.0)
     backend = attention_backend(backend_name, mass)
     backend.prepare(case.meta)
     lens = zip(case.tables, case.meta.seq_lens_list, case.meta.query_lens_list, strict=True)
     restarted = {t[p // bs] for t, s, q in lens for p in range(s - q, s) if p % bs == 0}
     assert restarted
     for blk in restarted:
-        assert mass[blk] == 0.0
+        assert (mass[blk] == 0.0).all()
     kv = case.kv.clone()
     backend.forward(case.q, case.new_k, case.new_v, kv, dim**-0.5)
-    backend.forward(case.q, case.new_k, case.new_v, kv, dim**-0.5)  # a second layer adds again
+    backend.forward(case.q, case.new_k, case.new_v, kv, dim**-0.5)  # the second layer, its own columns
     want = torch.full_like(mass, 7.0)
     for blk in restarted:
         want[blk] = 0.0
@@ -110,9 +111,10 @@ def test_mass_is_the_attention_each_block_received(backend_name: str) -> None:
         pos = torch.arange(s_len)
         visible = pos[None, :] <= (s_len - q_len + torch.arange(q_len))[:, None]
         probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
-        per_key = 2 * probs.sum(dim=(0, 1))  # two layers
+        per_key = probs.reshape(kv_heads, -1, s_len).sum(dim=1)  # [kv_heads, keys]: each group's query heads
         for i, blk in enumerate(table):
-            want[blk] += per_key[i * bs : (i + 1) * bs].sum().float()
+            got = per_key[:, i * bs : (i + 1) * bs].sum(dim=1).float()
+            want[blk] += torch.cat((got, got))  # two layers, the same inputs
     torch.testing.assert_close(mass, want, atol=1e-5, rtol=1e-5)
 
 
@@ -129,7 +131,7 @@ def test_mass_over_a_quantized_cache_counts_each_query_own_exact_key(dtype: torc
     bs, heads, kv_heads, dim = 4, 4, 2, 16
     case = make_case([6, 1, 3], [6, 9, 7], heads, kv_heads, dim, bs, seed=5)
     kv, scales = quantized_cache(case, dtype)  # earlier tokens already in the cache, as stored codes
-    mass = torch.zeros(case.kv.shape[0])
+    mass = torch.zeros(case.kv.shape[0], kv_heads)
     backend = attention_backend(backend_name, mass)
     backend.prepare(case.meta)
     backend.forward(case.q, case.new_k, case.new_v, kv, dim**-0.5, scales)
@@ -147,8 +149,8 @@ def test_mass_over_a_quantized_cache_counts_each_query_own_exact_key(dtype: torc
             k = torch.cat((k_stored[:p], case.full_k[seq][p : p + 1].double()))  # [p + 1, kv_heads, dim]
             k = k.repeat_interleave(heads // kv_heads, dim=1)
             q = case.q[start + i].double()  # [heads, dim]
-            probs = torch.softmax(torch.einsum("hd,khd->hk", q, k) * dim**-0.5, dim=-1).sum(dim=0)
-            want.index_add_(0, blocks[: p + 1], probs.float())
+            probs = torch.softmax(torch.einsum("hd,khd->hk", q, k) * dim**-0.5, dim=-1)
+            want.index_add_(0, blocks[: p + 1], probs.reshape(kv_heads, -1, p + 1).sum(dim=1).t().float())
         start += q_len
     torch.testing.assert_close(mass, want, atol=1e-5, rtol=1e-5)
 
@@ -163,7 +165,8 @@ def test_native_kernels_score_blocks_as_the_torch_kernel(name: str) -> None:
         kv, scales = case.kv, None
     else:
         kv, scales = quantized_cache(case, torch.int8 if name == "int8" else kv_int4.STORAGE_DTYPE)
-    start = torch.rand(case.kv.shape[0], generator=torch.Generator().manual_seed(0))
+    # two layers' columns; the forward is layer 0's, so layer 1's stay as they were
+    start = torch.rand(case.kv.shape[0], 2 * kv_heads, generator=torch.Generator().manual_seed(0))
     masses = []
     for backend_name in ("torch", "native"):
         mass = start.clone()
@@ -172,7 +175,10 @@ def test_native_kernels_score_blocks_as_the_torch_kernel(name: str) -> None:
         backend.forward(case.q, case.new_k, case.new_v, kv.clone(), dim**-0.5,
                         None if scales is None else scales.clone())
         masses.append(mass)
-    assert not torch.equal(masses[1], start)
+    assert not torch.equal(masses[1][:, :kv_heads], start[:, :kv_heads])
+    untouched = masses[1][:, kv_heads:]  # as they were, or zero in blocks written from their first row
+    assert torch.equal(untouched, masses[0][:, kv_heads:])
+    assert ((untouched == start[:, kv_heads:]).all(dim=1) | (untouched == 0).all(dim=1)).all()
     torch.testing.assert_close(masses[1], masses[0], atol=2e-4, rtol=1e-5)
 
 
@@ -192,7 +198,8 @@ def test_the_least_attended_full_block_outside_the_recent_window_goes(tiny_model
     request.num_computed_tokens = 48
     table = engine.kv.blocks_of("r")
     assert engine.runner.kv_mass is not None
-    engine.runner.kv_mass[torch.tensor(table)] = torch.tensor([5.0, 1.0, 3.0])
+    width = engine.runner.kv_mass.shape[1]
+    engine.runner.kv_mass[torch.tensor(table)] = torch.tensor([5.0, 1.0, 3.0])[:, None] / width
     # 48 held + 32 new > 64: blocks 0 and 1 lie wholly before the last 8 tokens, and one must go
     n = engine.eviction.fit(engine.kv, request, 32)
     assert engine.kv.blocks_of("r") == [table[0], table[2]]  # block 1 had the least mass
@@ -204,10 +211,10 @@ def test_the_least_attended_full_block_outside_the_recent_window_goes(tiny_model
 
 @pytest.mark.parametrize("heavy", HEAVY)
 def test_a_planted_heavy_hitter_survives_where_a_window_loses_it(heavy_dir: Path, heavy: int) -> None:
-    """The answer needs the heavy token, 200 tokens back in a 400-token prompt: the full cache and H2O
-    (budget 128) answer it on every token; StreamingLLM's sinks and window (same budget) lose it and
-    never do. H2O holds at most 128 tokens (+ the block being filled) after every step, and every block
-    is back in the pool afterwards."""
+    """The answer needs the heavy token, 200 tokens back in a 400-token prompt: the full cache, H2O and
+    head-wise (budget 128) answer it on every token; StreamingLLM's sinks and window (same budget) lose it
+    and never do. Both hold at most 128 tokens (+ the block being filled) after every step, and every
+    block is back in the pool afterwards."""
     prompt = planted(heavy, 200, 400, seed=heavy)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     common = dict(num_kv_blocks=64, max_num_batched_tokens=32, enable_prefix_caching=False)
@@ -217,21 +224,26 @@ def test_a_planted_heavy_hitter_survives_where_a_window_loses_it(heavy_dir: Path
     lost = window.generate([prompt], params)[0].token_ids
     assert ANSWER[heavy] not in lost
 
-    llm = LLM(str(heavy_dir), kv_eviction="h2o", kv_budget=128, **common)  # type: ignore[arg-type]
-    engine = llm.engine
-    request = engine.add_request(prompt, params)
-    request_id = request.request_id
-    held: list[int] = []
-    tokens: list[int] = []
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens = out.token_ids
-        if request_id in engine.kv._owners:
-            held.append(len(engine.kv.blocks_of(request_id)))
-    assert tokens == full
-    assert max(held) <= 128 // 16 + 1 and engine.stats().kv_evicted_tokens >= 400 - 128
-    assert request.metrics.kv_evicted_tokens == engine.stats().kv_evicted_tokens == request.kv_dropped_tokens
-    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    for policy in ("h2o", "headwise"):
+        llm = LLM(str(heavy_dir), kv_eviction=policy, kv_budget=128, **common)  # type: ignore[arg-type]
+        engine = llm.engine
+        request = engine.add_request(prompt, params)
+        request_id = request.request_id
+        held: list[int] = []
+        tokens: list[int] = []
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens = out.token_ids
+            if request_id in engine.kv._owners:
+                held.append(len(engine.kv.blocks_of(request_id)))
+        assert tokens == full, policy
+        assert max(held) <= 128 // 16 + 1 and engine.stats().kv_evicted_tokens >= 400 - 128
+        assert (request.metrics.kv_evicted_tokens == engine.stats().kv_evicted_tokens
+                == request.kv_dropped_tokens)
+        if policy == "headwise":  # one layer's one KV head: 90% of its mass lies in the heavy token's block
+            # and at most one more (the queries before the heavy token spread theirs)
+            assert 16 <= request.metrics.kv_head_budget_min == request.metrics.kv_head_budget_max <= 32
+        assert engine.kv.num_free_blocks == engine.kv.num_blocks
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
@@ -260,7 +272,7 @@ def test_h2o_over_a_quantized_cache_keeps_the_heavy_hitter(heavy_dir: Path, kv_d
 def test_eviction_flags_are_checked() -> None:
     with pytest.raises(ValueError, match="--kv-eviction h2o needs --kv-budget"):
         EngineConfig(kv_eviction="h2o")
-    with pytest.raises(ValueError, match="--kv-eviction must be none or h2o"):
+    with pytest.raises(ValueError, match="--kv-eviction must be one of none, h2o, headwise"):
         EngineConfig(kv_eviction="snapkv")
     with pytest.raises(ValueError, match="--kv-budget and --kv-recent need --kv-eviction h2o"):
         EngineConfig(kv_budget=256)
@@ -272,7 +284,8 @@ def test_eviction_flags_are_checked() -> None:
 
 
 @pytest.mark.parametrize("scheme", [dict(kv_eviction="h2o", kv_budget=64, kv_recent=16),
-                                    dict(kv_window=32, kv_sinks=16)], ids=["h2o", "window"])
+                                    dict(kv_eviction="headwise", kv_budget=64, kv_recent=16),
+                                    dict(kv_window=32, kv_sinks=16)], ids=["h2o", "headwise", "window"])
 def test_a_compressed_sequence_handed_over_goes_on_as_colocated(tiny_model_dir: Path,
                                                                  scheme: dict[str, object]) -> None:
     """The engine's half of the disaggregated handoff of a compressed sequence (the workers' half:
@@ -293,7 +306,8 @@ def test_a_compressed_sequence_handed_over_goes_on_as_colocated(tiny_model_dir: 
     held = prefill.held_kv(first.request_id)
     kept = len(prompt) - held.dropped_tokens
     assert held.dropped_tokens > 0 and len(held.tables[0]) == -(-kept // 16)
-    assert len(held.block_mass) == (len(held.tables[0]) if "kv_eviction" in scheme else 0)
+    width = prefill.runner.kv_mass.shape[1] if prefill.runner.kv_mass is not None else 0
+    assert len(held.block_mass) == len(held.tables[0]) * width
 
     decode = LLM(str(tiny_model_dir), **common).engine  # type: ignore[arg-type]
     request = decode.make_request(prompt, params)
@@ -308,7 +322,7 @@ def test_a_compressed_sequence_handed_over_goes_on_as_colocated(tiny_model_dir: 
     decode.start_prefilled(request.request_id, first.output_token_ids[0], block_mass=held.block_mass)
     assert request.kv_dropped_tokens == held.dropped_tokens and request.kv_tokens == kept
     if decode.eviction is not None:
-        assert decode.eviction.mass[dst].tolist() == held.block_mass
+        assert decode.eviction.mass[dst].flatten().tolist() == held.block_mass
     tokens = [first.output_token_ids[0]]
     while decode.has_unfinished():
         for out in decode.step():

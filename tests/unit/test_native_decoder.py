@@ -85,17 +85,19 @@ def test_one_call_decoder_writes_and_reads_a_quantized_cache_as_the_per_layer_pa
 @pytest.mark.parametrize("name", ["float32", "int8"])
 def test_one_call_decoder_scores_blocks_as_the_per_layer_path(name: str, threads: int,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """Under --kv-eviction h2o (a backend with ``mass``) the one call adds each layer's block scores as the
-    per-layer path does: the same logits, cache and masses, bit for bit."""
+    """Under --kv-eviction (a backend with ``mass``) the one call adds each layer's block scores per KV head
+    as the per-layer path does: the same logits, cache and masses, bit for bit, every layer's columns
+    filled."""
     hf = hf_model("wide-heads")
     dtype = KV_CACHE_DTYPES["auto" if name == "float32" else name] or torch.float32
     one_call, per_layer = PagedRunner(hf, kv_dtype=dtype), PagedRunner(hf, kv_dtype=dtype)
-    masses = [torch.zeros(NUM_BLOCKS), torch.zeros(NUM_BLOCKS)]
+    width = hf.config.num_hidden_layers * (hf.config.num_key_value_heads or hf.config.num_attention_heads)
+    masses = [torch.zeros(NUM_BLOCKS, width), torch.zeros(NUM_BLOCKS, width)]
     for runner, mass in zip((one_call, per_layer), masses, strict=True):
         runner.backend = NativeCpuAttentionBackend(mass=mass)
 
     def same_masses() -> None:
-        assert torch.equal(masses[0], masses[1]) and float(masses[0].sum()) > 0
+        assert torch.equal(masses[0], masses[1]) and bool((masses[0].sum(dim=0) > 0).all())
 
     steps_alike(one_call, per_layer, monkeypatch, same_masses)
 
