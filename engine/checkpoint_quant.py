@@ -20,7 +20,7 @@ product, one rank), an fp8 matrix whose scales cover whole runs of 32 inputs (bl
 multiples of 32, as DeepSeek's 128; channel and tensor scales) comes out as its codes instead, a
 ``kernels.gguf_blocks`` ``FP8`` matrix (``fp8_blocks``): the native product multiplies the codes as read,
 with the dequantized model's values exactly, in a byte and an eighth a weight. MXFP4 experts come out
-as a ``BlockStack`` of Q8_0 rows holding the same values (``mxfp4_stack``: 8.5 bits a weight), which
+as a ``BlockStack`` of Q5_0 rows holding the same values (``mxfp4_stack``: 5.5 bits a weight), which
 gpt-oss's ``canonical`` splits per expert like the floats. With a tensor-parallel shard, a quantized
 tensor is read whole, dequantized, then cut (its scales' blocks need not align with the ranks' cuts).
 """
@@ -160,27 +160,33 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, name: str) -> t
 
 
 def mxfp4_stack(blocks: torch.Tensor, scales: torch.Tensor, name: str) -> BlockStack | None:
-    """MXFP4 experts (``[E, rows, G, 16]`` blocks, ``[E, rows, G]`` scales) as ``Q8_0`` rows of the same
+    """MXFP4 experts (``[E, rows, G, 16]`` blocks, ``[E, rows, G]`` scales) as ``Q5_0`` rows of the same
     values, one matrix ``[rows, G x 32]`` per expert (out-major, as the blocks store the rows), or None
     when a scale is out of float16's reach (the caller dequantizes).
 
-    A value ``v * 2**(s - 127)`` (``v`` an e2m1 value, a multiple of 0.5 up to 6) is the Q8_0 code
-    ``2 v`` (-12 to 12) times ``d = 2**(s - 128)``: float16 holds that power of two for ``s`` in 104..143
-    (subnormals included), and ``d * q`` is one exact float32 product, so the native product reads the
-    dequantized model's values. Q8_0 takes 8.5 bits a weight against the file's 4.25 (and float32's 32);
-    every kernel that multiplies Q8_0 (both activation modes) reads it."""
+    A value ``v * 2**(s - 127)`` (``v`` an e2m1 value, a multiple of 0.5 up to 6) is ``d * (q - 16)`` with
+    the 5-bit code ``q = 2 v + 16`` (4 to 28) and ``d = 2**(s - 128)``: float16 holds that power of two for
+    ``s`` in 104..143 (subnormals included), and ``d * (q - 16)`` is one exact float32 product, so the
+    native product reads the dequantized model's values. Q5_0 takes 5.5 bits a weight against the file's
+    4.25 (Q8_0's codes ``2 v`` would take 8.5, float32 32); every kernel that multiplies Q5_0 (both
+    activation modes) reads it."""
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.shape[:-1] != scales.shape:
         raise ValueError(f"{name}: MXFP4 blocks {tuple(blocks.shape)} {blocks.dtype} and scales "
                          f"{tuple(scales.shape)} {scales.dtype} do not match")
     if blocks.dim() != 4 or bool(((scales < 104) | (scales > 143)).any()):
         return None
     experts, rows, groups, _ = blocks.shape
-    twice = torch.tensor([round(2 * v) for v in _FP4_VALUES], dtype=torch.int8)
-    codes = torch.stack((twice[(blocks & 0x0F).long()], twice[(blocks >> 4).long()]), dim=-1).flatten(-2)
+    shifted = torch.tensor([round(2 * v) + 16 for v in _FP4_VALUES], dtype=torch.int32)
+    q = torch.stack((shifted[(blocks & 0x0F).long()], shifted[(blocks >> 4).long()]), dim=-1).flatten(-2)
+    # gguf's Q5_0 record: d, a little-endian word of fifth bits (bit e: element e), then element e's low
+    # nibble in byte e's low half and element e + 16's in its high half
+    low = ((q[..., : QK // 2] & 15) | ((q[..., QK // 2 :] & 15) << 4)).to(torch.uint8)
+    fifth = (((q >> 4) & 1) << torch.arange(QK, dtype=torch.int32)).sum(dim=-1, dtype=torch.int32)
     d = torch.ldexp(torch.ones(scales.shape), scales.to(torch.int32) - 128).to(torch.float16)
-    record = torch.cat([d.unsqueeze(-1).view(torch.uint8), codes.view(torch.uint8)], dim=-1)  # [.., G, 34]
-    flat = record.reshape(experts, rows, groups * BLOCK_BYTES[BlockKind.Q8_0])
-    return BlockStack(tuple(BlockMatrix(BlockKind.Q8_0, flat[e].contiguous(), groups * QK)
+    parts = [d.unsqueeze(-1).view(torch.uint8), fifth.unsqueeze(-1).view(torch.uint8), low]
+    record = torch.cat(parts, dim=-1)  # [experts, rows, G, 22]
+    flat = record.reshape(experts, rows, groups * BLOCK_BYTES[BlockKind.Q5_0])
+    return BlockStack(tuple(BlockMatrix(BlockKind.Q5_0, flat[e].contiguous(), groups * QK)
                             for e in range(experts)))
 
 
@@ -188,7 +194,7 @@ def dequantized(files: list[Path], quant: CheckpointQuant, shard: TpShard | None
                 ) -> Iterator[tuple[str, torch.Tensor | BlockMatrix | BlockStack]]:
     """Every weight of ``files`` as float32 where it was quantized (the others as stored), scales consumed;
     ``shard``'s slice of each when given; with ``keep`` (and no shard), the fp8 matrices ``fp8_blocks``
-    takes as their codes and the MXFP4 stacks ``mxfp4_stack`` takes as Q8_0 rows."""
+    takes as their codes and the MXFP4 stacks ``mxfp4_stack`` takes as Q5_0 rows."""
     with contextlib.ExitStack() as stack:
         handles = [stack.enter_context(safe_open(str(p), framework="pt")) for p in files]
         where = {name: h for h in handles for name in h.keys()}  # noqa: SIM118 - not a mapping

@@ -95,7 +95,7 @@ def iter_hf_weights(folder: str | Path, shard: TpShard | None = None) -> Iterato
 def iter_hf_blocks(folder: str | Path) -> Iterator[tuple[str, torch.Tensor | BlockMatrix | BlockStack]]:
     """``iter_hf_weights`` of the whole model, but an fp8 checkpoint's matrices as their codes where
     ``engine.checkpoint_quant.fp8_blocks`` keeps them (``kernels.gguf_blocks.BlockMatrix``) and MXFP4
-    experts as Q8_0 rows (``mxfp4_stack``)."""
+    experts as Q5_0 rows (``mxfp4_stack``)."""
     quant = read_checkpoint_quant(folder)
     if quant is None:
         return iter_hf_weights(folder)

@@ -89,7 +89,7 @@ class ModelSource:
                     ) -> Iterator[tuple[str, torch.Tensor | BlockMatrix | BlockStack]]:
         """``iter_weights``, but a GGUF read whole keeps its Q4, Q5, Q6_K and Q8_0 matrices (experts' too)
         in their blocks (``BlockMatrix``; not dequantized, not cached: ``engine.gguf_loader.iter_blocks``),
-        an fp8 checkpoint read whole its matrices' codes and an MXFP4 one its experts as Q8_0 rows
+        an fp8 checkpoint read whole its matrices' codes and an MXFP4 one its experts as Q5_0 rows
         (``engine.hf_loader.iter_hf_blocks``)."""
         if shard is not None and shard.size > 1:
             return self.iter_weights(shard)

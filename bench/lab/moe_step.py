@@ -38,6 +38,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -49,7 +50,6 @@ from engine.engine import LLMEngine
 from engine.layers.moe import MoE
 from engine.models.causal_lm import CausalLM
 from engine.models.size import parameter_count
-from kernels.linear import PreparedLinear
 
 BEGIN, END = "<!-- bench-moe-step:begin -->", "<!-- bench-moe-step:end -->"
 ROOT = Path(__file__).resolve().parents[2]
@@ -90,7 +90,23 @@ def mixtures(model: CausalLM) -> list[MoE]:
     return [layer.mlp for layer in model.decoder_layers() if isinstance(layer.mlp, MoE)]
 
 
-def held_bytes(linear: PreparedLinear) -> int:
+class HeldProduct(Protocol):
+    """What ``held_bytes`` reads of a ``kernels.linear.PreparedLinear``."""
+
+    @property
+    def kind(self) -> object: ...  # a kernels.gguf_blocks.BlockKind, or None for a float product
+
+    @property
+    def packed(self) -> torch.Tensor | None: ...
+
+    @property
+    def out_features(self) -> int: ...
+
+    @property
+    def in_features(self) -> int: ...
+
+
+def held_bytes(linear: HeldProduct) -> int:
     """The bytes a product reads: the records of kept codes (an fp8 checkpoint's, GGUF blocks), else its
     float32 matrix."""
     if linear.kind is not None and linear.packed is not None:

@@ -9,7 +9,7 @@ Checkpoints store the experts fused: ``mlp.experts.gate_up_proj`` ``[E, hidden, 
 interleaved along the last dimension, ``down_proj`` ``[E, I, hidden]`` (both input-major), their biases,
 and the router as ``mlp.router``; ``canonical`` splits and transposes them into the layer library's
 per-expert ``[out, in]`` matrices. MXFP4-quantized experts (``*_blocks`` / ``*_scales``) arrive
-dequantized, or as Q8_0 rows of the same values where the model keeps them, when ``quantization_config``
+dequantized, or as Q5_0 rows of the same values where the model keeps them, when ``quantization_config``
 names mxfp4 (``engine/checkpoint_quant.py``); without it they are refused.
 """
 
@@ -45,7 +45,7 @@ def gpt_oss_config(raw: dict[str, Any], source: Path) -> ModelConfig:
 
 
 def gpt_oss_names(weights: Weights, config: ModelConfig) -> Iterator[tuple[str, Any]]:
-    """The layer library's names and layouts; MXFP4 experts kept as Q8_0 rows (a ``BlockStack``,
+    """The layer library's names and layouts; MXFP4 experts kept as Q5_0 rows (a ``BlockStack``,
     ``engine/checkpoint_quant.py``) split per expert into ``BlockMatrix`` rows the same way."""
     for name, tensor in cast(Iterable[tuple[str, Any]], weights):
         if name.endswith(("_blocks", "_scales")):

@@ -1,5 +1,5 @@
 """Experts kept as their codes on CPU (``MoE.block_targets``, ``Prepared.set_blocks(name, matrix, expert)``):
-a GGUF's quantized expert stacks, an fp8 checkpoint's expert matrices and gpt-oss's MXFP4 experts (as Q8_0
+a GGUF's quantized expert stacks, an fp8 checkpoint's expert matrices and gpt-oss's MXFP4 experts (as Q5_0
 rows of the same values, ``engine.checkpoint_quant.mxfp4_stack``) are multiplied by the native product as
 they are stored, in a fraction of the float32 model's memory, with bitwise the logprobs of the same file
 dequantized to float32."""
@@ -90,9 +90,9 @@ def test_fp8_experts_keep_their_codes(tmp_path: Path) -> None:
     _same_as_float32(tmp_path, 1, BlockKind.FP8, BlockKind.FP8, 0.65)
 
 
-def test_mxfp4_experts_run_on_q8_0_rows_of_their_values(tmp_path: Path) -> None:
+def test_mxfp4_experts_run_on_q5_0_rows_of_their_values(tmp_path: Path) -> None:
     mxfp4_checkpoint(tmp_path)
-    _same_as_float32(tmp_path, 0, BlockKind.Q8_0, BlockKind.Q8_0, 0.8)
+    _same_as_float32(tmp_path, 0, BlockKind.Q5_0, BlockKind.Q5_0, 0.75)
 
 
 def test_mxfp4_stack_holds_the_dequantized_values_or_declines() -> None:
@@ -102,7 +102,7 @@ def test_mxfp4_stack_holds_the_dequantized_values_or_declines() -> None:
     assert stack is not None and len(stack.experts) == 3
     want = dequantize_mxfp4(blocks, scales, "x")  # [E, in, out]
     for e, matrix in enumerate(stack.experts):
-        assert matrix.kind == BlockKind.Q8_0 and matrix.shape == (96, 64)
+        assert matrix.kind == BlockKind.Q5_0 and matrix.shape == (96, 64)
         assert torch.equal(matrix.dequantize(), want[e].t())
     scales[1, 5, 0] = 144  # 2**16 is past float16's reach: the caller dequantizes instead
     assert mxfp4_stack(blocks, scales, "x") is None
