@@ -330,6 +330,8 @@ class DecodeWorker(WorkerBase):
         if m is not None and scheduled is not None:
             ready = held.kv_ready if held is not None else 0.0
             self.queue_time.observe(max(0.0, scheduled - max(m.arrival_time, ready)))
+        if m is not None and last is not None and last.finished and self.engine.eviction is not None:
+            self.observe_eviction(m)
         if held is None or held.queue_span is None:
             return
         now = time.monotonic()
@@ -345,8 +347,8 @@ class DecodeWorker(WorkerBase):
             "pdserve.preemptions": m.num_preemptions,
             "pdserve.kv.evicted_tokens": m.kv_evicted_tokens,
             "pdserve.kv.kept_fraction": 1.0 - m.kv_evicted_tokens / max(1, m.prompt_tokens + m.output_tokens),
-            "pdserve.kv.head_budget_min": m.kv_head_budget_min,
-            "pdserve.kv.head_budget_max": m.kv_head_budget_max,
+            "pdserve.kv.head_budget_min": min(m.kv_head_budgets, default=0),
+            "pdserve.kv.head_budget_max": max(m.kv_head_budgets, default=0),
             "pdserve.spec.draft_tokens": m.spec_draft_tokens,
             "pdserve.spec.accepted_tokens": m.spec_accepted_tokens,
             "pdserve.spec.acceptance_rate": (m.spec_accepted_tokens / m.spec_draft_tokens

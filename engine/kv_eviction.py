@@ -20,7 +20,8 @@ cache is paged and one block table serves every layer and head, so both evict wh
   mass is spread, give it little; a block no head singles out goes first. So each head gets the blocks it
   concentrates on, measured online: its budget, ``head_budgets``, is the fewest held blocks that carry
   ``COVERAGE`` of its mass (a spread head's is large, a concentrated head's small), reported per request
-  (``RequestMetrics.kv_head_budget_min`` / ``_max``, the decode span's ``pdserve.kv.head_budget_*``).
+  (``RequestMetrics.kv_head_budgets``; the decode span's ``pdserve.kv.head_budget_min`` / ``_max``,
+  ``/metrics``' ``pdserve:kv_head_budget_tokens``).
 - **Eviction.** Before a sequence's next chunk is scheduled, while its held tokens plus the chunk
   exceed ``budget``, the full block chosen above among those outside the last ``recent`` held tokens is
   freed (``KVCacheManager.drop_block``) and ``request.kv_dropped_tokens`` grows by a block. The chunk is
@@ -107,8 +108,7 @@ class KvEviction:
             table = kv.blocks_of(request.request_id)
             if self.policy == "headwise":
                 budgets = self.head_budgets(table, bs)
-                request.metrics.kv_head_budget_min = int(budgets.min())
-                request.metrics.kv_head_budget_max = int(budgets.max())
+                request.metrics.kv_head_budgets = tuple(budgets.tolist())
             victim = int(torch.argmin(self.scores(table, candidates)))
             kv.drop_block(request.request_id, victim)
             request.kv_dropped_tokens += bs

@@ -26,9 +26,8 @@ class RequestMetrics:
     spec_draft_tokens: int = 0  # tokens proposed by speculative decoding and verified
     spec_accepted_tokens: int = 0  # of which accepted
     kv_evicted_tokens: int = 0  # --kv-eviction: tokens of this request's KV freed (engine/kv_eviction.py)
-    # --kv-eviction headwise: the smallest and largest layer's KV head budget (tokens) at the last eviction
-    kv_head_budget_min: int = 0
-    kv_head_budget_max: int = 0
+    # --kv-eviction headwise: each layer's KV head budget in tokens at the request's last eviction
+    kv_head_budgets: tuple[int, ...] = ()
 
     @property
     def ttft(self) -> float | None:

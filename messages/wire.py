@@ -94,6 +94,10 @@ class KvStats(msgspec.Struct, frozen=True, kw_only=True):
     used_blocks: int = 0
     cached_blocks: int = 0
     evicted_tokens: int = 0  # --kv-eviction: tokens freed since start (engine/kv_eviction.py)
+    # --kv-eviction: finished requests' kept share of their tokens; headwise: every layer's KV head budget
+    # (tokens) at each finished request's last eviction
+    kept_fraction: HistogramData | None = None
+    head_budget: HistogramData | None = None
     stored_tokens: int = 0
     block_size: int = 0
     dtype: str = ""

@@ -8,8 +8,9 @@ deltas of a request; one per decode step batch), ``e2e_request_latency_seconds``
 ``WorkerStats`` at scrape time, labelled ``worker`` and ``role``:
 ``num_requests_running``, ``num_requests_waiting``, ``kv_cache_usage_perc``
 (0..1), ``prefix_cache_queries_total`` / ``prefix_cache_hits_total`` (tokens
-looked up / found, as vLLM counts them), ``num_preemptions_total``, ``kv_evicted_tokens_total``
-(``--kv-eviction``), ``request_queue_time_seconds``
+looked up / found, as vLLM counts them), ``num_preemptions_total``, ``kv_evicted_tokens_total``,
+``kv_kept_fraction`` and ``kv_head_budget_tokens`` (``--kv-eviction``; the last ``headwise`` only),
+``request_queue_time_seconds``
 (engine arrival to first schedule), ``kv_transfer_seconds`` (per pull, decode),
 ``kv_transfer_bytes_total``, ``kv_transfer_blocks_total``,
 ``kv_transfer_failures_total``, ``kv_lease_expired_total`` (prefill),
@@ -145,6 +146,10 @@ HISTOGRAMS: dict[str, tuple[str, Callable[[WorkerStats], HistogramData | None]]]
     "request_queue_time_seconds": ("Seconds requests spent waiting in the worker's scheduler queue.",
                                    lambda s: s.requests.queue_time),
     "kv_transfer_seconds": ("Seconds per KV pull from a prefill worker.", lambda s: s.transfer.time),
+    "kv_kept_fraction": ("Share of a finished request's tokens whose KV it still held (--kv-eviction).",
+                         lambda s: s.kv.kept_fraction),
+    "kv_head_budget_tokens": ("Each layer's KV head budget in tokens at a finished request's last eviction "
+                              "(--kv-eviction headwise).", lambda s: s.kv.head_budget),
 }
 
 

@@ -48,6 +48,7 @@ from engine.kv_digest import kv_digest
 from engine.kv_events import KvEventPublisher
 from engine.kv_sizing import kv_dtype_name
 from engine.llm import start_engine
+from engine.outputs import RequestMetrics
 from engine.sampling_params import SamplingParams
 from messages.codec import pack, unpack
 from messages.wire import (
@@ -63,7 +64,7 @@ from messages.wire import (
     WorkerRefresh,
     WorkerStats,
 )
-from telemetry.histogram import Histogram
+from telemetry.histogram import FRACTION_BUCKETS, TOKEN_BUCKETS, Histogram
 from telemetry.tracing import TraceConfig, Tracing
 from worker.core_share import step_gate
 from worker.tp_kv import EXTENSION
@@ -96,7 +97,16 @@ class WorkerBase:
                       if self.ranks is not None else None)
         self.events = KvEventPublisher(self.engine.kv)
         self.queue_time = Histogram()
+        self.kv_kept = Histogram(FRACTION_BUCKETS)  # --kv-eviction (observe_eviction)
+        self.kv_head_budget = Histogram(TOKEN_BUCKETS)
         self.init_tracing(tracing)
+
+    def observe_eviction(self, m: RequestMetrics) -> None:
+        """A finished request under ``--kv-eviction``: its kept share of its tokens and (headwise) every
+        layer's KV head budget at its last eviction."""
+        self.kv_kept.observe(1.0 - m.kv_evicted_tokens / max(1, m.prompt_tokens + m.output_tokens))
+        for budget in m.kv_head_budgets:
+            self.kv_head_budget.observe(budget)
 
     def init_tracing(self, config: bytes | None) -> None:
         """Trace to where ``config`` (``TraceConfig`` bytes; ``None``: nowhere) says."""
@@ -162,6 +172,9 @@ class WorkerBase:
             kv=KvStats(num_blocks=s.num_kv_blocks, free_blocks=s.num_free_kv_blocks,
                        used_blocks=e.num_used_blocks(), cached_blocks=e.num_cached_blocks(),
                        evicted_tokens=s.kv_evicted_tokens,
+                       kept_fraction=self.kv_kept.data() if e.eviction is not None else None,
+                       head_budget=(self.kv_head_budget.data()
+                                    if e.eviction is not None and e.eviction.policy == "headwise" else None),
                        stored_tokens=e.kv.num_stored_tokens(), block_size=e.kv.block_size,
                        dtype=kv_dtype_name(e.config.kv_torch_dtype),
                        tiers=msgspec.convert(s.kv_tiers, list[KvTierStats], from_attributes=True),

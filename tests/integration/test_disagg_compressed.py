@@ -91,6 +91,14 @@ def test_compressed_sequence_decodes_as_colocated(scheme: tuple[str, WorkerGroup
     while any(_used_blocks(group).values()) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _used_blocks(group) == {"prefill-0": 0, "decode-0": 0}
+    # /metrics' kv_kept_fraction: each of the decode worker's four finished requests, every one compressed
+    kv = {s.worker_id: s for s in run(PDClient(group.prefill, group.decode).stats())}["decode-0"].kv
+    assert kv.head_budget is None  # head-wise only
+    if name == "window":
+        assert kv.kept_fraction is None
+    else:
+        assert kv.kept_fraction is not None and sum(kv.kept_fraction.counts) == 4
+        assert 0 < kv.kept_fraction.sum < 4
 
 
 def test_the_compression_scheme_is_part_of_transfer_compatibility() -> None:

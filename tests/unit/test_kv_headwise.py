@@ -120,6 +120,6 @@ def test_headwise_keeps_the_block_one_head_singles_out(tiny_model_dir: Path) -> 
         assert engine.eviction.fit(engine.kv, request, 16) == 16  # 64 held + 16 > 64: one block goes
         chosen[policy] = [table.index(b) for b in engine.kv.blocks_of("r")]
         if policy == "headwise":
-            assert (request.metrics.kv_head_budget_min, request.metrics.kv_head_budget_max) == (48, 48)
+            assert request.metrics.kv_head_budgets == (48, 48, 48, 48)
         engine.kv.free("r")
     assert chosen == {"h2o": [1, 2, 3], "headwise": [0, 2, 3]}
