@@ -33,7 +33,7 @@ def exposed_names() -> set[str]:
              WorkerStats(worker_id="decode-0", role="decode", requests=requests,
                          transfer=TransferStats(time=hist.data()),
                          kv=KvStats(num_blocks=10, free_blocks=6, used_blocks=4, dtype="fp8", block_size=16,
-                                    tiers=tiers))]
+                                    tiers=tiers, kept_fraction=hist.data(), head_budget=hist.data()))]
     text = generate_latest(RouterMetrics(AdmissionGate(8), "m").registry)
     text += worker_metrics(stats, {("decode", "prefix", "short"): 2})
     names = set()
