@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from engine.engine import Reservation
+from engine.handoff import Reservation
 from engine.kv_groups import NULL_BLOCK
 from messages.wire import GenerateRequest
 from transfer.wire import KvHandle

@@ -1,62 +1,49 @@
 """LLMEngine: one model on one device, stepping schedule -> run -> postprocess.
 
 Disaggregation hooks (used by ``prefill/`` and ``decode/``; colocated use needs none):
-
-* ``add_request(..., hold_kv=True)``: when the request finishes normally its
-  blocks are NOT freed; they stay owned by ``request_id`` until
-  ``release_kv(request_id)`` (a prefill worker's lease).
-* ``reserve(...)``: a decode worker takes blocks for a whole prompt (plus the
-  first generated token) before any K/V arrives, reusing its own cached prefix;
-  ``start_prefilled(...)`` then runs the request from the first token on, once
-  the missing blocks have been written by a transfer; ``cancel_reservation``
-  gives the blocks back.
+``add_request(..., hold_kv=True)`` keeps a finished request's blocks, owned by ``request_id``, until
+``release_kv(request_id)`` (a prefill worker's lease); the rest of the handoff (``reserve``,
+``start_prefilled``, ...) is ``engine/handoff.py``'s ``KvHandoff``, which the engine inherits.
 
 Tensor parallelism: with ``tensor_parallel_size`` N the engine is rank 0 of a ``TpGroup`` whose other
 ranks run ``ModelRunner.follow`` (``engine/tp_ranks.py`` starts them for ``LLM``). Rank 0 alone
 schedules, owns the one block pool (its block ids index every rank's KV shard) and samples; the pool's
-size is the smallest any rank's budget buys (``build_runner``).
+size is the smallest any rank's budget buys (``engine/runner_build.py``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import dataclasses
 import itertools
 import logging
 import sys
 import time
-from dataclasses import dataclass, field
-from typing import cast
+from dataclasses import dataclass
 
 import torch
 
-from engine.checkpoint_quant import check_flag
 from engine.config import EngineConfig
 from engine.draft import DraftModel
+from engine.handoff import KvHandoff
 from engine.hashing import seed_for
 from engine.kv_cache import KVCacheManager
 from engine.kv_eviction import KvEviction
-from engine.kv_groups import kv_layout, max_sequence_tokens, num_slots
-from engine.kv_sizing import KvTier, kv_block_bytes, num_kv_blocks
+from engine.kv_groups import max_sequence_tokens
+from engine.kv_sizing import KvTier, kv_block_bytes
 from engine.loader import ModelSource, load_model_source, resolve_model
-from engine.model_runner import ModelRunner, StepRows
-from engine.models.causal_lm import CausalLM
+from engine.model_runner import StepRows
 from engine.offload import KvOffload
 from engine.outputs import RequestOutput
 from engine.rejection import Verified, verify
 from engine.request import Request
-from engine.sampling import Sampler, SamplerOutput, SamplingParams, TokenLogprobs, plain_greedy
+from engine.runner_build import build_runner
+from engine.sampling import Sampler, SamplerOutput, SamplingParams, plain_greedy
 from engine.scheduler import KvWindow, ScheduledRequest, Scheduler, SchedulerOutput
 from engine.spec_decode import SpecDecoder, SpecStats
 from engine.step_work import StepWork, step_work
 from engine.structured import Grammars, apply_logit_bias
 from engine.swap import HostSwapSpace
-from engine.tensor_parallel import TpShard
 from engine.tokenizer import Tokenizer
 from engine.tp_group import TpGroup
-from kernels.linear import LinearKernel, set_large_product
-from kernels.native_ops import native_ops
 
 logger = logging.getLogger(__name__)
 
@@ -88,89 +75,6 @@ class EngineStats:
     kv_evicted_tokens: int = 0  # --kv-eviction: tokens freed since start (engine/kv_eviction.py)
 
 
-@dataclass(frozen=True)
-class Reservation:
-    """Blocks a decode engine holds for a prompt; the first ``num_cached_blocks`` are already filled.
-
-    ``block_ids`` is KV group 0's table; ``tables`` every group's (``engine/kv_groups.py``), a sliding
-    group's blocks outside the window of the first decode step ``NULL_BLOCK``: nothing to fill there.
-    """
-
-    request_id: str
-    block_ids: list[int]
-    num_cached_blocks: int
-    tables: list[list[int]] = field(default_factory=list)
-    dropped_tokens: int = 0  # fitted to a compressed sequence that lost this many (``compress_reservation``)
-
-
-@dataclass
-class HeldKv:
-    """A finished ``hold_kv`` request's KV, for its handoff (``LLMEngine.held_kv``): every group's table,
-    the tokens of the blocks it dropped (a compressed sequence), each group-0 block's attention mass
-    (``--kv-eviction``: its ``layers x kv_heads`` masses, block after block; empty otherwise)."""
-
-    tables: list[list[int]]
-    dropped_tokens: int = 0
-    block_mass: list[float] = field(default_factory=list)
-
-
-def return_freed_memory() -> None:
-    """Hand the C heap's free pages back to the system (glibc's ``malloc_trim``): loading leaves the
-    float32 temporaries of dequantizing and packing there (125-320 MB of the default model's worker), which
-    nothing reuses. A no-op where the C library has no ``malloc_trim``."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).malloc_trim(0)
-
-
-def build_runner(source: ModelSource, config: EngineConfig, group: TpGroup | None = None) -> ModelRunner:
-    """Load this rank's shard of the weights, join the group, size and allocate its KV cache (under
-    ``config`` with ``--dtype auto`` resolved for the model: the runner's ``config``).
-
-    Every rank of a group calls this; the block count is the minimum over the ranks, so block ids
-    mean the same slots everywhere.
-    """
-    check_flag(config.quantization, source.kind, source.quant, source.path)
-    ops = native_ops() if config.native_kernels else None
-    codes = source.quant is not None and source.quant.method in ("fp8", "mxfp4")
-    config, why = config.resolve_auto(source.config, ops is not None and ops.bf16_native, codes)
-    if why and (group is None or group.rank == 0):
-        logger.info(why)
-    size = config.tensor_parallel_size
-    if size > 1 and (group is None or group.size != size):
-        raise ValueError(f"tensor_parallel_size={size} needs a TpGroup of {size} ranks (LLM starts one)")
-    shard = TpShard(source.config, group.rank if group is not None else 0, size)
-    device = torch.device(config.device)
-    if size > 1 and device.type == "cuda" and device.index is None:  # one device per rank (never run yet)
-        config = dataclasses.replace(config, device=f"cuda:{shard.rank}")
-        torch.cuda.set_device(shard.rank)
-    if config.num_threads is not None:
-        torch.set_num_threads(config.num_threads)
-    set_large_product(config.large_product)
-    native = config.native_kernels
-    kernel = cast(LinearKernel, "prepacked" if config.linear_kernel == "native" and not native
-                  else config.linear_kernel)
-    net = CausalLM(source.config, config.torch_dtype, config.device, kernel, shard, group)
-    net.use_native_ops, net.use_native_decoder = native, config.native_decoder
-    net.use_greedy_head = config.greedy_head
-    net.gguf_activations = config.gguf_activations
-    net.bf16_products = config.bf16_products
-    keep = config.keeps_gguf_blocks and net.takes_blocks
-    net.load_weights(source.iter_blocks(shard) if keep else source.iter_weights(shard))
-    if shard.rank == 0:
-        logger.info("%s (%s, %d layers): %s", source.config.name, source.config.architecture,
-                    source.config.num_layers, net.execution_path)
-    if config.gguf_activations == "int8" and not net.int8_activations:
-        logger.warning("--gguf-activations int8: %s keeps no matrix in GGUF blocks; every "
-                       "product takes float32 activations", source.config.name)
-    return_freed_memory()
-    groups = kv_layout(source.config, config.hybrid_kv)
-    blocks = num_kv_blocks(shard.kv_config, config, num_slots(groups))
-    if group is not None and size > 1:
-        group.connect()
-        blocks = group.min_int(blocks)
-    return ModelRunner(net, source.config, config, blocks, groups)
-
-
 def _greedy_only(item: ScheduledRequest) -> bool:
     """Whether this chunk's next token is the plain argmax of the model's logits."""
     request = item.request
@@ -178,7 +82,7 @@ def _greedy_only(item: ScheduledRequest) -> bool:
             and not request.params.logit_bias and plain_greedy(request.sampling))
 
 
-class LLMEngine:
+class LLMEngine(KvHandoff):
     def __init__(self, model: str | None = None, config: EngineConfig | None = None,
                  check_integrity: bool = False, group: TpGroup | None = None) -> None:
         self.config = config or EngineConfig()
@@ -297,112 +201,6 @@ class LLMEngine:
         if self.spec is not None:
             self.spec.forget(request_id)
         return self._output(request, [])
-
-    def release_kv(self, request_id: str) -> int:
-        """Free blocks kept by a finished ``hold_kv`` request; idempotent."""
-        return self.kv.free(request_id)
-
-    def reserve(self, request: Request) -> Reservation | None:
-        """Hold blocks for ``request``'s prompt and first token; None when the pool has no room.
-
-        With ``--kv-window`` or ``--kv-eviction`` a prompt longer than a compressed sequence can hold
-        (``compressed_bound``) arrives compressed: only that many tokens are held, and no prefix hit
-        (the kept blocks are not the prompt's leading ones). ``compress_reservation`` fits the
-        reservation to what the prefill worker actually kept."""
-        n = len(request.prompt_token_ids)
-        bound = self.compressed_bound()
-        if bound is not None and n > bound:
-            if not self.kv.allocate(request.request_id, bound + 1):
-                return None
-            self.reserved[request.request_id] = request
-            tables = self.kv.tables_of(request.request_id)
-            return Reservation(request.request_id, tables[0], 0, tables)
-        hit = self.kv.find_prefix(request.prompt_token_ids, n)
-        if not self.kv.allocate(request.request_id, n + 1, hit):
-            return None
-        # a sliding group holds (and a transfer fills) only the blocks the first decode step reads
-        self.kv.release_outside_window(request.request_id, n)
-        self.reserved[request.request_id] = request
-        request.metrics.cached_prompt_tokens = hit.num_tokens(self.kv.block_size)
-        tables = self.kv.tables_of(request.request_id)
-        return Reservation(request.request_id, tables[0], hit.num_blocks, tables)
-
-    def compressed_bound(self) -> int | None:
-        """The most tokens a sequence holds once its prompt is computed, with ``--kv-window`` (sinks, the
-        window and a block, plus the last chunk) or ``--kv-eviction`` (its budget, or its recent
-        window and a block when that is larger); None without either."""
-        bs = self.kv.block_size
-        if self.kv_window is not None:
-            w = self.kv_window
-            return w.sink_blocks * bs + w.window + bs + self.config.max_num_batched_tokens
-        if self.eviction is not None:
-            return max(self.eviction.budget, self.eviction.recent + bs)
-        return None
-
-    def compress_reservation(self, request_id: str, kept_tokens: int,
-                             dropped_tokens: int) -> Reservation | None:
-        """Fit a reservation to a compressed sequence handed over (``KvHandle.dropped_tokens``): fresh
-        blocks for its ``kept_tokens`` and first token, none of them cached; None when they do not fit
-        (the reservation is then gone)."""
-        request = self.reserved[request_id]
-        if not self.kv.compressed(request_id, kept_tokens + 1, dropped_tokens):
-            del self.reserved[request_id]
-            return None
-        request.metrics.cached_prompt_tokens = 0
-        tables = self.kv.tables_of(request_id)
-        return Reservation(request_id, tables[0], 0, tables, dropped_tokens)
-
-    def held_kv(self, request_id: str) -> HeldKv:
-        """What a finished ``hold_kv`` request holds, for its handoff: every KV group's table, the tokens
-        its dropped blocks held, and (``--kv-eviction``) group 0's blocks' attention mass, each block's
-        ``layers x kv_heads`` masses in table order."""
-        tables = self.kv.tables_of(request_id)
-        mass: list[float] = []
-        if self.eviction is not None and tables[0]:
-            mass = self.eviction.mass[torch.tensor(tables[0], dtype=torch.int64)].flatten().tolist()
-        return HeldKv(tables, self.kv.dropped_tokens(request_id), mass)
-
-    def cancel_reservation(self, request_id: str) -> None:
-        self.reserved.pop(request_id, None)
-        self.kv.free(request_id)
-
-    def start_prefilled(self, request_id: str, first_token: int, logprobs: TokenLogprobs | None = None,
-                        cached_prompt_tokens: int = 0,
-                        block_mass: list[float] | None = None) -> RequestOutput:
-        """Run a reserved request whose prompt K/V now fills its blocks, from its first token on; a
-        compressed one (``compress_reservation``) goes on with its kept blocks and, under
-        ``--kv-eviction``, the attention mass they had gathered on the prefill worker (``HeldKv.block_mass``:
-        a row of ``layers x kv_heads`` masses per block)."""
-        request = self.reserved.pop(request_id)
-        n = len(request.prompt_token_ids)
-        request.num_computed_tokens = n
-        request.kv_dropped_tokens = self.kv.dropped_tokens(request_id)
-        if self.eviction is not None:
-            request.metrics.kv_evicted_tokens = request.kv_dropped_tokens
-            if block_mass:
-                width = self.eviction.mass.shape[1]
-                if len(block_mass) % width:
-                    raise ValueError(f"block_mass of {len(block_mass)} values: not rows of {width}")
-                rows = torch.tensor(block_mass, dtype=torch.float32, device=self.eviction.mass.device)
-                table = self.kv.blocks_of(request_id)[: len(block_mass) // width]
-                blocks = torch.tensor(table, dtype=torch.int64)
-                self.eviction.mass[blocks] = rows.view(-1, width)[: len(table)]
-        request.metrics.cached_prompt_tokens = max(request.metrics.cached_prompt_tokens, cached_prompt_tokens)
-        self.kv.cache_blocks(request_id, request.prompt_token_ids, n)
-        request.append_token(first_token, logprobs, self.max_model_len)
-        if request.is_finished:
-            self.kv.free(request_id)
-        else:
-            self.scheduler.add_running(request)
-            self.requests[request_id] = request
-        return self._output(request, [first_token])
-
-    def start_local(self, request_id: str) -> None:
-        """Run a reserved request's prompt here instead (recompute); its cached prefix still counts."""
-        request = self.reserved.pop(request_id)
-        self.kv.free(request_id)
-        self.scheduler.add(request)
-        self.requests[request_id] = request
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

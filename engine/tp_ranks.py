@@ -65,8 +65,8 @@ def rank_main(rank: int, size: int, port: int, model: str, config_json: bytes, e
     """Entry point of rank ``rank`` (1..size-1): build the shard, follow rank 0's plans."""
     import msgspec
 
-    from engine.engine import build_runner
     from engine.loader import load_model_source
+    from engine.runner_build import build_runner
 
     _end_with_parent()
     config = msgspec.json.decode(config_json, type=EngineConfig)

@@ -32,7 +32,8 @@ from collections.abc import Callable
 import msgspec
 
 from engine.config import EngineConfig
-from engine.engine import HeldKv, LLMEngine
+from engine.engine import LLMEngine
+from engine.handoff import HeldKv
 from engine.outputs import RequestMetrics
 from messages.codec import pack, unpack
 from messages.wire import (

@@ -202,7 +202,7 @@ def test_auto_takes_bf16_products_for_a_bfloat16_checkpoint(folders: dict[str, P
     assert auto.resolve_auto(read_model_config(folders["llama"]), True) == (auto, "")
     if _ops is None or not _ops.bf16_native:
         pytest.skip("this CPU has no AVX512-BF16: --dtype auto stays float32")
-    with caplog.at_level(logging.INFO, logger="engine.engine"):
+    with caplog.at_level(logging.INFO, logger="engine.runner_build"):
         llm = LLM(str(folder), num_threads=2)
     try:
         assert llm.engine.config.dtype == "bfloat16" and _model(llm).bf16_products
