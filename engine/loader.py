@@ -85,14 +85,13 @@ class ModelSource:
             return cached_gguf_weights(open_gguf(self.path), self.config, shard, weights_cache_dir())
         return iter_hf_weights(self.path, shard)
 
-    def iter_blocks(self, shard: TpShard | None = None
-                    ) -> Iterator[tuple[str, torch.Tensor | BlockMatrix | BlockStack]]:
-        """``iter_weights``, but a GGUF read whole keeps its Q4, Q5, Q6_K and Q8_0 matrices (experts' too)
-        in their blocks (``BlockMatrix``; not dequantized, not cached: ``engine.gguf_loader.iter_blocks``),
-        an fp8 checkpoint read whole its matrices' codes and an MXFP4 one its experts as Q5_0 rows
-        (``engine.hf_loader.iter_hf_blocks``)."""
-        if shard is not None and shard.size > 1:
-            return self.iter_weights(shard)
+    def iter_blocks(self) -> Iterator[tuple[str, torch.Tensor | BlockMatrix | BlockStack]]:
+        """``iter_weights`` of the whole model, but a GGUF keeps its Q4, Q5, Q6_K and Q8_0 matrices (experts'
+        too) in their blocks (``BlockMatrix``; not dequantized, not cached:
+        ``engine.gguf_loader.iter_blocks``),
+        an fp8 checkpoint its matrices' codes and an MXFP4 one its experts as Q5_0 rows
+        (``engine.hf_loader.iter_hf_blocks``). A tensor-parallel rank cuts its part of each
+        (``CausalLM.load_weights``)."""
         if self.kind == "gguf":
             return iter_blocks(open_gguf(self.path), self.config)
         return iter_hf_blocks(self.path)

@@ -71,8 +71,10 @@ def build_runner(source: ModelSource, config: EngineConfig, group: TpGroup | Non
     net.use_greedy_head = config.greedy_head
     net.gguf_activations = config.gguf_activations
     net.bf16_products = config.bf16_products
-    keep = config.keeps_gguf_blocks and net.takes_blocks
-    net.load_weights(source.iter_blocks(shard) if keep else source.iter_weights(shard))
+    # blocks or codes to keep: read whole, each rank cuts its part (a plain checkpoint is read sliced)
+    keep = (config.keeps_gguf_blocks and net.takes_blocks
+            and (source.kind == "gguf" or source.quant is not None))
+    net.load_weights(source.iter_blocks() if keep else source.iter_weights(shard))
     if shard.rank == 0:
         logger.info("%s (%s, %d layers): %s", source.config.name, source.config.architecture,
                     source.config.num_layers, net.execution_path)

@@ -94,6 +94,17 @@ class BlockMatrix:
     def with_rows(self, rows: torch.Tensor) -> BlockMatrix:
         return BlockMatrix(self.kind, rows, self.in_features)
 
+    def narrow(self, dim: int, start: int, stop: int) -> BlockMatrix | None:
+        """Rows ``start:stop`` (``dim`` 0) or inputs ``start:stop`` (``dim`` 1: whole blocks only, else
+        None), as a tensor-parallel rank holds them."""
+        if dim == 0:
+            return self.with_rows(self.rows[start:stop].contiguous())
+        per, size = BLOCK_INPUTS[self.kind], BLOCK_BYTES[self.kind]
+        if start % per or stop % per:
+            return None
+        part = self.rows[:, start // per * size : stop // per * size].contiguous()
+        return BlockMatrix(self.kind, part, stop - start)
+
     def dequantize(self) -> torch.Tensor:
         """The float32 ``[out, in]`` weight (bitwise gguf's dequantization)."""
         return dequantize_rows(self.kind, self.rows, self.in_features)

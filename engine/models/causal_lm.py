@@ -262,13 +262,15 @@ class CausalLM(nn.Module):
                 raise ValueError(f"unexpected parameter {name!r} for a {self.config.architecture} model")
             if name in loaded:
                 raise ValueError(f"parameter {name!r} given twice")
+            cut = self.shard.weight_slice(name) if self.shard.size > 1 else None
             if isinstance(tensor, BlockMatrix):
-                fits = tuple(tensor.shape) == tuple(target.shape)
-                if fits and self._take_blocks(name, tensor, block_targets, pieces):
+                part = (tensor.narrow(cut.dim, cut.start, cut.stop)
+                        if cut is not None and tuple(tensor.shape) != tuple(target.shape) else tensor)
+                fits = part is not None and tuple(part.shape) == tuple(target.shape)
+                if part is not None and fits and self._take_blocks(name, part, block_targets, pieces):
                     loaded.add(name)
                     continue
                 tensor = tensor.dequantize()
-            cut = self.shard.weight_slice(name) if self.shard.size > 1 else None
             if (cut is not None and tuple(tensor.shape) != tuple(target.shape) and tensor.dim() > cut.dim
                     and tensor.shape[cut.dim] >= cut.stop):  # a whole tensor: cut this rank's part
                 tensor = cut.take(tensor)
@@ -325,11 +327,14 @@ class CausalLM(nn.Module):
     @property
     def takes_blocks(self) -> bool:
         """Whether ``load_weights`` keeps GGUF blocks (``kernels.gguf_blocks.BlockMatrix``) as they come:
-        float32 CPU weights with the native product on one rank, for a family that reads its tensors as
-        they are named or whose ``canonical`` passes blocks on (``ModelFamily.canonical_keeps_blocks``).
-        Blocks it does not keep (other matrices, or when this is False) are dequantized."""
+        float32 CPU weights with the native product, for a family that reads its tensors as they are named
+        or whose ``canonical`` passes blocks on (``ModelFamily.canonical_keeps_blocks``). With tensor
+        parallelism each rank cuts its part of a matrix from the whole blocks (``BlockMatrix.narrow``: its
+        rows, or its inputs at block boundaries); the embedding and head, and matrices a rank's cut splits
+        inside a block, are dequantized. Blocks it does not keep (other matrices, or when this is False)
+        are dequantized."""
         names_kept = self.family.canonical is as_is or self.family.canonical_keeps_blocks
-        return (self.dtype == torch.float32 and self.linear_kernel == "native" and self.group is None
+        return (self.dtype == torch.float32 and self.linear_kernel == "native"
                 and names_kept and native_ops() is not None
                 and self.embed_tokens.device.type == "cpu")
 
@@ -345,6 +350,8 @@ class CausalLM(nn.Module):
         """Keep ``matrix`` for ``name`` in its blocks (the embedding, the head, dense attention's, the MLP's
         and the experts' matrices; a fused one's parts gathered in ``pieces``), or say it is not taken."""
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            if self.shard.size > 1:  # a rank's vocabulary rows take floats (the lookups mask the others)
+                return False
             if name == "model.embed_tokens.weight":
                 self.embed_blocks = matrix
             if name == "lm_head.weight" or self.config.tie_word_embeddings:

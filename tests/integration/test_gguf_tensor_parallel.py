@@ -1,8 +1,8 @@
 """A mixture-of-experts GGUF over two tensor-parallel ranks (real rank processes, gloo over loopback):
 greedy tokens equal transformers' on the same weights. gpt-oss as it ships: MXFP4 experts (dequantized
 by ``gguf``, each rank's rows cut before), expert and attention biases, attention sinks following the
-query heads, alternating sliding windows, YaRN. (The float32 file of every family at TP 1:
-tests/unit/test_gguf_families.py.)"""
+query heads, alternating sliding windows, YaRN. A dense GGUF's blocks cut per rank and multiplied as
+stored. (The float32 file of every family at TP 1: tests/unit/test_gguf_families.py.)"""
 
 from __future__ import annotations
 
@@ -16,6 +16,9 @@ from transformers import GptOssForCausalLM
 
 from engine import LLM, SamplingParams
 from engine.gguf_loader import iter_gguf_weights
+from engine.layers.attention import Attention
+from engine.layers.mlp import GatedMLP
+from kernels.gguf_blocks import BlockKind
 from tests.families import MIN_MARGIN, clear_margin, hf_greedy, prompt, save
 from tests.gguf_families import write_gguf
 
@@ -65,3 +68,35 @@ def _load_experts(model: GptOssForCausalLM, weights: dict[str, torch.Tensor]) ->
             experts.gate_up_proj.data[e, :, 0::2] = weights[f"{prefix}.gate_proj.weight"].t()
             experts.gate_up_proj.data[e, :, 1::2] = weights[f"{prefix}.up_proj.weight"].t()
             experts.down_proj.data[e] = weights[f"{prefix}.down_proj.weight"].t()
+
+
+def test_gguf_blocks_are_cut_per_rank_and_multiplied_as_stored_at_tp2(tmp_path: Path) -> None:
+    """A wide Llama GGUF (Q8_0, V in Q4_0, down in Q4_K) at TP 2 under ``--dtype auto``: each rank cuts its
+    rows (QKV, gate/up: a KMIX QKV of Q8_0 and Q4_0 parts) or its inputs at block boundaries (O's 128,
+    down's 256) from the file's blocks and multiplies them as stored, in about a third of the float32
+    ranks' memory, with the same tokens and top-5 logprobs, bit for bit, as the file dequantized at TP 2."""
+    save("llama_wide", tmp_path / "hf")
+    q = GGMLQuantizationType
+    path = write_gguf(tmp_path / "hf", tmp_path / "wide.gguf", q.Q8_0,
+                      types={"attn_v": q.Q4_0, "ffn_down": q.Q4_K})
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, logprobs=5, ignore_eos=True)
+    batch = [prompt(9, seed=1), prompt(30, seed=2)]
+    runs, held = [], []
+    for dtype in ("auto", "float32"):
+        llm = LLM(model=str(path), tensor_parallel_size=2, **{**ENGINE, "dtype": dtype})  # type: ignore[arg-type]
+        try:
+            model = llm.engine.runner.model
+            layer = model.decoder_layers()[0]
+            attn, mlp = layer.attn, layer.mlp
+            assert isinstance(attn, Attention) and isinstance(mlp, GatedMLP)
+            linears = (attn.qkv_linear, attn.o_linear, mlp.gate_up_linear, mlp.down_linear)
+            kinds = [lin.kind for lin in linears]
+            kept = [BlockKind.KMIX, BlockKind.Q8_0, BlockKind.Q8_0, BlockKind.Q4_K]
+            assert kinds == (kept if dtype == "auto" else [None] * 4)
+            held.append(model.weight_bytes())
+            runs.append([(o.token_ids, [t.top for t in o.logprobs or [] if t is not None])
+                         for o in llm.generate(batch, params)])
+        finally:
+            llm.close()
+    assert runs[0] == runs[1] and all(len(tokens) == NEW_TOKENS for tokens, _ in runs[0])
+    assert held[0] < held[1] / 2.5

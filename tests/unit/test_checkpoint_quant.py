@@ -169,6 +169,26 @@ def test_a_quantized_checkpoint_is_cut_after_dequantizing_at_tp2(tmp_path: Path)
     assert _greedy(tmp_path, ids, tensor_parallel_size=2) == [hf_greedy(model, p, STEPS) for p in ids]
 
 
+@pytest.mark.skipif(native_ops() is None, reason="the native kernel library cannot be built here")
+def test_fp8_codes_are_cut_per_rank_at_tp2(tmp_path: Path) -> None:
+    """Under ``--dtype auto`` each rank cuts its rows of QKV and gate/up and its 32 inputs of O from the
+    codes (down's 48 inputs split a block: dequantized), and the tokens are transformers' on the
+    dequantized weights."""
+    model = fp8_checkpoint(tmp_path, "block32")
+    ids = [prompt(n, seed=n) for n in (5, 19)]
+    llm = LLM(str(tmp_path), tensor_parallel_size=2, num_threads=1, block_size=4, num_kv_blocks=64)
+    try:
+        layer = llm.engine.runner.model.decoder_layers()[0]
+        attn, mlp = layer.attn, layer.mlp
+        assert isinstance(attn, Attention) and isinstance(mlp, GatedMLP)
+        kinds = [lin.kind for lin in (attn.qkv_linear, attn.o_linear, mlp.gate_up_linear, mlp.down_linear)]
+        assert kinds == [BlockKind.FP8, BlockKind.FP8, BlockKind.FP8, None]
+        outs = llm.generate(ids, SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True))
+        assert [list(o.token_ids) for o in outs] == [hf_greedy(model, p, STEPS) for p in ids]
+    finally:
+        llm.close()
+
+
 def _logprob_run(llm: LLM) -> list[tuple[list[int], list[list[tuple[int, float]]]]]:
     params = SamplingParams(max_tokens=STEPS, temperature=0.0, logprobs=5, ignore_eos=True)
     outs = llm.generate([prompt(n, seed=n) for n in (5, 19, 40)], params)
