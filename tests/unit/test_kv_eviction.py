@@ -22,18 +22,13 @@ ANSWER = {60: 10, 61: 11}
 FILLER = (12, 60)  # ids of the ordinary tokens
 
 
-def heavy_hitter_model(folder: Path) -> None:
-    """A one-layer Llama whose every query attends almost only to a ``HEAVY`` token, if one is in view,
-    and whose next token is then that heavy token's ``ANSWER`` (else some filler token).
-
-    Hidden dimension 0 is a constant every token has: the query reads it into head dimension 31, whose
-    rotary frequency is ~1e-6 (positions barely turn it). A heavy token has a large dimension 1, which
-    the key reads into dimension 31: only heavy keys score. Dimensions 2/3 name the heavy token; V
-    carries them, O writes them to dimensions 4/5, and the head reads 4/5 as the two answers. The MLP
-    is zero; filler tokens have random dimensions 8 and up, which the head reads for every other token.
-    """
+def blank_llama(heads: int, head_dim: int) -> LlamaForCausalLM:
+    """A one-layer Llama of ``heads`` query and KV heads of ``head_dim`` over a 64-wide hidden state, every
+    weight zero but: hidden dimension 0 a constant 4 in every token's embedding, random dimensions 8 and up
+    for every token (the fillers' identity) and in the LM head's rows from 12 on (which the head reads for
+    filler tokens), and the norms one. The model that sets its attention weights decides what it does."""
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=16, num_hidden_layers=1,
-                         num_attention_heads=1, num_key_value_heads=1, head_dim=64,
+                         num_attention_heads=heads, num_key_value_heads=heads, head_dim=head_dim,
                          rope_parameters={"rope_type": "default", "rope_theta": 1e6},
                          max_position_embeddings=4096, tie_word_embeddings=False, rms_norm_eps=1e-6,
                          bos_token_id=None, eos_token_id=None, pad_token_id=None)
@@ -45,13 +40,30 @@ def heavy_hitter_model(folder: Path) -> None:
         embed = model.model.embed_tokens.weight
         embed[:, 8:] = torch.randn(VOCAB, 56, generator=gen)
         embed[:, 0] = 4.0
+        layer = model.model.layers[0]
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm, model.model.norm):
+            norm.weight.fill_(1.0)
+        model.lm_head.weight[12:, 8:] = torch.randn(VOCAB - 12, 56, generator=gen)
+    return model
+
+
+def heavy_hitter_model(folder: Path) -> None:
+    """A one-layer Llama whose every query attends almost only to a ``HEAVY`` token, if one is in view,
+    and whose next token is then that heavy token's ``ANSWER`` (else some filler token).
+
+    Hidden dimension 0 is a constant every token has: the query reads it into head dimension 31, whose
+    rotary frequency is ~1e-6 (positions barely turn it). A heavy token has a large dimension 1, which
+    the key reads into dimension 31: only heavy keys score. Dimensions 2/3 name the heavy token; V
+    carries them, O writes them to dimensions 4/5, and the head reads 4/5 as the two answers. The MLP
+    is zero; filler tokens have random dimensions 8 and up, which the head reads for every other token.
+    """
+    model = blank_llama(1, 64)
+    with torch.no_grad():
+        embed = model.model.embed_tokens.weight
         for i, token in enumerate(HEAVY):
             embed[token, 1] = 8.0
             embed[token, 2 + i] = 8.0
         layer = model.model.layers[0]
-        layer.input_layernorm.weight.fill_(1.0)
-        layer.post_attention_layernorm.weight.fill_(1.0)
-        model.model.norm.weight.fill_(1.0)
         layer.self_attn.q_proj.weight[31, 0] = 6.0
         layer.self_attn.k_proj.weight[31, 1] = 6.0
         layer.self_attn.v_proj.weight[0, 2] = 1.0
@@ -59,7 +71,6 @@ def heavy_hitter_model(folder: Path) -> None:
         layer.self_attn.o_proj.weight[4, 0] = 40.0
         layer.self_attn.o_proj.weight[5, 1] = 40.0
         head = model.lm_head.weight
-        head[12:, 8:] = torch.randn(VOCAB - 12, 56, generator=gen)
         head[ANSWER[60], 4] = 8.0
         head[ANSWER[61], 5] = 8.0
     model.save_pretrained(str(folder), safe_serialization=True)

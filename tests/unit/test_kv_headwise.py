@@ -8,16 +8,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from engine import LLM, SamplingParams
 from engine.request import Request
 from tests.unit.conftest import save_word_tokenizer
+from tests.unit.test_kv_eviction import FILLER, VOCAB, blank_llama
 
-VOCAB = 64
 HEAVY, DECOY, ANSWER = 60, 62, 10
 DECOY_HEADS = 7
-FILLER = (12, 60)  # ids of the ordinary tokens
 
 
 def decoy_model(folder: Path) -> None:
@@ -33,34 +31,19 @@ def decoy_model(folder: Path) -> None:
     """
     heads = DECOY_HEADS + 1
     dim = 64 // heads
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=16, num_hidden_layers=1,
-                         num_attention_heads=heads, num_key_value_heads=heads, head_dim=dim,
-                         rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-                         max_position_embeddings=4096, tie_word_embeddings=False, rms_norm_eps=1e-6,
-                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    model = LlamaForCausalLM(config)
-    gen = torch.Generator().manual_seed(0)
+    model = blank_llama(heads, dim)
     slow = dim // 2 - 1  # the first dimension of the slowest rotary pair
     with torch.no_grad():
-        for p in model.parameters():
-            p.zero_()
         embed = model.model.embed_tokens.weight
-        embed[:, 8:] = torch.randn(VOCAB, 56, generator=gen)
-        embed[:, 0] = 4.0
         embed[HEAVY, 1] = embed[HEAVY, 2] = 8.0
         embed[DECOY, 6] = 8.0
-        layer = model.model.layers[0]
-        for norm in (layer.input_layernorm, layer.post_attention_layernorm, model.model.norm):
-            norm.weight.fill_(1.0)
-        attn = layer.self_attn
+        attn = model.model.layers[0].self_attn
         attn.q_proj.weight[slow, 0] = attn.k_proj.weight[slow, 1] = 6.0
         for h in range(1, heads):
             attn.q_proj.weight[h * dim + slow, 0] = attn.k_proj.weight[h * dim + slow, 6] = 6.0
         attn.v_proj.weight[0, 2] = 1.0
         attn.o_proj.weight[4, 0] = 40.0
-        head = model.lm_head.weight
-        head[12:, 8:] = torch.randn(VOCAB - 12, 56, generator=gen)
-        head[ANSWER, 4] = 8.0
+        model.lm_head.weight[ANSWER, 4] = 8.0
     model.save_pretrained(str(folder), safe_serialization=True)
     save_word_tokenizer(folder, VOCAB)
 
