@@ -32,7 +32,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="YAML file of settings keyed by flag name (e.g. 'num-decode: 2'); flags given on "
                         "the command line override it")
     g.add_argument("--host", default=d.host, help="address to listen on")
-    g.add_argument("--port", type=int, default=d.port, help="port to listen on")
+    g.add_argument("--port", type=int, default=d.port,
+                   help="port to listen on (bound before Ray starts; a taken port exits 2)")
     g.add_argument("--api-key", default=d.router.api_key, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health "
                         "(default: $PDSERVE_API_KEY, else no key)")

@@ -30,6 +30,7 @@ import logging
 import math
 import os
 import signal
+import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,8 +110,20 @@ def _exit_on_signal(signum: int, _frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-async def _serve(server: Any, service: Service, ready_line: str) -> bool:
-    """Run uvicorn until a signal; connect the workers meanwhile. False when the workers never came up."""
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The router's listening socket, bound before Ray and the workers start. Holding it from the first
+    second means a port another process holds is refused at once (ValueError naming ``--port``, exit 2),
+    not after the workers have loaded, and that no connection Ray opens while they load can take it."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family)
+    except OSError as exc:
+        raise ValueError(f"--port {port} (--host {host}): {exc.strerror or exc}") from exc
+
+
+async def _serve(server: Any, service: Service, ready_line: str, listener: socket.socket) -> bool:
+    """Run uvicorn on ``listener`` until a signal; connect the workers meanwhile. False when the
+    workers never came up."""
     failed: list[BaseException] = []
 
     async def bring_up() -> None:
@@ -125,7 +138,7 @@ async def _serve(server: Any, service: Service, ready_line: str) -> bool:
 
     async with asyncio.TaskGroup() as tasks:  # bring_up answers its own failure: it never fails the group
         up = tasks.create_task(bring_up())
-        await server.serve()
+        await server.serve(sockets=[listener])
         up.cancel()  # a signal while the workers still load: stop waiting for them
     if service.planner is not None:
         await service.planner.stop()
@@ -257,6 +270,7 @@ def run_serve(config: ServeConfig, config_file: str | None = None) -> int:
     # while the driver runs (several nodes sharing one temp dir), so nothing may be imported later.
     import router.client  # noqa: F401
 
+    listener = listen_socket(config.host, config.port)  # before Ray: a taken port fails in a second
     prepared = prepare_service(config)
     started_ray = _start_ray(config)
     service = None
@@ -272,9 +286,10 @@ def run_serve(config: ServeConfig, config_file: str | None = None) -> int:
         where = f"http://{config.host}:{config.port}"
         ready = (f"pdserve: serving {prepared.router_config.model_name} on {where} "
                  f"({config.num_prefill} prefill, {config.num_decode} decode)")
-        ok = asyncio.run(_serve(server, service, ready))
+        ok = asyncio.run(_serve(server, service, ready, listener))
         return 0 if ok else 1
     finally:
+        listener.close()
         ray_stopped = started_ray and _local_ray_stopped()
         if ray_stopped:
             log.warning("pdserve: the local Ray stopped with this process group; its workers stopped with it")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -70,10 +71,25 @@ class PdserveServer:
             pytest.fail(f"pdserve serve did not exit within {timeout} s of SIGTERM\n{self.log_tail()}")
 
 
+# Listening ports come from below the kernel's ephemeral range (32768-60999 on Linux) and above Ray's
+# worker ports (10002-19999): a port the kernel picked (bind to 0) is free only until a server binds it
+# seconds later, and meanwhile every outgoing connection (Ray's, gRPC's, the other xdist worker's) draws
+# from that same range. A CI run lost that race once ("address already in use" on 60717).
+PORT_RANGE = (20000, 32767)
+
+
 def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A local port that binds now, drawn at random from ``PORT_RANGE``."""
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randint(*PORT_RANGE)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {PORT_RANGE} after 200 draws")
 
 
 # a server's start (its own local Ray, two or three worker processes loading the model) has taken over
@@ -101,6 +117,20 @@ def _start_server(model: Path, tmp_path_factory: pytest.TempPathFactory, *extra:
                   address: str | None = None) -> PdserveServer:
     """Start ``pdserve serve`` with extra flags and wait for /health 200 (``HEALTHY_WITHIN_S``). With
     ``address`` it attaches to that Ray (``--address``); without, it starts its own local Ray."""
+    for _ in range(BIND_ATTEMPTS):
+        server = _launch(model, tmp_path_factory, *extra, address=address)
+        if server is not None:
+            return server
+    pytest.fail(f"pdserve serve lost the race for its port {BIND_ATTEMPTS} times")
+
+
+BIND_ATTEMPTS = 3
+
+
+def _launch(model: Path, tmp_path_factory: pytest.TempPathFactory, *extra: str,
+            address: str | None) -> PdserveServer | None:
+    """One start of ``_start_server``: the healthy server, or None when another process bound its port
+    first (the server exits naming it); any other exit fails the test."""
     root = Path(__file__).resolve().parents[2]
     port = _free_port()
     log_path = tmp_path_factory.mktemp("pdserve") / "serve.log"
@@ -115,6 +145,8 @@ def _start_server(model: Path, tmp_path_factory: pytest.TempPathFactory, *extra:
     deadline = time.monotonic() + HEALTHY_WITHIN_S
     while True:
         if proc.poll() is not None:
+            if f"--port {port} (--host 127.0.0.1): Address already in use" in server.log_tail():
+                return None
             pytest.fail(f"pdserve serve exited with {proc.returncode}\n{server.log_tail()}")
         try:
             if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:

@@ -152,3 +152,17 @@ def test_eviction_serves_disaggregated() -> None:
     assert cfg.num_prefill == 1
     assert (cfg.engine.kv_eviction, cfg.engine.kv_budget, cfg.engine.kv_recent_tokens) == ("h2o", 512, 256)
     assert cfg.engine.kv_compression == "h2o,budget=512,recent=256"
+
+
+def test_a_taken_port_is_refused_before_ray_starts(capsys: pytest.CaptureFixture[str]) -> None:
+    """``pdserve serve`` binds its port first: a port another process listens on ends the command with
+    exit 2 naming ``--port``, before any Ray instance or worker exists."""
+    import socket
+
+    import ray
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        assert main(["serve", "--host", "127.0.0.1", "--port", str(port)]) == 2
+    assert f"--port {port} (--host 127.0.0.1): Address already in use" in capsys.readouterr().err
+    assert not ray.is_initialized()
