@@ -180,8 +180,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="matrix products on CPU: native (one native product for every row count against "
                         "weights packed once at load, replacing the decoder's unpacked ones; prepacked where "
                         "the native kernels cannot be built), prepacked (MKL's product packed for one row, "
-                        "oneDNN's to 64 rows, MKL's or oneDNN's SGEMM above; an extra copy of the weights) "
-                        "or plain (torch's F.linear)")
+                        "oneDNN's to 64 rows, MKL's or oneDNN's SGEMM above; an extra copy of the weights), "
+                        "plain (torch's F.linear) or triton (kept quantized blocks through the Triton "
+                        "product, as CUDA devices always run them; on CPU only under TRITON_INTERPRET=1)")
     g.add_argument("--compile-cpu", action=argparse.BooleanOptionalAction, default=d.compile_cpu,
                    help="compile the decoder layers with torch.compile (inductor) for decode batches padded "
                         "to buckets, cached on disk under $PDSERVE_CACHE/inductor; it did not pay on the "

@@ -7,6 +7,7 @@ derived from it and the model's ``ModelConfig`` live in properties so nothing is
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -182,6 +183,10 @@ class EngineConfig:
             raise ValueError(f"--large-product must be auto, mkl or onednn, got {self.large_product!r}")
         if self.linear_kernel not in LINEAR_KERNELS:
             raise ValueError(f"linear_kernel must be one of {LINEAR_KERNELS}, got {self.linear_kernel!r}")
+        if (self.linear_kernel == "triton" and torch.device(self.device).type != "cuda"
+                and os.environ.get("TRITON_INTERPRET", "0") != "1"):
+            raise ValueError(f"--linear-kernel triton runs Triton kernels, which need a CUDA device (or "
+                             f"TRITON_INTERPRET=1), got --device {self.device}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
         if self.max_model_len is not None and self.max_model_len < 1:

@@ -44,23 +44,32 @@ fp8 checkpoint's codes, ``BlockKind.FP8``, included) ignore it.
 ``kernels/cpu_bf16.c``: the weight stored in bfloat16, the activations rounded to bfloat16 at the input,
 float32 sums; ``--dtype bfloat16`` on CPU), which then holds only the bfloat16 panels.
 
+Blocks on a CUDA device, or with ``kernel="triton"`` under ``TRITON_INTERPRET=1`` (how CPU tests run
+it), stay as the blocks' rows on the weight's device when their kind is one of ``TRITON_KINDS`` (every
+32-input record: an fp8 checkpoint's ``FP8``, MXFP4 experts' ``Q5_0``, a GGUF's Q4_0 / Q4_1 / Q5_0 / Q5_1 /
+Q8_0) and take the Triton product over them (``kernels/triton_blocks.py``); ``packed`` is those rows.
+Other kinds are dequantized there. ``"triton"`` multiplies float weights with ``F.linear``.
+
 Figures for each kernel, per row count: docs/benchmarks.md ("One packed product for every row count",
 "Prompt chunks on oneDNN's product off Intel CPUs"), measured with ``python -m bench.lab.linear_kernels``.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from pathlib import Path
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
-from kernels.gguf_blocks import INT8_KINDS, BlockKind, BlockMatrix
+from kernels.gguf_blocks import INT8_KINDS, BlockKind, BlockMatrix, dequantize_rows
 from kernels.native_ops import BF16_FORMAT, INT8_FLAG, native_ops
+from kernels.triton_configs import TRITON_KINDS
 
-LinearKernel = Literal["plain", "prepacked", "native"]
-LINEAR_KERNELS: tuple[LinearKernel, ...] = ("plain", "prepacked", "native")
+LinearKernel = Literal["plain", "prepacked", "native", "triton"]
+LINEAR_KERNELS: tuple[LinearKernel, ...] = ("plain", "prepacked", "native", "triton")
 LARGE_ROWS = 64  # "prepacked": above this many rows, LARGE_PRODUCT (see the docstring)
 LargeProduct = Literal["mkl", "onednn"]
 
@@ -95,6 +104,15 @@ def set_large_product(override: str) -> None:
     deployment's workers compute prompts alike)."""
     global LARGE_PRODUCT
     LARGE_PRODUCT = large_product(cpu_vendor(), override)
+
+
+def triton_blocks_usable(device: torch.device, kernel: str) -> bool:
+    """Whether kept blocks on ``device`` take the Triton product (``kernels/triton_blocks.py``): on a CUDA
+    device with Triton installed whatever ``kernel`` says, and on CPU for ``kernel="triton"`` under
+    ``TRITON_INTERPRET=1``."""
+    if device.type == "cuda":
+        return importlib.util.find_spec("triton") is not None
+    return kernel == "triton" and os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def prepacked_available(weight: torch.Tensor) -> bool:
@@ -149,28 +167,39 @@ class PreparedLinear:
         self.kind: BlockKind | None = None  # set: ``packed`` holds GGUF blocks of this kind
         self.int8_activations = False  # the blocks' product quantizes its activations (set_int8_activations)
         self.bf16 = False  # ``packed`` holds bfloat16 panels (to_bf16)
+        self.triton = False  # ``packed`` holds block rows the Triton product reads (module docstring)
         if blocks is not None:
             if tuple(blocks.shape) != tuple(weight.shape):
                 raise ValueError(f"blocks of shape {blocks.shape} for a weight of shape "
                                  f"{tuple(weight.shape)}")
-            if kernel != "native" or native_ops() is None or not prepacked_available(weight):
+            on_triton = triton_blocks_usable(weight.device, kernel)
+            self.triton = on_triton and blocks.kind in TRITON_KINDS
+            if not self.triton and (on_triton or kernel != "native" or native_ops() is None
+                                    or not prepacked_available(weight)):
                 weight, blocks = blocks.dequantize().to(device=weight.device, dtype=weight.dtype), None
         self.weight = weight.detach()
         self.bias = bias.detach() if bias is not None else None
         self.out_features, self.in_features = weight.shape
-        self.kernel: LinearKernel = kernel if prepacked_available(weight) else "plain"
-        self._native = native_ops() if self.kernel == "native" else None
-        if self.kernel == "native" and self._native is None:
+        usable = prepacked_available(weight) and kernel != "triton"
+        self.kernel: LinearKernel = kernel if usable or self.triton else "plain"
+        self._native = native_ops() if self.kernel == "native" and not self.triton else None
+        if self.kernel == "native" and self._native is None and not self.triton:
             self.kernel = "prepacked"
         self.packed_row = mkl_pack(self.weight, 1) if self.kernel == "prepacked" else None
         # "native": the weight in the native library's panels (cpu_packed.c), or its blocks (cpu_qpacked.c)
         self.packed: torch.Tensor | None = None
-        if self._native is not None and blocks is not None:
+        if self.triton and blocks is not None:
+            self.kind, self.packed = blocks.kind, blocks.rows.to(weight.device)
+        elif self._native is not None and blocks is not None:
             self.kind, self.packed = blocks.kind, self._native.qpack(blocks)
         elif self._native is not None:
             self.packed = self._native.pack(self.weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.triton and self.packed is not None and self.kind is not None:
+            from kernels.triton_blocks import triton_block_linear
+
+            return triton_block_linear(x, self.packed, self.kind, self.out_features, self.bias)
         if self._native is not None and self.packed is not None:
             if x.dtype != torch.float32 or x.device.type != "cpu":
                 raise TypeError(f"the native product takes float32 CPU inputs, not {x.dtype} on {x.device}")
@@ -215,6 +244,8 @@ class PreparedLinear:
     def unpacked(self) -> torch.Tensor:
         """The ``[out, in]`` float weight from the packed copy (bitwise the weight packed, the blocks'
         dequantized values, or the bfloat16 weight's values)."""
+        if self.triton and self.packed is not None and self.kind is not None:
+            return dequantize_rows(self.kind, self.packed, self.in_features).to(self.weight.dtype)
         if self.packed is None or self._native is None:
             raise ValueError(f"only the native kernel holds a packed copy, not {self.kernel!r}")
         if self.bf16:

@@ -36,6 +36,7 @@ import torch
 from kernels.triton_configs import (
     MODEL_DTYPES,
     KernelLaunch,
+    block_linear_launch_configs,
     launch_configs,
     mla_launch_configs,
     moe_launch_configs,
@@ -68,15 +69,17 @@ class CompileResult:
 
 
 def all_launches() -> list[KernelLaunch]:
-    """Every distinct configuration the attention backend, the MoE kernels and the latent decode kernel
-    can launch for the supported dtypes and shapes."""
+    """Every distinct configuration the attention backend, the MoE kernels, the latent decode kernel and
+    the product over kept blocks (``kernels/triton_blocks.py``) can launch for the supported dtypes and
+    shapes."""
     configs: list[KernelLaunch] = []
     for model_dtype, kv_dtype in supported_dtype_pairs():
         for head_dim in HEAD_DIMS:
             for block_size in BLOCK_SIZES:
                 configs += launch_configs(model_dtype, kv_dtype, head_dim, block_size)
     for model_dtype in MODEL_DTYPES:
-        configs += moe_launch_configs(model_dtype) + mla_launch_configs(model_dtype)
+        configs += (moe_launch_configs(model_dtype) + mla_launch_configs(model_dtype)
+                    + block_linear_launch_configs(model_dtype))
     seen: dict[str, KernelLaunch] = {}
     for cfg in configs:
         key = [cfg.module, cfg.kernel, cfg.constexprs, cfg.signature, cfg.num_warps]

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels import kv_int4
+from kernels.gguf_blocks import BLOCK_BYTES, BlockKind
 from kernels.moe import ACTIVATIONS
 
 ATTENTION = "paged_attention_kernel"
@@ -300,3 +301,44 @@ def mla_launch_configs(model_dtype: torch.dtype) -> list[KernelLaunch]:
     and every quantized one it has a build for, at every DeepSeek latent shape."""
     kv_dtypes = [kv for kv in (model_dtype, *QUANTIZED_KV) if mla_supported(model_dtype, kv)]
     return [mla_launch(model_dtype, kv, rank, rope) for rank, rope in MLA_SHAPES for kv in kv_dtypes]
+
+
+BLOCK_LINEAR = "block_linear_kernel"
+BLOCK_LINEAR_MODULE = "kernels.triton_blocks"
+# the records the block product decodes: every 32-input kind (the K formats' 256-input super-blocks and
+# KMIX are dequantized at load where it runs)
+TRITON_KINDS = (BlockKind.Q4_0, BlockKind.Q4_1, BlockKind.Q5_0, BlockKind.Q5_1, BlockKind.Q8_0, BlockKind.FP8)
+
+
+def block_linear_tiles(model_dtype: torch.dtype, rows: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) of the product over 32-input records (``kernels/triton_blocks.py``):
+    16 rows (the smallest MMA M) for a decode step's few tokens, 64 for prompt chunks; each record's
+    codes are decoded once per 16 or 64 rows. float32 dots run on FMA units, so their tiles are smaller.
+    Each is the widest that compiles without spilling on sm_80 and sm_90 (``kernels/triton_aot.py``)."""
+    if model_dtype == torch.float32:
+        return (16, 64, 8) if rows <= 16 else (32, 64, 8)
+    return (16, 64, 4) if rows <= 16 else (64, 64, 8)
+
+
+def block_linear_launch(model_dtype: torch.dtype, kind: int, rows: int, has_bias: bool,
+                        interpret: bool = False) -> KernelLaunch:
+    """``block_linear_kernel``'s launch for ``rows`` activation rows in ``model_dtype`` over records of
+    ``kind`` (a ``kernels.gguf_blocks.BlockKind`` value)."""
+    block_m, block_n, num_warps = block_linear_tiles(model_dtype, rows)
+    constexprs: dict[str, int | float | bool] = dict(
+        KIND=int(kind), REC=BLOCK_BYTES[BlockKind(kind)], HAS_BIAS=has_bias, BLOCK_M=block_m,
+        BLOCK_N=block_n, DOT_FP32=interpret or model_dtype == torch.float32,
+    )
+    m = _TRITON_TYPES[model_dtype]
+    signature = {
+        **_ptrs("x_ptr", m), **_ptrs("w_ptr", "u8"), **_ptrs("b_ptr y_ptr", m),
+        **_ints("M N K stride_xm stride_ym row_bytes"), **{k: "constexpr" for k in constexprs},
+    }
+    return KernelLaunch(BLOCK_LINEAR, constexprs, signature, num_warps, BLOCK_LINEAR_MODULE)
+
+
+def block_linear_launch_configs(model_dtype: torch.dtype) -> list[KernelLaunch]:
+    """Every launch of the block product in ``model_dtype``: each record kind, both tiles, with and
+    without a bias."""
+    return [block_linear_launch(model_dtype, kind, rows, bias)
+            for kind in TRITON_KINDS for rows in (1, 1 << 20) for bias in (False, True)]

@@ -102,6 +102,8 @@ class MoE(Prepared):
                                            self.blocks("w13", e)) for e in experts]
         self.w2_linears = [PreparedLinear(self.w2[e], None if b2 is None else b2[e], kernel,
                                           self.blocks("w2", e)) for e in experts]
+        # experts on kept blocks take their Triton products one expert at a time, on CUDA too
+        self.triton_experts = any(lin.triton for lin in (*self.w13_linears, *self.w2_linears))
 
     def _matrices(self) -> list[tuple[nn.Parameter, list[PreparedLinear]]]:
         return [(self.router, [self.router_linear]), (self.w13, self.w13_linears), (self.w2, self.w2_linears)]
@@ -143,7 +145,7 @@ class MoE(Prepared):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.router_linear(x), self.moe, self.correction)
-        if x.is_cuda:  # the fused kernel over the stacked experts (kernels/triton_moe.py)
+        if x.is_cuda and not self.triton_experts:  # the fused kernel over the stacked float experts
             b2 = self.b2 if self.ctx.rank0 else None
             out = fused_moe(x, self.w13, self.w2, weights, ids, self.activation, self.b13, b2)
             out = self.ctx.reduce(out)

@@ -51,7 +51,7 @@ from engine.tp_group import TpGroup
 from kernels.attention import AttentionBackend, AttentionMetadata
 from kernels.gguf_blocks import BlockMatrix, BlockStack
 from kernels.greedy_head import GreedyHead
-from kernels.linear import LinearKernel, PreparedLinear
+from kernels.linear import LinearKernel, PreparedLinear, triton_blocks_usable
 from kernels.native_decoder import DecoderShape, NativeDecoder
 from kernels.native_ops import PANEL, native_ops
 from kernels.norm import rms_norm, rms_norm_offset
@@ -132,7 +132,8 @@ class CausalLM(nn.Module):
     @property
     def fusable(self) -> bool:
         """Whether every layer is plain Llama (the fused native paths compute them all)."""
-        return self.embed_scale is None and all(layer.fusable for layer in self.decoder_layers())
+        return (self.embed_scale is None and self.linear_kernel != "triton"
+                and all(layer.fusable for layer in self.decoder_layers()))
 
     @property
     def execution_path(self) -> str:
@@ -143,6 +144,8 @@ class CausalLM(nn.Module):
         if self.fusable and native_ops() is not None and self.dtype == torch.float32:
             return f"fused native ops per layer{products}"
         kinds = sorted({reason for layer in self.decoder_layers() for reason in _unfused(layer)})
+        if any(lin.triton for lin in self.prepared_linears()):
+            products += ", Triton products over the kept blocks"
         return "per-layer" + (f" ({', '.join(kinds)})" if kinds else "") + products
 
     def prepare_linears(self, kernel: LinearKernel | None = None) -> None:
@@ -334,9 +337,17 @@ class CausalLM(nn.Module):
         inside a block, are dequantized. Blocks it does not keep (other matrices, or when this is False)
         are dequantized."""
         names_kept = self.family.canonical is as_is or self.family.canonical_keeps_blocks
+        if self.triton_products:
+            return names_kept
         return (self.dtype == torch.float32 and self.linear_kernel == "native"
                 and names_kept and native_ops() is not None
                 and self.embed_tokens.device.type == "cpu")
+
+    @property
+    def triton_products(self) -> bool:
+        """Whether kept blocks take the Triton product (``kernels/triton_blocks.py``): on CUDA, and for
+        ``linear_kernel="triton"`` under the interpreter. The embedding and head are dequantized then."""
+        return triton_blocks_usable(self.embed_tokens.device, self.linear_kernel)
 
     def _block_targets(self) -> dict[str, tuple[Prepared, str, int, int | None]]:
         found: dict[str, tuple[Prepared, str, int, int | None]] = {}
@@ -350,8 +361,8 @@ class CausalLM(nn.Module):
         """Keep ``matrix`` for ``name`` in its blocks (the embedding, the head, dense attention's, the MLP's
         and the experts' matrices; a fused one's parts gathered in ``pieces``), or say it is not taken."""
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
-            if self.shard.size > 1:  # a rank's vocabulary rows take floats (the lookups mask the others)
-                return False
+            if self.shard.size > 1 or self.triton_products:  # a rank's vocabulary rows take floats (the
+                return False  # lookups mask the others); the Triton path looks up and multiplies floats
             if name == "model.embed_tokens.weight":
                 self.embed_blocks = matrix
             if name == "lm_head.weight" or self.config.tie_word_embeddings:

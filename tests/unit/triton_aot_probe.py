@@ -14,9 +14,17 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.gguf_blocks import BlockKind
 from kernels.moe import ACTIVATIONS
 from kernels.triton_aot import CompileResult, all_launches, compile_kernel, compile_launch
-from kernels.triton_configs import attention_launch, mla_launch, moe_launch, moe_sum_launch, write_launch
+from kernels.triton_configs import (
+    attention_launch,
+    block_linear_launch,
+    mla_launch,
+    moe_launch,
+    moe_sum_launch,
+    write_launch,
+)
 
 
 @triton.jit
@@ -37,10 +45,10 @@ def fp8_cast_kernel(x_ptr, y_ptr):
 
 
 def covering() -> list[tuple[str, CompileResult]]:
-    """Every kernel, every KV kind, both dot paths, the attention features, the MoE products and the
-    latent decode kernel at the largest head dim and tile sizes, on sm_80 and sm_90: generic builds
-    (no alignment hints, the most registers) and a few aligned ones (pipelined, as real shapes
-    compile), including the configurations nearest the register limit."""
+    """Every kernel, every KV kind, both dot paths, the attention features, the MoE products, the
+    product over kept blocks and the latent decode kernel at the largest head dim and tile sizes, on
+    sm_80 and sm_90: generic builds (no alignment hints, the most registers) and a few aligned ones
+    (pipelined, as real shapes compile), including the configurations nearest the register limit."""
     bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
     e4m3, e5m2, int8 = torch.float8_e4m3fn, torch.float8_e5m2, torch.int8
     swiglu, gelu = ACTIVATIONS.index("swiglu_oai"), ACTIVATIONS.index("gelu_tanh")
@@ -82,6 +90,15 @@ def covering() -> list[tuple[str, CompileResult]]:
     out.append(("mla decode bf16/e4m3 sm_90", compile_launch(mla_launch(bf16, e4m3, 512, 64), 90)))
     out.append(("mla decode fp16/int8 sm_80", compile_launch(mla_launch(fp16, int8, 512, 64), 80)))
     out.append(("mla decode fp32 sm_90", compile_launch(mla_launch(fp32, fp32, 512, 64), 90)))
+    # the product over kept blocks: the kinds with the most decoding (Q5_1's fifth bits and minimum, FP8)
+    # at the prompt tile, the most registers, generic and aligned
+    q5_1, fp8 = BlockKind.Q5_1, BlockKind.FP8
+    for name, launch, arch, aligned in (
+            ("blocks Q5_1 bf16 prompt sm_90", block_linear_launch(bf16, q5_1, many, True), 90, False),
+            ("blocks FP8 bf16 prompt sm_80 aligned", block_linear_launch(bf16, fp8, many, False), 80, True),
+            ("blocks Q5_1 fp32 prompt sm_80", block_linear_launch(fp32, q5_1, many, True), 80, False),
+            ("blocks FP8 fp16 decode sm_90", block_linear_launch(fp16, fp8, 1, True), 90, False)):
+        out.append((name, compile_launch(launch, arch, aligned)))
     return out
 
 
