@@ -13,9 +13,12 @@ experts also reports its active parameters per token (``engine/models/size.py``)
 CUDA engine computes, with the weights as the memory already in use). The
 budget buys whole blocks of ``--block-size`` tokens; a sequence of
 ``--max-model-len`` tokens needs ceil(len / block size) blocks, so the
-concurrent sequences are blocks // that. Weights count every parameter at
-``--dtype`` (the engine casts on load, GGUF included) unless
-``--weight-memory`` says otherwise.
+concurrent sequences are blocks // that. Weights count what a CUDA device holds
+(``--weight-memory`` says otherwise): under ``--dtype auto``, the engine's default,
+bfloat16 with the quantized records the engine keeps counted as their bytes (an
+fp8 checkpoint's codes, MXFP4 experts, a GGUF's 32-input blocks:
+``engine/models/held.py``); under an explicit ``--dtype`` every parameter at it
+(the engine dequantizes on load, GGUF included).
 
 Below the plan for ``--kv-cache-dtype``, a table sizes the same budget for every
 KV storage dtype side by side (the ``--dtype`` one, ``fp8``, ``fp8_e5m2``,
@@ -45,8 +48,11 @@ from pathlib import Path
 import torch
 
 from cli.engine_args import DTYPES, size
+from engine.checkpoint_quant import CheckpointQuant, checkpoint_quant
 from engine.config import ModelConfig, parse_dtype
+from engine.hf_loader import read_checkpoint_quant
 from engine.kv_groups import KvGroup, blocks_per_sequence, kv_layout, num_slots
+from engine.models.held import Held, held_bytes
 from engine.models.size import parameter_count as count_parameters
 from engine.tensor_parallel import TpShard
 
@@ -74,6 +80,15 @@ def read_model_config(path: str | Path) -> ModelConfig:
     if path.suffix.lower() == ".json":
         return read_hf_config_file(path)
     raise ValueError(f"unknown model file type: {path} (expected a folder, a .gguf or a config.json)")
+
+
+def read_quant(path: Path) -> CheckpointQuant | None:
+    """The ``quantization_config`` of a model folder or a bare ``config.json`` (None for a GGUF)."""
+    if path.is_dir():
+        return read_checkpoint_quant(path)
+    if path.suffix.lower() == ".json":
+        return checkpoint_quant(json.loads(path.read_text()), path)
+    return None
 
 
 @dataclass(frozen=True)
@@ -145,15 +160,19 @@ class Plan:
     kv_groups: list[KvGroupPlan] | None = None
     kv_block_slots: int = 0  # layers a block holds
     latent_dim: int = 0  # MLA: values cached per token per layer (no KV heads)
+    kept_records: bool = False  # the weights count quantized records as their bytes (--dtype auto)
 
 
-def make_plan(model: ModelConfig, *, dtype: str = "bfloat16", kv_cache_dtype: str = "auto",
+def make_plan(model: ModelConfig, *, dtype: str = "auto", kv_cache_dtype: str = "auto",
               block_size: int = 16, device_memory: int = DEFAULT_DEVICE_MEMORY,
               gpu_memory_utilization: float = 0.9, kv_cache_memory: int | None = None,
               max_model_len: int | None = None, weight_memory: int | None = None,
               kv_offload_bytes: int | None = None, kv_offload_disk_bytes: int | None = None,
-              tensor_parallel_size: int = 1, role: str | None = None) -> Plan:
-    """Size the KV cache with ``engine.kv_sizing`` (the functions the engine itself calls), per device."""
+              tensor_parallel_size: int = 1, role: str | None = None,
+              quant: CheckpointQuant | None = None, gguf: Path | None = None) -> Plan:
+    """Size the KV cache with ``engine.kv_sizing`` (the functions the engine itself calls), per device.
+    ``quant`` (a checkpoint's quantization) and ``gguf`` (the model's file) tell ``dtype="auto"`` which
+    records the weights keep."""
     from engine.kv_sizing import (
         KV_CACHE_DTYPES,
         blocks_for_budget,
@@ -164,8 +183,8 @@ def make_plan(model: ModelConfig, *, dtype: str = "bfloat16", kv_cache_dtype: st
         kv_dtype_name,
     )
 
-    weights_dtype = parse_dtype(dtype)
-    kv_name = dtype if kv_cache_dtype == "auto" else kv_cache_dtype
+    weights_dtype = parse_dtype("bfloat16" if dtype == "auto" else dtype)  # auto: bfloat16, as on CUDA
+    kv_name = str(weights_dtype)[6:] if kv_cache_dtype == "auto" else kv_cache_dtype
     kv_dtype = KV_CACHE_DTYPES.get(kv_name) or parse_dtype(kv_name)
     counts = count_parameters(model)
     params = counts.total
@@ -173,8 +192,15 @@ def make_plan(model: ModelConfig, *, dtype: str = "bfloat16", kv_cache_dtype: st
     full_model, model = model, shard.kv_config  # KV sized by one device's heads
     groups = kv_layout(full_model)
     slots = num_slots(groups)
-    per_device = count_parameters(full_model, shard).total * element_bytes(weights_dtype)
-    weights = weight_memory // tensor_parallel_size if weight_memory is not None else per_device
+    width = element_bytes(weights_dtype)
+    floats = count_parameters(full_model, shard).total * width
+    held = (held_bytes(full_model, width, quant, gguf, tensor_parallel_size) if dtype == "auto"
+            else Held(floats))
+    weights = weight_memory // tensor_parallel_size if weight_memory is not None else held.total
+    kept = held.total != floats  # some matrices count as their records
+    inactive = 0.0  # the share of the experts' bytes a token does not read
+    if full_model.moe is not None and held.experts:
+        inactive = held.experts * (1 - full_model.moe.top_k / full_model.moe.num_experts)
     if kv_cache_memory is not None:
         budget = kv_cache_memory
     else:
@@ -193,6 +219,7 @@ def make_plan(model: ModelConfig, *, dtype: str = "bfloat16", kv_cache_dtype: st
     return Plan(
         model=model.name, num_layers=model.num_layers, num_kv_heads=full_model.num_kv_heads,
         head_dim=model.head_dim, parameters=params, weight_bytes=weights, dtype=str(weights_dtype)[6:],
+        kept_records=kept,
         kv_cache_dtype=kv_dtype_name(kv_dtype) if kv_dtype == torch.uint8 else str(kv_dtype)[6:],
         kv_bytes_per_token=kv_bytes_per_layer_token(model, kv_dtype) * model.num_layers,
         block_size=block_size, kv_block_bytes=kv_block_bytes(model, block_size, kv_dtype, slots),
@@ -204,7 +231,7 @@ def make_plan(model: ModelConfig, *, dtype: str = "bfloat16", kv_cache_dtype: st
         kv_offload_bytes=kv_offload_bytes, kv_offload_disk_bytes=kv_offload_disk_bytes, by_kv_dtype=by_dtype,
         tensor_parallel_size=tensor_parallel_size, kv_heads_per_device=model.num_kv_heads, role=role,
         architecture=full_model.architecture, active_parameters=counts.active,
-        active_weight_bytes=counts.active * element_bytes(weights_dtype),
+        active_weight_bytes=round(held.total - inactive) if kept else counts.active * width,
         kv_groups=group_plans(model, groups, kv_bytes_per_layer_token(model, kv_dtype)), kv_block_slots=slots,
         latent_dim=model.mla.latent_dim if model.mla is not None else 0,
     )
@@ -249,122 +276,16 @@ def dtype_capacity(model: ModelConfig, kv_dtype: torch.dtype, block_size: int, b
     )
 
 
-def _gib(n: int) -> str:
-    return f"{n / 1024**3:,.2f} GiB"
-
-
-def format_plan(plan: Plan) -> str:
-    """The plan as a two-column table, then concurrent sequences per context length."""
-    if plan.device_memory is not None:
-        budget_how = (f"{_gib(plan.device_memory)} x {plan.gpu_memory_utilization} - weights")
-    else:
-        budget_how = "--kv-cache-memory"
-    tp = plan.tensor_parallel_size
-    per = " per device" if tp > 1 else ""
-    rows = [
-        ("model", f"{plan.model} ({plan.num_layers} layers, " + (
-            f"{plan.num_kv_heads} KV heads x {plan.head_dim})" if not plan.latent_dim
-            else f"a latent of {plan.latent_dim} values per token per layer)")),
-        ("parameters", f"{plan.parameters / 1e9:,.2f} B" + _active(plan)),
-        ("tensor parallel", f"{tp} devices, {plan.kv_heads_per_device} KV heads per device"
-                            + (" (replicated)" if plan.kv_heads_per_device * tp > plan.num_kv_heads else "")),
-        (f"weights{per}", f"{_gib(plan.weight_bytes)} ({plan.dtype})"),
-        ("KV cache dtype", plan.kv_cache_dtype),
-        (f"KV bytes per token{per}", f"{plan.kv_bytes_per_token:,}"),
-        *_group_rows(plan, per),
-        ("KV block", f"{plan.block_size} tokens x {plan.kv_block_slots} layers = "
-                     f"{plan.kv_block_bytes:,} bytes"
-                     + (f" (incl. {scales:,} bytes of scales)" if (scales := _scale_bytes(plan)) else "")),
-        (f"KV budget{per}", f"{_gib(plan.kv_budget_bytes)} ({plan.kv_budget_bytes:,} bytes; {budget_how})"),
-        ("KV blocks", f"{plan.num_kv_blocks:,}"),
-        ("KV tokens", f"{plan.kv_tokens:,}"),
-        ("max model len", f"{plan.max_model_len:,} tokens = {plan.blocks_per_sequence:,} blocks"),
-        ("concurrent sequences", f"{plan.concurrent_sequences:,} at {plan.max_model_len:,} tokens"),
-    ]
-    width = max(len(k) for k, _ in rows)
-    lines = [f"{plan.role} workers (tensor parallel {tp})", ""] if plan.role else []
-    lines += [f"{k:<{width}}  {v}" for k, v in rows]
-    lines += ["", f"{'context length':>14}  {'sequences':>10}"]
-    lines += [f"{n:>14,}  {s:>10,}" for n, s in plan.sequences_at.items()]
-    if plan.by_kv_dtype:
-        lines += ["", *format_dtype_table(plan)]
-    if plan.kv_budget_bytes <= 0:
-        lines.append("\nthe weights alone exceed the usable device memory: no room for KV")
-    return "\n".join(lines)
-
-
-def _group_rows(plan: Plan, per: str) -> list[tuple[str, str]]:
-    """One row per kind of layer when the model has more than one (or a sliding window)."""
-    groups = plan.kv_groups or []
-    if len(groups) < 2 and all(g.window is None for g in groups):
-        return []
-    rows = []
-    for g in groups:
-        name = f"  {g.attention} layers" + (f" (window {g.window:,})" if g.window else "")
-        value = (f"{g.layers} layers in {g.groups} KV group{'s' if g.groups > 1 else ''}: "
-                 f"{g.kv_bytes_per_token:,} bytes per token{per}")
-        rows.append((name, value + (f", at most {g.window:,} tokens a sequence" if g.window else "")))
-    return rows
-
-
-def _scale_bytes(plan: Plan) -> int:
-    """Bytes of a block's scales: the block less its codes (``kv_block_slots`` layers of them)."""
-    slots = plan.kv_block_slots or plan.num_layers
-    codes = plan.block_size * plan.kv_bytes_per_token // plan.num_layers * slots
-    return plan.kv_block_bytes - codes
-
-
-def _active(plan: Plan) -> str:
-    """A mixture of experts' active share, when it has one."""
-    if plan.active_parameters >= plan.parameters:
-        return ""
-    return f", {plan.active_parameters / 1e9:,.2f} B active per token ({_gib(plan.active_weight_bytes)})"
-
-
-def _per_token(x: float) -> str:
-    return f"{x:,.0f}" if x == int(x) else f"{x:,.2f}"
-
-
-def format_dtype_table(plan: Plan) -> list[str]:
-    """The same budget at every KV dtype, one row each; ``*`` marks ``--kv-cache-dtype``."""
-    assert plan.by_kv_dtype is not None
-    head = ["KV dtype", "bytes/token", "block bytes", "blocks", "tokens", f"seqs@{plan.max_model_len:,}"]
-    if plan.kv_offload_bytes is not None:
-        head += ["host blocks", "host tokens"]
-    if plan.kv_offload_disk_bytes is not None:
-        head += ["disk blocks", "disk tokens"]
-    rows = []
-    for c in plan.by_kv_dtype:
-        row = [f"{'*' if c.selected else ' '} {c.kv_cache_dtype}", _per_token(c.block_bytes_per_token),
-               f"{c.kv_block_bytes:,}", f"{c.num_kv_blocks:,}", f"{c.kv_tokens:,}",
-               f"{c.concurrent_sequences:,}"]
-        if c.host_blocks is not None and c.host_tokens is not None:
-            row += [f"{c.host_blocks:,}", f"{c.host_tokens:,}"]
-        if c.disk_blocks is not None and c.disk_tokens is not None:
-            row += [f"{c.disk_blocks:,}", f"{c.disk_tokens:,}"]
-        rows.append(row)
-    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
-
-    def line(cells: list[str]) -> str:
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths,
-                                                                                             strict=True)))
-
-    sizes = (("host", plan.kv_offload_bytes), ("disk", plan.kv_offload_disk_bytes))
-    tiers = [f"{name} tier {n:,} bytes" for name, n in sizes if n is not None]
-    title = ["KV capacity per dtype, same budget (* = --kv-cache-dtype; bytes/token include the scales)"]
-    if tiers:
-        title.append("offload: " + ", ".join(tiers) + " (whole blocks of each dtype)")
-    return [*title, line(head), *(line(r) for r in rows)]
-
-
 def add_plan_args(parser: argparse.ArgumentParser) -> None:
     from engine.kv_sizing import KV_CACHE_DTYPES
 
     parser.add_argument("model", nargs="?", default=None, metavar="MODEL",
                         help="a Hugging Face model folder, a .gguf file or a bare config.json "
                              "(default: the built-in SmolLM2 GGUF)")
-    parser.add_argument("--dtype", choices=DTYPES, default="bfloat16",
-                        help="dtype the weights are held in")
+    parser.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
+                        help="dtype the weights are held in: auto (the engine's default) holds them in "
+                             "bfloat16 as on CUDA, with an fp8 checkpoint's codes, MXFP4 experts and a "
+                             "GGUF's 32-input blocks as their records; an explicit dtype dequantizes them")
     parser.add_argument("--kv-cache-dtype", choices=("auto", *KV_CACHE_DTYPES), default="auto",
                         help="dtype of the KV cache; auto follows --dtype")
     parser.add_argument("--device-memory", type=size, default=DEFAULT_DEVICE_MEMORY, metavar="SIZE",
@@ -399,6 +320,7 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    from cli.plan_format import format_plan
     from engine.loader import resolve_model
 
     if not 0.0 < args.gpu_memory_utilization <= 1.0:
@@ -407,7 +329,9 @@ def run_plan(args: argparse.Namespace) -> int:
         raise ValueError(f"--block-size must be a positive power of two, got {args.block_size}")
     if args.max_model_len is not None and args.max_model_len < 1:
         raise ValueError("--max-model-len must be at least 1")
-    model = read_model_config(resolve_model(args.model))
+    path = Path(resolve_model(args.model)).expanduser()
+    model = read_model_config(path)
+    quant, gguf = read_quant(path), path if path.suffix.lower() == ".gguf" else None
     sizes: dict[str | None, int] = {None: args.tensor_parallel_size}
     if args.prefill_tp is not None or args.decode_tp is not None:
         sizes = {"prefill": args.prefill_tp or 1, "decode": args.decode_tp or 1}
@@ -420,7 +344,8 @@ def run_plan(args: argparse.Namespace) -> int:
                 device_memory=args.device_memory, gpu_memory_utilization=args.gpu_memory_utilization,
                 kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
                 weight_memory=args.weight_memory, kv_offload_bytes=args.kv_offload_bytes,
-                kv_offload_disk_bytes=args.kv_offload_disk_bytes, tensor_parallel_size=tp, role=role)
+                kv_offload_disk_bytes=args.kv_offload_disk_bytes, tensor_parallel_size=tp, role=role,
+                quant=quant, gguf=gguf)
         except ValueError as exc:
             raise ValueError(f"{flag} {tp}: {exc}") from None
     if args.json:

@@ -9,7 +9,10 @@ heads, its MLP and experts' columns, ``ceil(vocab / N)`` rows of the embedding a
 routers, latent products and row-parallel biases whole.
 
 ``active`` is what one token's forward reads: everything but the experts it is not routed to (its
-``top_k`` experts of each mixture layer), embedding included.
+``top_k`` experts of each mixture layer), embedding included. ``kept`` counts the matrices a loader may
+keep in quantized records (``CausalLM.takes_blocks``: dense attention's q/k/v/o and the dense MLP's three,
+not latent attention's or shared experts'), ``experts`` the routed experts' matrices (no biases); both
+are included in ``total``.
 """
 
 from __future__ import annotations
@@ -25,24 +28,28 @@ from engine.tensor_parallel import TpShard
 class ParameterCount:
     total: int
     active: int
+    kept: int = 0
+    experts: int = 0
 
 
 def parameter_count(config: ModelConfig, shard: TpShard | None = None) -> ParameterCount:
     shard = shard or TpShard(config)
     c, hd, h = config, config.head_dim, config.hidden_size
+    kept_attention = 0
     if c.mla is not None:
         attention = _mla_attention(config, shard)
     else:
         q, kv = shard.num_heads * hd, shard.num_kv_heads * hd
-        attention = h * (q + 2 * kv) + q * h
+        attention = kept_attention = h * (q + 2 * kv) + q * h
         attention += (q + 2 * kv) * c.attention_bias + h * c.o_proj_bias + 2 * hd * c.qk_norm
         attention += shard.num_heads * c.attention_sinks
     norms = (4 if family(c.architecture).sandwich_norms else 2) * h
     dense = 3 * h * shard.intermediate_size
     total = active = c.num_layers * (attention + norms)
+    kept, experts = c.num_layers * kept_attention, 0
     for layer in range(c.num_layers):
         if not c.is_moe_layer(layer):
-            total, active = total + dense, active + dense
+            total, active, kept = total + dense, active + dense, kept + dense
             continue
         moe = c.moe
         assert moe is not None
@@ -52,9 +59,10 @@ def parameter_count(config: ModelConfig, shard: TpShard | None = None) -> Parame
         expert = 3 * h * inter + (2 * inter + h) * moe.expert_bias
         total += router + moe.num_experts * expert
         active += router + moe.top_k * expert
+        experts += moe.num_experts * 3 * h * inter
     vocab = shard.vocab_per_rank * h
     ends = vocab + h + (0 if c.tie_word_embeddings else vocab)
-    return ParameterCount(total + ends, active + ends)
+    return ParameterCount(total + ends, active + ends, kept, experts)
 
 
 def _mla_attention(config: ModelConfig, shard: TpShard) -> int:

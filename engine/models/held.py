@@ -1,0 +1,98 @@
+"""The bytes a model's weights hold where its kept records take the Triton product (a CUDA device under
+``--dtype auto``): what ``pdserve plan --dtype auto`` counts as the weights.
+
+The loader keeps these matrices in records (``CausalLM.takes_blocks``, ``kernels/triton_blocks.py``):
+dense attention's q/k/v/o, the dense MLP's gate/up/down and every routed expert's three
+(``engine.models.size.ParameterCount.kept`` and ``experts``), as
+
+- an fp8 checkpoint's ``FP8`` records, 36 bytes per 32 weights, where its scales cover whole runs of 32
+  inputs (per tensor, per channel, or blocks a multiple of 32 wide; others are dequantized);
+- an MXFP4 checkpoint's experts as ``Q5_0`` records, 22 bytes per 32 weights;
+- a GGUF's matrices of a kind the product reads (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) as their own blocks.
+
+Everything else (embedding and head, norms, biases, routers, shared experts, latent attention, K-quant
+matrices) is held at the model dtype, and a family whose loader renames or merges tensors keeps nothing.
+With tensor parallelism a rank holds its share of every kept matrix. Checked against the engine's own
+``CausalLM.weight_bytes()`` on the Triton path (``tests/unit/test_held_bytes.py``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.checkpoint_quant import CheckpointQuant
+from engine.config import ModelConfig
+from engine.models.family import as_is
+from engine.models.gguf_config import one_to_one
+from engine.models.registry import family
+from engine.models.size import parameter_count
+from engine.tensor_parallel import TpShard
+from kernels.gguf_blocks import BLOCK_BYTES, QK, BlockKind
+from kernels.triton_configs import TRITON_KINDS
+
+FP8_RECORD = BLOCK_BYTES[BlockKind.FP8]
+MXFP4_RECORD = BLOCK_BYTES[BlockKind.Q5_0]
+# the GGUF tensors the loader hands the model as matrices it keeps (gguf names)
+_KEPT_GGUF = re.compile(r"blk\.\d+\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down"
+                        r"|ffn_gate_exps|ffn_up_exps|ffn_down_exps)\.weight")
+
+
+def names_kept(config: ModelConfig) -> bool:
+    """Whether the family's loader passes kept records on (as ``CausalLM.takes_blocks`` asks)."""
+    fam = family(config.architecture)
+    return fam.canonical is as_is or fam.canonical_keeps_blocks
+
+
+@dataclass(frozen=True)
+class Held:
+    """One rank's weight bytes, and how many of them are the routed experts' matrices."""
+
+    total: int
+    experts: int = 0
+
+
+def held_bytes(config: ModelConfig, dtype_bytes: int, quant: CheckpointQuant | None = None,
+               gguf: Path | None = None, tp: int = 1) -> Held:
+    """One rank's weight bytes (module docstring): ``dtype_bytes`` per parameter the model holds as floats;
+    ``quant`` the checkpoint's quantization, ``gguf`` the file when the model is one."""
+    count = parameter_count(config, TpShard(config, 0, tp))
+    dense, experts = count.kept, count.experts  # parameters the loader may keep in records
+    floats = Held(count.total * dtype_bytes, experts * dtype_bytes)
+    if not names_kept(config):
+        return floats
+    if gguf is not None:
+        kept = _gguf_kept(config, gguf)
+        kept_dense, kept_experts = kept[False], kept[True]
+    elif quant is None or (quant.method == "fp8" and quant.block is not None and quant.block[1] % QK):
+        return floats  # not quantized, or a run of 32 inputs would span two scales: dequantized
+    elif quant.method == "mxfp4":
+        kept_dense, kept_experts = (0, 0), (experts * tp, experts * tp * MXFP4_RECORD // QK)
+    else:
+        kept_dense = (dense * tp, dense * tp * FP8_RECORD // QK)
+        kept_experts = (experts * tp, experts * tp * FP8_RECORD // QK)
+    expert_bytes = kept_experts[1] // tp + (experts - kept_experts[0] // tp) * dtype_bytes
+    rest = count.total - experts - kept_dense[0] // tp
+    return Held(expert_bytes + kept_dense[1] // tp + rest * dtype_bytes, expert_bytes)
+
+
+def _gguf_kept(config: ModelConfig, path: Path) -> dict[bool, tuple[int, int]]:
+    """(elements, bytes) of the file's matrices the model keeps in their blocks: experts' (True) and the
+    others' (False), every rank's together."""
+    from engine.gguf_loader import open_gguf
+
+    kept = {False: (0, 0), True: (0, 0)}
+    fmt = family(config.architecture).gguf
+    if fmt is None or fmt.merge is not one_to_one:
+        return kept
+    kinds = {k.name for k in TRITON_KINDS if k != BlockKind.FP8}  # GGML's names for these kinds
+    for tensor in open_gguf(path).tensors:
+        match = _KEPT_GGUF.fullmatch(tensor.name)
+        if match is None or tensor.tensor_type.name not in kinds:
+            continue
+        record = BLOCK_BYTES[BlockKind[tensor.tensor_type.name]]
+        elements, size = kept[match.group(1).endswith("_exps")]
+        kept[match.group(1).endswith("_exps")] = (elements + int(tensor.data.nbytes) // record * QK,
+                                                  size + int(tensor.data.nbytes))
+    return kept
