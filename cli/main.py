@@ -125,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "/metrics) until Ctrl-C or SIGTERM.",
     )
     add_serve_args(serve)
-    from cli.plan import add_plan_args
+    from cli.plan_cmd import add_plan_args
 
     plan = sub.add_parser(
         "plan", help="size the KV cache of a model on a device (no model weights are loaded)",
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_serve(serve_config_from_args(args), args.config)
         if args.command == "plan":
-            from cli.plan import run_plan
+            from cli.plan_cmd import run_plan
 
             return run_plan(args)
         if hasattr(args, "handler"):

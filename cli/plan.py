@@ -39,15 +39,13 @@ device's. ``--prefill-tp`` / ``--decode-tp`` print one plan per role.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from cli.engine_args import DTYPES, size
 from engine.checkpoint_quant import CheckpointQuant, checkpoint_quant
 from engine.config import ModelConfig, parse_dtype
 from engine.hf_loader import read_checkpoint_quant
@@ -274,83 +272,3 @@ def dtype_capacity(model: ModelConfig, kv_dtype: torch.dtype, block_size: int, b
         host_blocks=host, host_tokens=None if host is None else host * block_size,
         disk_blocks=disk, disk_tokens=None if disk is None else disk * block_size,
     )
-
-
-def add_plan_args(parser: argparse.ArgumentParser) -> None:
-    from engine.kv_sizing import KV_CACHE_DTYPES
-
-    parser.add_argument("model", nargs="?", default=None, metavar="MODEL",
-                        help="a Hugging Face model folder, a .gguf file or a bare config.json "
-                             "(default: the built-in SmolLM2 GGUF)")
-    parser.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
-                        help="dtype the weights are held in: auto (the engine's default) holds them in "
-                             "bfloat16 as on CUDA, with an fp8 checkpoint's codes, MXFP4 experts and a "
-                             "GGUF's 32-input blocks as their records; an explicit dtype dequantizes them")
-    parser.add_argument("--kv-cache-dtype", choices=("auto", *KV_CACHE_DTYPES), default="auto",
-                        help="dtype of the KV cache; auto follows --dtype")
-    parser.add_argument("--device-memory", type=size, default=DEFAULT_DEVICE_MEMORY, metavar="SIZE",
-                        help="memory of one device, e.g. 80G")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="F",
-                        help="fraction of device memory the engine may use, in (0, 1]")
-    parser.add_argument("--kv-cache-memory", type=size, default=None, metavar="SIZE",
-                        help="a KV budget in bytes instead of device memory minus weights (as the CPU "
-                             "engine's --kv-cache-memory)")
-    parser.add_argument("--weight-memory", type=size, default=None, metavar="SIZE",
-                        help="bytes the weights take, all devices together (split evenly over "
-                             "tensor-parallel devices; default: one shard's parameters x --dtype bytes, "
-                             "per device)")
-    parser.add_argument("--max-model-len", type=int, default=None, metavar="N",
-                        help="context length of one sequence (default: the model's)")
-    parser.add_argument("--block-size", type=int, default=16, metavar="N",
-                        help="tokens per KV block, a power of two")
-    parser.add_argument("--kv-offload-bytes", type=size, default=None, metavar="SIZE",
-                        help="also size a host offload tier of SIZE bytes (as serve's --kv-offload-bytes): "
-                             "its blocks and tokens per KV dtype")
-    parser.add_argument("--kv-offload-disk-bytes", type=size, default=None, metavar="SIZE",
-                        help="also size a disk offload tier of SIZE bytes (as serve's "
-                             "--kv-offload-disk-bytes with --kv-offload-dir)")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
-                        help="devices one worker spans (tensor parallelism): weights, KV and blocks per "
-                             "device")
-    parser.add_argument("--prefill-tp", type=int, default=None, metavar="N",
-                        help="plan prefill workers at tensor parallelism N (one plan per role)")
-    parser.add_argument("--decode-tp", type=int, default=None, metavar="N",
-                        help="plan decode workers at tensor parallelism N (one plan per role)")
-    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
-
-
-def run_plan(args: argparse.Namespace) -> int:
-    from cli.plan_format import format_plan
-    from engine.loader import resolve_model
-
-    if not 0.0 < args.gpu_memory_utilization <= 1.0:
-        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
-    if args.block_size <= 0 or args.block_size & (args.block_size - 1):
-        raise ValueError(f"--block-size must be a positive power of two, got {args.block_size}")
-    if args.max_model_len is not None and args.max_model_len < 1:
-        raise ValueError("--max-model-len must be at least 1")
-    path = Path(resolve_model(args.model)).expanduser()
-    model = read_model_config(path)
-    quant, gguf = read_quant(path), path if path.suffix.lower() == ".gguf" else None
-    sizes: dict[str | None, int] = {None: args.tensor_parallel_size}
-    if args.prefill_tp is not None or args.decode_tp is not None:
-        sizes = {"prefill": args.prefill_tp or 1, "decode": args.decode_tp or 1}
-    plans: dict[str | None, Plan] = {}
-    for role, tp in sizes.items():
-        flag = f"--{role}-tp" if role else "--tensor-parallel-size"
-        try:
-            plans[role] = make_plan(
-                model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
-                device_memory=args.device_memory, gpu_memory_utilization=args.gpu_memory_utilization,
-                kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
-                weight_memory=args.weight_memory, kv_offload_bytes=args.kv_offload_bytes,
-                kv_offload_disk_bytes=args.kv_offload_disk_bytes, tensor_parallel_size=tp, role=role,
-                quant=quant, gguf=gguf)
-        except ValueError as exc:
-            raise ValueError(f"{flag} {tp}: {exc}") from None
-    if args.json:
-        out = {role: asdict(p) for role, p in plans.items()}
-        print(json.dumps(out.get(None) or out))
-    else:
-        print("\n\n".join(format_plan(p) for p in plans.values()))
-    return 0

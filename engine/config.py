@@ -213,7 +213,6 @@ class EngineConfig:
         off = {"--device cpu": torch.device(self.device).type != "cpu",
                "--native-kernels": not self.native_kernels,
                "--linear-kernel native": self.linear_kernel != "native",
-               "--tensor-parallel-size 1": self.tensor_parallel_size != 1,
                "--no-compile-cpu": self.compile_enabled}
         missing = [flag for flag, lacking in off.items() if lacking]
         if missing:

@@ -92,7 +92,8 @@ def deepseek_v3_config(raw: dict[str, Any], source: Path) -> ModelConfig:
 
 
 def deepseek_names(weights: Weights, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint as it is, less the multi-token-prediction layers past the model's."""
+    """The checkpoint as it is, less the multi-token-prediction layers past the model's (kept blocks and
+    codes pass through as they come)."""
     for name, tensor in weights:
         match = _LAYER.match(name)
         if match is None or int(match.group(1)) < config.num_layers:
@@ -191,10 +192,12 @@ def merge_kv_b(tensors: Named, config: ModelConfig) -> Named:
 
 
 DEEPSEEK_V2 = ModelFamily("deepseek_v2", "DeepSeek-V2, V2-Lite", ("DeepseekV2ForCausalLM",), ("deepseek_v2",),
-                          deepseek_v2_config, canonical=deepseek_names, gguf_architectures=("deepseek2",),
+                          deepseek_v2_config, canonical=deepseek_names, canonical_keeps_blocks=True,
+                          gguf_architectures=("deepseek2",),
                           gguf=GgufFormat(deepseek2_gguf_config, DEEPSEEK2_LAYERS, merge=merge_kv_b,
                                           accepts=lambda reader: not _sigmoid_gating(reader)))
 DEEPSEEK_V3 = ModelFamily("deepseek_v3", "DeepSeek-V3, R1", ("DeepseekV3ForCausalLM",), ("deepseek_v3",),
-                          deepseek_v3_config, canonical=deepseek_names, gguf_architectures=("deepseek2",),
+                          deepseek_v3_config, canonical=deepseek_names, canonical_keeps_blocks=True,
+                          gguf_architectures=("deepseek2",),
                           gguf=GgufFormat(deepseek2_gguf_config, DEEPSEEK2_LAYERS, merge=merge_kv_b,
                                           accepts=_sigmoid_gating))

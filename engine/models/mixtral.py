@@ -58,5 +58,5 @@ def llama_with_experts(reader: GGUFFile) -> bool:
 
 
 MIXTRAL = ModelFamily("mixtral", "Mixtral", ("MixtralForCausalLM",), ("mixtral",), mixtral_config,
-                      canonical=mixtral_names, gguf_architectures=("llama",),
+                      canonical=mixtral_names, canonical_keeps_blocks=True, gguf_architectures=("llama",),
                       gguf=GgufFormat(mixtral_gguf_config, fix=llama_qk, accepts=llama_with_experts))

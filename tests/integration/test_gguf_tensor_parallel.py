@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from engine.gguf_loader import iter_gguf_weights
 from engine.layers.attention import Attention
 from engine.layers.mlp import GatedMLP
 from kernels.gguf_blocks import BlockKind
+from kernels.native_ops import native_ops
 from tests.families import MIN_MARGIN, clear_margin, hf_greedy, prompt, save
 from tests.gguf_families import write_gguf
 
@@ -100,3 +102,32 @@ def test_gguf_blocks_are_cut_per_rank_and_multiplied_as_stored_at_tp2(tmp_path: 
             llm.close()
     assert runs[0] == runs[1] and all(len(tokens) == NEW_TOKENS for tokens, _ in runs[0])
     assert held[0] < held[1] / 2.5
+
+
+@pytest.mark.skipif(native_ops() is None or not native_ops().int8_available,  # type: ignore[union-attr]
+                    reason="no int8 product here (AVX512-VNNI)")
+def test_int8_activations_at_tp2_give_the_tp1_tokens(tmp_path: Path) -> None:
+    """``--gguf-activations int8`` on the ranks' cut blocks: a row-cut product quantizes the whole input per
+    32 inputs, as one rank does, and an input-cut one quantizes its part's runs of 32, the same runs, so
+    TP 2 computes TP 1's integer dot products and only adds the ranks' partial sums in another order. The
+    file's embedding and head are float32: TP 1 would multiply a quantized head with int8 activations, the
+    ranks their dequantized vocabulary rows in float32."""
+    save("llama_wide", tmp_path / "hf")
+    q = GGMLQuantizationType
+    path = write_gguf(tmp_path / "hf", tmp_path / "wide.gguf", q.Q8_0,
+                      types={"attn_v": q.Q4_0, "token_embd": q.F32, "output": q.F32})
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, logprobs=1, ignore_eos=True)
+    batch = [prompt(9, seed=1), prompt(30, seed=2)]
+    runs = []
+    for size in (1, 2):
+        engine: dict[str, Any] = {**ENGINE, "dtype": "auto", "gguf_activations": "int8"}
+        llm = LLM(model=str(path), tensor_parallel_size=size, **engine)
+        try:
+            assert llm.engine.runner.model.int8_activations
+            runs.append([(o.token_ids, [t.top[0][1] for t in o.logprobs or [] if t is not None])
+                         for o in llm.generate(batch, params)])
+        finally:
+            llm.close()
+    assert [tokens for tokens, _ in runs[0]] == [tokens for tokens, _ in runs[1]]
+    for (_, one), (_, two) in zip(runs[0], runs[1], strict=True):
+        assert max(abs(a - b) for a, b in zip(one, two, strict=True)) < 1e-3

@@ -27,7 +27,7 @@ from bench.lab.step_profile import start_scenario, weight_bytes
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.layers.moe import MoE, route
-from engine.models.size import ParameterCount, parameter_count
+from engine.models.size import parameter_count
 from tests.families import save
 
 # 2 layers, 8 experts of 32, top 2; the dense models' MLP is 2 x 32 = 64
@@ -78,13 +78,15 @@ def test_step_bytes_add_the_experts_read_rows_and_kv() -> None:
 
 def test_weight_split_matches_the_parameter_count(folders: dict[str, Path]) -> None:
     engine = _engine(folders["qwen3_moe"])
-    assert parameter_count(engine.model_config) == ParameterCount(MOE_TOTAL, MOE_ACTIVE)
+    count = parameter_count(engine.model_config)
+    assert (count.total, count.active, count.experts) == (MOE_TOTAL, MOE_ACTIVE, 2 * 49_152)
     split = weight_split(engine.runner.model, weight_bytes(engine))
     assert split == WeightSplit(shared=4 * (MOE_TOTAL - 2 * 49_152), expert=4 * 6_144, embedding_row=0)
     # a step that reads its top k experts in every layer reads the active bytes
     assert split.step_bytes([2, 2], rows=1, kv_bytes=0) == 4 * MOE_ACTIVE
     dense = _engine(folders["qwen3"])
-    assert parameter_count(dense.model_config) == ParameterCount(DENSE_TOTAL, DENSE_TOTAL)
+    dense_count = parameter_count(dense.model_config)
+    assert (dense_count.total, dense_count.active, dense_count.experts) == (DENSE_TOTAL, DENSE_TOTAL, 0)
     assert weight_split(dense.runner.model, weight_bytes(dense)) == WeightSplit(4 * DENSE_TOTAL)
     assert DENSE_TOTAL == MOE_ACTIVE - 2 * 512  # the mixture's active size, routers aside
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -151,11 +152,17 @@ def test_library_name_changes_with_source_and_compiler() -> None:
 
 
 def test_build_is_cached_by_name(tmp_path: Path) -> None:
-    first = build_library(tmp_path)
+    """The session's build (``load_library``) left no temporary file in its cache; a folder that holds a
+    library of this build's name is not built into again (a copy of the session's, not a second compile)."""
+    built = build_library()
+    assert load_library() is not None and built.exists()
+    assert not [p.name for p in built.parent.iterdir() if p.name.endswith(".tmp.so")]
+    first = tmp_path / built.name
+    shutil.copy2(built, first)
     mtime = first.stat().st_mtime_ns
     assert build_library(tmp_path) == first
     assert first.stat().st_mtime_ns == mtime
-    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary files left behind
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]
 
 
 def test_failed_build_warns_and_falls_back(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -154,15 +155,28 @@ def test_eviction_serves_disaggregated() -> None:
     assert cfg.engine.kv_compression == "h2o,budget=512,recent=256"
 
 
-def test_a_taken_port_is_refused_before_ray_starts(capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_taken_port_is_refused_before_ray_starts(capsys: pytest.CaptureFixture[str],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """``pdserve serve`` binds its port first: a port another process listens on ends the command with
-    exit 2 naming ``--port``, before any Ray instance or worker exists."""
+    exit 2 naming ``--port``, before the model is read or Ray started (both recorded here, not replaced)."""
     import socket
 
-    import ray
+    import cluster.serve
 
+    reached: list[str] = []
+
+    def recorded(step: str) -> Any:
+        real = getattr(cluster.serve, step)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            reached.append(step)
+            return real(*args, **kwargs)
+        return call
+
+    for step in ("prepare_service", "_start_ray"):
+        monkeypatch.setattr(cluster.serve, step, recorded(step))
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
         assert main(["serve", "--host", "127.0.0.1", "--port", str(port)]) == 2
     assert f"--port {port} (--host 127.0.0.1): Address already in use" in capsys.readouterr().err
-    assert not ray.is_initialized()
+    assert reached == []
