@@ -180,10 +180,10 @@ class PreparedLinear:
         self.weight = weight.detach()
         self.bias = bias.detach() if bias is not None else None
         self.out_features, self.in_features = weight.shape
-        usable = prepacked_available(weight) and kernel != "triton"
-        self.kernel: LinearKernel = kernel if usable or self.triton else "plain"
-        self._native = native_ops() if self.kernel == "native" and not self.triton else None
-        if self.kernel == "native" and self._native is None and not self.triton:
+        packs = prepacked_available(weight) and kernel != "triton"
+        self.kernel: LinearKernel = "triton" if self.triton else kernel if packs else "plain"
+        self._native = native_ops() if self.kernel == "native" else None
+        if self.kernel == "native" and self._native is None:
             self.kernel = "prepacked"
         self.packed_row = mkl_pack(self.weight, 1) if self.kernel == "prepacked" else None
         # "native": the weight in the native library's panels (cpu_packed.c), or its blocks (cpu_qpacked.c)
