@@ -56,15 +56,22 @@ GraphMode = Literal["capture", "padded"]
 WARMUP_RUNS = 2
 
 
-def graph_mode(config: EngineConfig, backend: AttentionBackend) -> GraphMode | None:
-    """How pure-decode steps run: captured graphs, padded eagerly, or (None) unpadded as any step."""
+def graph_mode(config: EngineConfig, backend: AttentionBackend,
+               host_synced: bool = False) -> GraphMode | None:
+    """How pure-decode steps run: captured graphs, padded eagerly, or (None) unpadded as any step.
+    ``host_synced``: the model's forward reads device values on the host (``CausalLM.host_synced``), which
+    no graph can capture."""
     if config.tensor_parallel_size > 1:  # the collectives (gloo) cannot be captured
         return None
     if torch.device(config.device).type == "cuda" and not config.enforce_eager:
-        if isinstance(backend, CapturableBackend):
+        if host_synced:
+            logger.warning("CUDA graphs are off: the experts kept as quantized records run one expert's "
+                           "products at a time, routed on the host; decode steps run eagerly")
+        elif isinstance(backend, CapturableBackend):
             return "capture"
-        logger.warning("CUDA graphs are off: %s cannot be captured; decode steps run eagerly "
-                       "(the triton and flashinfer backends are captured)", type(backend).__name__)
+        else:
+            logger.warning("CUDA graphs are off: %s cannot be captured; decode steps run eagerly "
+                           "(the triton and flashinfer backends are captured)", type(backend).__name__)
     return "padded" if config.pad_decode_steps else None
 
 

@@ -108,7 +108,8 @@ class ModelRunner:
         # the block pool's size; padded decode steps (engine/graph_runner.py) add one block past it, the
         # scratch block their pad rows write, which no request ever holds
         self.num_blocks = num_blocks
-        graphs = graph_mode(engine_config, self.backend) if len(self.kv_groups) == 1 else None
+        graphs = (graph_mode(engine_config, self.backend, model.host_synced) if len(self.kv_groups) == 1
+                  else None)
         allocated = num_blocks + (1 if graphs else 0)
         self.kv_cache = allocate_kv_cache(kv_config, allocated, engine_config.block_size,
                                           engine_config.kv_torch_dtype, self.device, self.slots)

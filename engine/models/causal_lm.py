@@ -42,6 +42,7 @@ from engine.kv_groups import KvGroup, layer_slots
 from engine.layers.attention import Attention
 from engine.layers.context import LayerContext
 from engine.layers.decoder import DecoderLayer
+from engine.layers.moe import MoE
 from engine.layers.prepared import Prepared, released, weight
 from engine.models.block_pieces import BlockPieces
 from engine.models.family import as_is
@@ -342,6 +343,12 @@ class CausalLM(nn.Module):
         return (self.dtype == torch.float32 and self.linear_kernel == "native"
                 and names_kept and native_ops() is not None
                 and self.embed_tokens.device.type == "cpu")
+
+    @property
+    def host_synced(self) -> bool:
+        """Whether a forward reads device values on the host: a mixture whose experts are kept as records
+        routes its tokens on the host to take one expert's products at a time (``MoE.triton_experts``)."""
+        return any(isinstance(layer.mlp, MoE) and layer.mlp.triton_experts for layer in self.decoder_layers())
 
     @property
     def triton_products(self) -> bool:

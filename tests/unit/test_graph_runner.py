@@ -125,7 +125,10 @@ def test_graph_mode_choice(caplog: pytest.LogCaptureFixture) -> None:
     assert graph_mode(EngineConfig(device="cuda", tensor_parallel_size=2), triton) is None
     with caplog.at_level(logging.WARNING, logger="engine.graph_runner"):
         assert graph_mode(EngineConfig(device="cuda"), torch_ref) is None
+        # experts kept as records route on the host (tests/unit/test_triton_blocks.py: host_synced)
+        assert graph_mode(EngineConfig(device="cuda"), triton, host_synced=True) is None
     assert "TorchAttentionBackend cannot be captured" in caplog.text
+    assert "routed on the host" in caplog.text
 
 
 def test_device_block_writes_equal_the_host_plan() -> None:
