@@ -118,7 +118,8 @@ def listen_socket(host: str, port: int) -> socket.socket:
     try:
         return socket.create_server((host, port), family=family)
     except OSError as exc:
-        raise ValueError(f"--port {port} (--host {host}): {exc.strerror or exc}") from exc
+        reason = os.strerror(exc.errno) if exc.errno else str(exc)
+        raise ValueError(f"--port {port} (--host {host}): {reason}") from exc
 
 
 async def _serve(server: Any, service: Service, ready_line: str, listener: socket.socket) -> bool:
