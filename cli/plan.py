@@ -16,7 +16,7 @@ budget buys whole blocks of ``--block-size`` tokens; a sequence of
 concurrent sequences are blocks // that. Weights count what a CUDA device holds
 (``--weight-memory`` says otherwise): under ``--dtype auto``, the engine's default,
 bfloat16 with the quantized records the engine keeps counted as their bytes (an
-fp8 checkpoint's codes, MXFP4 experts, a GGUF's 32-input blocks:
+fp8 checkpoint's codes, MXFP4 experts, a GGUF's blocks:
 ``engine/models/held.py``); under an explicit ``--dtype`` every parameter at it
 (the engine dequantizes on load, GGUF included).
 

@@ -130,7 +130,7 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
                         help="dtype the weights are held in: auto (the engine's default) holds them in "
                              "bfloat16 as on CUDA, with an fp8 checkpoint's codes, MXFP4 experts and a "
-                             "GGUF's 32-input blocks as their records; an explicit dtype dequantizes them")
+                             "GGUF's blocks as their records; an explicit dtype dequantizes them")
     parser.add_argument("--kv-cache-dtype", choices=("auto", *KV_CACHE_DTYPES), default="auto",
                         help="dtype of the KV cache; auto follows --dtype")
     parser.add_argument("--device-memory", type=size, default=DEFAULT_DEVICE_MEMORY, metavar="SIZE",

@@ -45,10 +45,10 @@ fp8 checkpoint's codes, ``BlockKind.FP8``, included) ignore it.
 float32 sums; ``--dtype bfloat16`` on CPU), which then holds only the bfloat16 panels.
 
 Blocks on a CUDA device, or with ``kernel="triton"`` under ``TRITON_INTERPRET=1`` (how CPU tests run
-it), stay as the blocks' rows on the weight's device when their kind is one of ``TRITON_KINDS`` (every
-32-input record: an fp8 checkpoint's ``FP8``, MXFP4 experts' ``Q5_0``, a GGUF's Q4_0 / Q4_1 / Q5_0 / Q5_1 /
-Q8_0) and take the Triton product over them (``kernels/triton_blocks.py``); ``packed`` is those rows.
-Other kinds are dequantized there. ``"triton"`` multiplies float weights with ``F.linear``.
+it), stay as the blocks' rows on the weight's device when their kind is one of ``TRITON_KINDS`` (an fp8
+checkpoint's ``FP8``, MXFP4 experts' ``Q5_0``, every GGUF kind kept, ``KMIX``) and take the Triton
+product over them (``kernels/triton_blocks.py``); ``packed`` is those rows. Other kinds are dequantized
+there. ``"triton"`` multiplies float weights with ``F.linear``.
 
 Figures for each kernel, per row count: docs/benchmarks.md ("One packed product for every row count",
 "Prompt chunks on oneDNN's product off Intel CPUs"), measured with ``python -m bench.lab.linear_kernels``.

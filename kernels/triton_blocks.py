@@ -1,19 +1,23 @@
-"""The product over a matrix kept in 32-input blocks, in Triton: quantized weights on GPUs.
+"""The product over a matrix kept in its quantized blocks, in Triton: quantized weights on GPUs.
 
 ``triton_block_linear(x, rows, kind, out_features, bias)`` computes ``x @ W.T + bias`` where ``W`` is
-a ``kernels.gguf_blocks.BlockMatrix``'s ``rows`` (uint8 ``[out, in / 32 * record bytes]``) of one of
-``TRITON_KINDS``: an fp8 checkpoint's ``FP8`` records (a float32 scale and 32 e4m3 codes), MXFP4
-experts as ``Q5_0`` records (``engine/checkpoint_quant.mxfp4_stack``), and a GGUF's Q4_0, Q4_1, Q5_0,
-Q5_1 and Q8_0 matrices. Nothing is dequantized in memory: the weights stay the bytes they were loaded
-as (a byte and an eighth a weight for fp8, 5.5 bits for MXFP4 and Q5_0, 4.5 for Q4_0).
+a ``kernels.gguf_blocks.BlockMatrix``'s ``rows`` (uint8 ``[out, in / block inputs * block bytes]``) of
+one of ``TRITON_KINDS``: an fp8 checkpoint's ``FP8`` records (a float32 scale and 32 e4m3 codes), MXFP4
+experts as ``Q5_0`` records (``engine/checkpoint_quant.mxfp4_stack``), a GGUF's Q4_0, Q4_1, Q5_0, Q5_1,
+Q8_0 matrices and its K formats' super-blocks of 256 inputs (Q4_K, Q5_K, Q6_K), and ``KMIX`` rows (a
+fused matrix of mixed kinds, ``kernels/kmix.py``). Nothing is dequantized in memory: the weights stay
+the bytes they were loaded as (a byte and an eighth a weight for fp8, 5.5 bits for MXFP4 and Q5_0, 4.5
+for Q4_0 and Q4_K, 6.56 for Q6_K).
 
-One program computes a ``BLOCK_M x BLOCK_N`` tile of ``y``. It walks the inputs one 32-input block at a
-time: it loads the block's codes for its ``BLOCK_N`` output rows, decodes them with integer operations to
-the *unscaled* values (``q - 8`` for Q4_0, ``q`` for Q4_1, the e4m3 value for FP8), takes the dot with
-the block's 32 columns of ``x``, and adds that times each row's scale ``d`` (plus ``m`` times the sum of
-``x``'s 32 values for Q4_1 and Q5_1) to a float32 accumulator. Every unscaled value is exact in bfloat16
-and float16 (at most 8 significant bits), so a 16-bit dot loses nothing the float32 dequantized weight
-has; only the sums' order differs from ``F.linear`` over ``BlockMatrix.dequantize()``. The decode uses no
+One program computes a ``BLOCK_M x BLOCK_N`` tile of ``y``. It walks the inputs 32 at a time (one record,
+or one sub-block of a K super-block): it loads those inputs' codes for its ``BLOCK_N`` output rows,
+decodes them with integer operations to the *unscaled* values (``q - 8`` for Q4_0, ``q`` for Q4_1 and
+Q4_K, ``q - 32`` for Q6_K, the e4m3 value for FP8), takes the dot with the 32 columns of ``x``, and adds
+that times each row's scale (a K sub-block's ``d * sc``) to a float32 accumulator, plus the minimum times
+the sum of ``x``'s 32 values for Q4_1, Q5_1, Q4_K, Q5_K and KMIX. Q6_K and KMIX scale each 16 inputs
+apart, so they take a dot per half. Every unscaled value is exact in bfloat16 and float16 (at most 8
+significant bits), so a 16-bit dot loses nothing the float32 dequantized weight has; only the sums' order
+differs from ``F.linear`` over ``BlockMatrix.dequantize()``. The decode uses no
 fp8 type (Triton's e4m3 casts need sm_89; sm_80 has none) and reads every multi-byte field byte by byte,
 so records of any length and alignment load alike on every target and under the interpreter.
 
@@ -31,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gguf_blocks import BLOCK_BYTES, QK, BlockKind
+from kernels.gguf_blocks import BLOCK_BYTES, BLOCK_INPUTS, BlockKind
 from kernels.triton_configs import TRITON_KINDS, block_linear_launch
 
 
@@ -95,39 +99,87 @@ def block_linear_kernel(
     row_ptr = w_ptr + tl.where(mask_n, offs_n, 0).to(tl.int64) * row_bytes
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for j in range(0, K // 32):
-        x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (j * 32 + e)[None, :],
-                    mask=mask_m[:, None], other=0.0)
-        rec = row_ptr + j * REC  # [BLOCK_N]
-        recs = rec[None, :]
-        ee = e[:, None]
-        m_part = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        if KIND == 8:  # FP8: float32 scale, 32 e4m3 codes
-            d = _f32(rec)
-            q = _e4m3(_byte(recs + 4 + ee))
-        elif KIND == 3:  # Q8_0: float16 d, 32 signed codes
-            d = _f16(rec)
-            q = _byte(recs + 2 + ee).to(tl.int8).to(tl.float32)
-        elif KIND == 1:  # Q4_0: d, nibbles; d * (q - 8)
-            d = _f16(rec)
-            q = (_nibble(recs, ee, 2) - 8).to(tl.float32)
-        elif KIND == 2:  # Q4_1: d, m, nibbles; d * q + m
-            d = _f16(rec)
-            m_part = _f16(rec + 2)
-            q = _nibble(recs, ee, 4).to(tl.float32)
-        elif KIND == 9:  # Q5_0: d, fifth bits, nibbles; d * (q - 16)
-            d = _f16(rec)
-            q = ((_nibble(recs, ee, 6) | _fifth(recs, ee, 2)) - 16).to(tl.float32)
-        else:  # Q5_1: d, m, fifth bits, nibbles; d * q + m
-            d = _f16(rec)
-            m_part = _f16(rec + 2)
-            q = (_nibble(recs, ee, 8) | _fifth(recs, ee, 4)).to(tl.float32)
-        if DOT_FP32:
-            x = x.to(tl.float32)
-            acc += tl.dot(x, q, input_precision="ieee") * d[None, :]
+        rec = row_ptr + j * REC  # [BLOCK_N]: a 32-input kind's record of block j
+        sup = row_ptr + (j // 8) * REC  # a K kind's super-block of 256 inputs, and j's sub-block in it
+        sub = j % 8
+        if KIND == 6 or KIND == 7:  # Q6_K, KMIX: a scale per 16 inputs, so a dot per half
+            h = tl.arange(0, 16)
+            x_lo = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (j * 32 + h)[None, :],
+                           mask=mask_m[:, None], other=0.0)
+            x_hi = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (j * 32 + 16 + h)[None, :],
+                           mask=mask_m[:, None], other=0.0)
+            lo, hi = h[:, None], 16 + h[:, None]
+            if KIND == 6:  # Q6_K: 128 low nibbles, 64 bytes of bit pairs, 16 int8 scales, d
+                half, g = sub // 4, sub % 4
+                d = _f16(sup + 208)
+                d_lo = d * _byte(sup + 192 + 2 * sub).to(tl.int8).to(tl.float32)
+                d_hi = d * _byte(sup + 193 + 2 * sub).to(tl.int8).to(tl.float32)
+                low = sup[None, :] + half * 64 + (g % 2) * 32
+                high = sup[None, :] + 128 + half * 32
+                q_lo = ((((_byte(low + lo) >> ((g // 2) * 4)) & 15)
+                         | (((_byte(high + lo) >> (2 * g)) & 3) << 4)) - 32).to(tl.float32)
+                q_hi = ((((_byte(low + hi) >> ((g // 2) * 4)) & 15)
+                         | (((_byte(high + hi) >> (2 * g)) & 3) << 4)) - 32).to(tl.float32)
+            else:  # KMIX: float32 scales of each half and a minimum, 32 codes 0..63
+                d_lo, d_hi = _f32(rec), _f32(rec + 4)
+                q_lo = (_byte(rec[None, :] + 12 + lo) - 32).to(tl.float32)
+                q_hi = (_byte(rec[None, :] + 12 + hi) - 32).to(tl.float32)
+            if DOT_FP32:
+                x_lo, x_hi = x_lo.to(tl.float32), x_hi.to(tl.float32)
+                acc += tl.dot(x_lo, q_lo, input_precision="ieee") * d_lo[None, :]
+                acc += tl.dot(x_hi, q_hi, input_precision="ieee") * d_hi[None, :]
+            else:
+                acc += tl.dot(x_lo, q_lo.to(x_lo.dtype)) * d_lo[None, :]
+                acc += tl.dot(x_hi, q_hi.to(x_hi.dtype)) * d_hi[None, :]
+            if KIND == 7:
+                both = tl.sum(x_lo.to(tl.float32), axis=1) + tl.sum(x_hi.to(tl.float32), axis=1)
+                acc += both[:, None] * _f32(rec + 8)[None, :]
         else:
-            acc += tl.dot(x, q.to(x.dtype)) * d[None, :]
-        if KIND == 2 or KIND == 10:
-            acc += tl.sum(x.to(tl.float32), axis=1)[:, None] * m_part[None, :]
+            x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (j * 32 + e)[None, :],
+                        mask=mask_m[:, None], other=0.0)
+            recs = rec[None, :]
+            ee = e[:, None]
+            m_part = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            if KIND == 8:  # FP8: float32 scale, 32 e4m3 codes
+                d = _f32(rec)
+                q = _e4m3(_byte(recs + 4 + ee))
+            elif KIND == 3:  # Q8_0: float16 d, 32 signed codes
+                d = _f16(rec)
+                q = _byte(recs + 2 + ee).to(tl.int8).to(tl.float32)
+            elif KIND == 1:  # Q4_0: d, nibbles; d * (q - 8)
+                d = _f16(rec)
+                q = (_nibble(recs, ee, 2) - 8).to(tl.float32)
+            elif KIND == 2:  # Q4_1: d, m, nibbles; d * q + m
+                d = _f16(rec)
+                m_part = _f16(rec + 2)
+                q = _nibble(recs, ee, 4).to(tl.float32)
+            elif KIND == 9:  # Q5_0: d, fifth bits, nibbles; d * (q - 16)
+                d = _f16(rec)
+                q = ((_nibble(recs, ee, 6) | _fifth(recs, ee, 2)) - 16).to(tl.float32)
+            elif KIND == 10:  # Q5_1: d, m, fifth bits, nibbles; d * q + m
+                d = _f16(rec)
+                m_part = _f16(rec + 2)
+                q = (_nibble(recs, ee, 8) | _fifth(recs, ee, 4)).to(tl.float32)
+            else:  # Q4_K, Q5_K: d, dmin, 6-bit scales and mins of 8 sub-blocks, (fifth bits), nibbles
+                lo4 = _byte(sup + 4 + sub % 4)
+                hi4 = _byte(sup + 8 + sub % 4)
+                mix = _byte(sup + 12 + sub % 4)
+                sc = tl.where(sub < 4, lo4 & 63, (mix & 15) | ((lo4 >> 6) << 4))
+                mn = tl.where(sub < 4, hi4 & 63, (mix >> 4) | ((hi4 >> 6) << 4))
+                d = _f16(sup) * sc.to(tl.float32)
+                m_part = -(_f16(sup + 2) * mn.to(tl.float32))
+                start = 48 if KIND == 11 else 16
+                q = (_byte(sup[None, :] + start + (sub // 2) * 32 + ee) >> ((sub % 2) * 4)) & 15
+                if KIND == 11:
+                    q = q | (((_byte(sup[None, :] + 16 + ee) >> sub) & 1) << 4)
+                q = q.to(tl.float32)
+            if DOT_FP32:
+                x = x.to(tl.float32)
+                acc += tl.dot(x, q, input_precision="ieee") * d[None, :]
+            else:
+                acc += tl.dot(x, q.to(x.dtype)) * d[None, :]
+            if KIND == 2 or KIND == 10 or KIND == 5 or KIND == 11:
+                acc += tl.sum(x.to(tl.float32), axis=1)[:, None] * m_part[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :],
@@ -146,8 +198,9 @@ def triton_block_linear(x: torch.Tensor, rows: torch.Tensor, kind: BlockKind, ou
         raise ValueError(f"the Triton block product reads {', '.join(k.name for k in TRITON_KINDS)}, "
                          f"not {kind.name}")
     in_features = x.shape[-1]
-    per_row = in_features // QK * BLOCK_BYTES[kind]
-    if in_features % QK or rows.dtype != torch.uint8 or tuple(rows.shape) != (out_features, per_row):
+    per_row = in_features // BLOCK_INPUTS[kind] * BLOCK_BYTES[kind]
+    if (in_features % BLOCK_INPUTS[kind] or rows.dtype != torch.uint8
+            or tuple(rows.shape) != (out_features, per_row)):
         raise ValueError(f"{kind.name} rows {tuple(rows.shape)} {rows.dtype} do not hold a "
                          f"[{out_features}, {in_features}] matrix")
     flat = x.reshape(-1, in_features).contiguous()

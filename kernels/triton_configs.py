@@ -305,18 +305,21 @@ def mla_launch_configs(model_dtype: torch.dtype) -> list[KernelLaunch]:
 
 BLOCK_LINEAR = "block_linear_kernel"
 BLOCK_LINEAR_MODULE = "kernels.triton_blocks"
-# the records the block product decodes: every 32-input kind (the K formats' 256-input super-blocks and
-# KMIX are dequantized at load where it runs)
-TRITON_KINDS = (BlockKind.Q4_0, BlockKind.Q4_1, BlockKind.Q5_0, BlockKind.Q5_1, BlockKind.Q8_0, BlockKind.FP8)
+# the records the block product decodes: every kind kept (GGUF's 32-input kinds, its K formats' 256-input
+# super-blocks, KMIX and FP8)
+TRITON_KINDS = (BlockKind.Q4_0, BlockKind.Q4_1, BlockKind.Q5_0, BlockKind.Q5_1, BlockKind.Q8_0, BlockKind.FP8,
+                BlockKind.Q4_K, BlockKind.Q5_K, BlockKind.Q6_K, BlockKind.KMIX)
 
 
 def block_linear_tiles(model_dtype: torch.dtype, rows: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) of the product over 32-input records (``kernels/triton_blocks.py``):
+    """(BLOCK_M, BLOCK_N, num_warps) of the product over kept records (``kernels/triton_blocks.py``):
     16 rows (the smallest MMA M) for a decode step's few tokens, 64 for prompt chunks; each record's
     codes are decoded once per 16 or 64 rows. float32 dots run on FMA units, so their tiles are smaller.
-    Each is the widest that compiles without spilling on sm_80 and sm_90 (``kernels/triton_aot.py``)."""
+    Each is the widest that compiles without spilling on sm_80 and sm_90 for every kind
+    (``kernels/triton_aot.py``): float32's 16 x 64 spilled 8-16 bytes at 4 and at 8 warps and its 32 x 64
+    at 8 (a bias, FP8, Q5, KMIX); its 16 x 32 at 4 warps and 32 x 32 at 8 take at most 175 registers."""
     if model_dtype == torch.float32:
-        return (16, 64, 8) if rows <= 16 else (32, 64, 8)
+        return (16, 32, 4) if rows <= 16 else (32, 32, 8)
     return (16, 64, 4) if rows <= 16 else (64, 64, 8)
 
 
@@ -325,6 +328,8 @@ def block_linear_launch(model_dtype: torch.dtype, kind: int, rows: int, has_bias
     """``block_linear_kernel``'s launch for ``rows`` activation rows in ``model_dtype`` over records of
     ``kind`` (a ``kernels.gguf_blocks.BlockKind`` value)."""
     block_m, block_n, num_warps = block_linear_tiles(model_dtype, rows)
+    if interpret:  # Triton's interpreter runs each program in Python: wide tiles, few programs
+        block_n = 128
     constexprs: dict[str, int | float | bool] = dict(
         KIND=int(kind), REC=BLOCK_BYTES[BlockKind(kind)], HAS_BIAS=has_bias, BLOCK_M=block_m,
         BLOCK_N=block_n, DOT_FP32=interpret or model_dtype == torch.float32,
@@ -338,7 +343,7 @@ def block_linear_launch(model_dtype: torch.dtype, kind: int, rows: int, has_bias
 
 
 def block_linear_launch_configs(model_dtype: torch.dtype) -> list[KernelLaunch]:
-    """Every launch of the block product in ``model_dtype``: each record kind, both tiles, with and
-    without a bias."""
+    """Every launch of the block product in ``model_dtype``: each record kind (``TRITON_KINDS``), both
+    tiles, with and without a bias."""
     return [block_linear_launch(model_dtype, kind, rows, bias)
             for kind in TRITON_KINDS for rows in (1, 1 << 20) for bias in (False, True)]

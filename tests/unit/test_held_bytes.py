@@ -16,6 +16,7 @@ from engine.llm import LLM
 from engine.loader import load_model_source
 from engine.models.held import held_bytes
 from engine.models.size import parameter_count
+from tests.gguf_families import write_q4_k_m
 from tests.unit.test_checkpoint_quant import fp8_checkpoint, mxfp4_checkpoint
 
 CHECKPOINTS: dict[str, Callable[[Path], Any]] = {
@@ -47,6 +48,14 @@ def test_held_bytes_are_what_the_engine_holds(tmp_path: Path, name: str) -> None
     layers = load_model_source(tmp_path).config.num_layers
     assert 0 <= engine - counted <= 4 * 4 * layers, (engine, counted)
     assert (counted == floats) == ("dequantized" in name)
+
+
+def test_a_q4_k_m_file_holds_its_k_blocks_and_kmix(tmp_path: Path) -> None:
+    """Q4_K and Q6_K matrices as their blocks, layer 0's QKV (Q4_K beside a Q6_K V) as KMIX records."""
+    path = write_q4_k_m(tmp_path)
+    engine, counted, floats = _engine_and_count(path)
+    assert engine - counted == 4 * 4 * 2  # qkv, o, gate/up and down of 2 layers
+    assert counted < 0.4 * floats
 
 
 def test_the_default_gguf_holds_its_blocks(default_model_path: Path) -> None:

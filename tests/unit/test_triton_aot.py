@@ -37,7 +37,7 @@ def _failures(results: dict[str, dict[str, Any]]) -> list[str]:
 
 def test_backend_kernels_compile_without_spills() -> None:
     results = _probe("covering")
-    assert len(results) == 33
+    assert len(results) == 34
     assert not _failures(results)
     assert all(0 < r["registers"] <= 255 for r in results.values())
 

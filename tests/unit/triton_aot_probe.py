@@ -90,14 +90,15 @@ def covering() -> list[tuple[str, CompileResult]]:
     out.append(("mla decode bf16/e4m3 sm_90", compile_launch(mla_launch(bf16, e4m3, 512, 64), 90)))
     out.append(("mla decode fp16/int8 sm_80", compile_launch(mla_launch(fp16, int8, 512, 64), 80)))
     out.append(("mla decode fp32 sm_90", compile_launch(mla_launch(fp32, fp32, 512, 64), 90)))
-    # the product over kept blocks: the kinds with the most decoding (Q5_1's fifth bits and minimum, FP8)
-    # at the prompt tile, the most registers, generic and aligned
-    q5_1, fp8 = BlockKind.Q5_1, BlockKind.FP8
+    # the product over kept blocks: the kinds with the most decoding (Q5_1's fifth bits and minimum, FP8,
+    # KMIX's two halves and minimum) at the prompt tile, the most registers, generic and aligned
+    q5_1, fp8, kmix = BlockKind.Q5_1, BlockKind.FP8, BlockKind.KMIX
     for name, launch, arch, aligned in (
             ("blocks Q5_1 bf16 prompt sm_90", block_linear_launch(bf16, q5_1, many, True), 90, False),
             ("blocks FP8 bf16 prompt sm_80 aligned", block_linear_launch(bf16, fp8, many, False), 80, True),
             ("blocks Q5_1 fp32 prompt sm_80", block_linear_launch(fp32, q5_1, many, True), 80, False),
-            ("blocks FP8 fp16 decode sm_90", block_linear_launch(fp16, fp8, 1, True), 90, False)):
+            ("blocks FP8 fp16 decode sm_90", block_linear_launch(fp16, fp8, 1, True), 90, False),
+            ("blocks KMIX bf16 prompt sm_80", block_linear_launch(bf16, kmix, many, True), 80, False)):
         out.append((name, compile_launch(launch, arch, aligned)))
     return out
 
