@@ -142,8 +142,7 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
                              "engine's --kv-cache-memory)")
     parser.add_argument("--weight-memory", type=size, default=None, metavar="SIZE",
                         help="bytes the weights take, all devices together (split evenly over "
-                             "tensor-parallel devices; default: one shard's parameters x --dtype bytes, "
-                             "per device)")
+                             "tensor-parallel devices; default: what one device holds under --dtype)")
     parser.add_argument("--max-model-len", type=int, default=None, metavar="N",
                         help="context length of one sequence (default: the model's)")
     parser.add_argument("--block-size", type=int, default=16, metavar="N",

@@ -7,7 +7,6 @@ derived from it and the model's ``ModelConfig`` live in properties so nothing is
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +28,7 @@ from engine.model_config import (
 from engine.spec_config import SpeculativeConfig
 from kernels.kv_quant import is_quantized, parse_kv_cache_dtype
 from kernels.linear import LINEAR_KERNELS
+from kernels.triton_configs import interpreting
 
 __all__ = ["ATTENTION_BACKENDS", "FULL_ATTENTION", "GGUF_ACTIVATIONS", "HIDDEN_ACTS", "KV_EVICTION_POLICIES",
            "LAYER_TYPES", "MOE_ACTIVATIONS", "MOE_ROUTERS", "QUANTIZATION_METHODS", "SLIDING_ATTENTION",
@@ -183,8 +183,7 @@ class EngineConfig:
             raise ValueError(f"--large-product must be auto, mkl or onednn, got {self.large_product!r}")
         if self.linear_kernel not in LINEAR_KERNELS:
             raise ValueError(f"linear_kernel must be one of {LINEAR_KERNELS}, got {self.linear_kernel!r}")
-        if (self.linear_kernel == "triton" and torch.device(self.device).type != "cuda"
-                and os.environ.get("TRITON_INTERPRET", "0") != "1"):
+        if self.linear_kernel == "triton" and torch.device(self.device).type != "cuda" and not interpreting():
             raise ValueError(f"--linear-kernel triton runs Triton kernels, which need a CUDA device (or "
                              f"TRITON_INTERPRET=1), got --device {self.device}")
         if self.num_threads is not None and self.num_threads < 1:

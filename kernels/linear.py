@@ -57,7 +57,6 @@ Figures for each kernel, per row count: docs/benchmarks.md ("One packed product 
 from __future__ import annotations
 
 import importlib.util
-import os
 from pathlib import Path
 from typing import Literal
 
@@ -66,7 +65,7 @@ import torch.nn.functional as F
 
 from kernels.gguf_blocks import INT8_KINDS, BlockKind, BlockMatrix, dequantize_rows
 from kernels.native_ops import BF16_FORMAT, INT8_FLAG, native_ops
-from kernels.triton_configs import TRITON_KINDS
+from kernels.triton_configs import TRITON_KINDS, interpreting
 
 LinearKernel = Literal["plain", "prepacked", "native", "triton"]
 LINEAR_KERNELS: tuple[LinearKernel, ...] = ("plain", "prepacked", "native", "triton")
@@ -112,7 +111,7 @@ def triton_blocks_usable(device: torch.device, kernel: str) -> bool:
     ``TRITON_INTERPRET=1``."""
     if device.type == "cuda":
         return importlib.util.find_spec("triton") is not None
-    return kernel == "triton" and os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return kernel == "triton" and interpreting()
 
 
 def prepacked_available(weight: torch.Tensor) -> bool:

@@ -79,8 +79,7 @@ class MlaTritonBackend(MlaTorchBackend):
     def mix(self, group: SeqGroup, query: torch.Tensor, kv_layer: torch.Tensor,
             kv_scales: torch.Tensor | None, rank: int, scale: float) -> torch.Tensor:
         from kernels import triton_mla
-        from kernels.triton_backend import interpreting
-        from kernels.triton_configs import mla_launch, mla_supported, storage_dtype
+        from kernels.triton_configs import interpreting, mla_launch, mla_supported, storage_dtype
 
         interpret = interpreting()
         if group.q_len != 1 or not (interpret or mla_supported(self.model_dtype, kv_layer.dtype)):
@@ -115,7 +114,7 @@ def mla_backend(device: torch.device | str, name: str = "auto", native_kernels: 
     if name == "native":
         return MlaNativeBackend()
     if name == "triton":
-        from kernels.triton_backend import interpreting
+        from kernels.triton_configs import interpreting
 
         if kind != "cuda" and not interpreting():
             raise ValueError(f"attention_backend='triton' needs a CUDA device, got {kind!r}")

@@ -27,7 +27,6 @@ CPU tensors, which is how the CPU-only test suite runs them.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
@@ -40,14 +39,11 @@ from kernels.triton_configs import (
     WRITE_INT4,
     KernelLaunch,
     attention_launch,
+    interpreting,
     kv_format,
     storage_dtype,
     write_launch,
 )
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def plan_tiles(query_lens: list[int], q_per_kv: int, decode: bool,

@@ -29,14 +29,12 @@ Dots run in float32 (``input_precision="ieee"``) for float32 activations and und
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from kernels.gguf_blocks import BLOCK_BYTES, BLOCK_INPUTS, BlockKind
-from kernels.triton_configs import TRITON_KINDS, block_linear_launch
+from kernels.triton_configs import TRITON_KINDS, block_linear_launch, interpreting
 
 
 @triton.jit
@@ -184,10 +182,6 @@ def block_linear_kernel(
         acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :],
              acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def triton_block_linear(x: torch.Tensor, rows: torch.Tensor, kind: BlockKind, out_features: int,

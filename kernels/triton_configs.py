@@ -14,6 +14,7 @@ through the block table per column, so the page size never sets a dot shape.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -21,6 +22,12 @@ import torch
 from kernels import kv_int4
 from kernels.gguf_blocks import BLOCK_BYTES, BlockKind
 from kernels.moe import ACTIVATIONS
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels run under its interpreter (``TRITON_INTERPRET=1``: on CPU, the tests)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
 
 ATTENTION = "paged_attention_kernel"
 WRITE = "write_kv_kernel"

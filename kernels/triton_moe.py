@@ -28,14 +28,12 @@ and sm_90 by ``kernels/triton_aot.py``.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from kernels.moe import MoeActivation, check_moe_args
-from kernels.triton_configs import moe_launch, moe_sum_launch
+from kernels.triton_configs import interpreting, moe_launch, moe_sum_launch
 
 
 @triton.jit
@@ -163,10 +161,6 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int,
     expert = torch.searchsorted(ends, block_start, right=True)
     block_expert = torch.where(expert < num_experts, expert, -1).to(torch.int32)
     return pairs[:size], block_expert, ends[-1:].to(torch.int32)
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def triton_fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

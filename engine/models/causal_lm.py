@@ -45,7 +45,6 @@ from engine.layers.decoder import DecoderLayer
 from engine.layers.moe import MoE
 from engine.layers.prepared import Prepared, released, weight
 from engine.models.block_pieces import BlockPieces
-from engine.models.family import as_is
 from engine.models.registry import family
 from engine.tensor_parallel import TpShard
 from engine.tp_group import TpGroup
@@ -337,11 +336,10 @@ class CausalLM(nn.Module):
         rows, or its inputs at block boundaries); the embedding and head, and matrices a rank's cut splits
         inside a block, are dequantized. Blocks it does not keep (other matrices, or when this is False)
         are dequantized."""
-        names_kept = self.family.canonical is as_is or self.family.canonical_keeps_blocks
         if self.triton_products:
-            return names_kept
+            return self.family.passes_blocks
         return (self.dtype == torch.float32 and self.linear_kernel == "native"
-                and names_kept and native_ops() is not None
+                and self.family.passes_blocks and native_ops() is not None
                 and self.embed_tokens.device.type == "cpu")
 
     @property

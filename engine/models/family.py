@@ -47,3 +47,8 @@ class ModelFamily:
     sandwich_norms: bool = False
     embed_scale: bool = False
     gguf: GgufFormat | None = None
+
+    @property
+    def passes_blocks(self) -> bool:
+        """Whether the loader's kept blocks and codes reach the model through ``canonical``."""
+        return self.canonical is as_is or self.canonical_keeps_blocks

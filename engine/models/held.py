@@ -25,7 +25,6 @@ from pathlib import Path
 
 from engine.checkpoint_quant import CheckpointQuant
 from engine.config import ModelConfig
-from engine.models.family import as_is
 from engine.models.gguf_config import one_to_one
 from engine.models.registry import family
 from engine.models.size import parameter_count
@@ -43,12 +42,6 @@ _FUSED = {"attn_q": "qkv", "attn_k": "qkv", "attn_v": "qkv", "ffn_gate": "gate_u
           "ffn_gate_exps": "gate_up_exps", "ffn_up_exps": "gate_up_exps"}
 
 
-def names_kept(config: ModelConfig) -> bool:
-    """Whether the family's loader passes kept records on (as ``CausalLM.takes_blocks`` asks)."""
-    fam = family(config.architecture)
-    return fam.canonical is as_is or fam.canonical_keeps_blocks
-
-
 @dataclass(frozen=True)
 class Held:
     """One rank's weight bytes, and how many of them are the routed experts' matrices."""
@@ -62,23 +55,23 @@ def held_bytes(config: ModelConfig, dtype_bytes: int, quant: CheckpointQuant | N
     """One rank's weight bytes (module docstring): ``dtype_bytes`` per parameter the model holds as floats;
     ``quant`` the checkpoint's quantization, ``gguf`` the file when the model is one."""
     count = parameter_count(config, TpShard(config, 0, tp))
-    dense, experts = count.kept, count.experts  # parameters the loader may keep in records
+    dense, experts = count.kept, count.experts  # one rank's parameters the loader may keep in records
     floats = Held(count.total * dtype_bytes, experts * dtype_bytes)
-    if not names_kept(config):
+    if not family(config.architecture).passes_blocks:
         return floats
+    # (elements, bytes) kept of the dense matrices and of the experts', one rank's
     if gguf is not None:
-        kept = _gguf_kept(config, gguf)
-        kept_dense, kept_experts = kept[False], kept[True]
+        whole = _gguf_kept(config, gguf)
+        kept_dense, kept_experts = ((n // tp, size // tp) for n, size in (whole[False], whole[True]))
     elif quant is None or (quant.method == "fp8" and quant.block is not None and quant.block[1] % QK):
         return floats  # not quantized, or a run of 32 inputs would span two scales: dequantized
     elif quant.method == "mxfp4":
-        kept_dense, kept_experts = (0, 0), (experts * tp, experts * tp * MXFP4_RECORD // QK)
+        kept_dense, kept_experts = (0, 0), (experts, experts * MXFP4_RECORD // QK)
     else:
-        kept_dense = (dense * tp, dense * tp * FP8_RECORD // QK)
-        kept_experts = (experts * tp, experts * tp * FP8_RECORD // QK)
-    expert_bytes = kept_experts[1] // tp + (experts - kept_experts[0] // tp) * dtype_bytes
-    rest = count.total - experts - kept_dense[0] // tp
-    return Held(expert_bytes + kept_dense[1] // tp + rest * dtype_bytes, expert_bytes)
+        kept_dense, kept_experts = (dense, dense * FP8_RECORD // QK), (experts, experts * FP8_RECORD // QK)
+    expert_bytes = kept_experts[1] + (experts - kept_experts[0]) * dtype_bytes
+    rest = count.total - experts - kept_dense[0]
+    return Held(expert_bytes + kept_dense[1] + rest * dtype_bytes, expert_bytes)
 
 
 def _gguf_kept(config: ModelConfig, path: Path) -> dict[bool, tuple[int, int]]:
