@@ -3,7 +3,8 @@
 Built from the layer library (``engine/layers/``) for the family ``config.architecture`` names
 (``engine/models/registry.py``): the embedding (times ``sqrt(hidden_size)`` for Gemma), one
 ``DecoderLayer`` per layer, the final norm and the LM head (tied to the embedding or not; Gemma's
-final logits may be soft-capped). ``load_weights`` takes Hugging Face parameter names (the family maps
+final logits may be soft-capped). ``load_weights`` (``engine/models/weight_load.py``, with the keeping
+of quantized blocks) takes Hugging Face parameter names (the family maps
 its checkpoint's names onto the library's first) and fills the fused tensors by row slices; every
 parameter must arrive exactly once with exactly its expected shape. Once loaded, each matrix is wrapped
 in a ``kernels.linear.PreparedLinear`` (packed for the model's ``linear_kernel``); weights changed
@@ -30,8 +31,7 @@ where ``kernels/greedy_head.py`` applies (the native float32 LM head on one rank
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import cast
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -43,24 +43,22 @@ from engine.layers.attention import Attention
 from engine.layers.context import LayerContext
 from engine.layers.decoder import DecoderLayer
 from engine.layers.moe import MoE
-from engine.layers.prepared import Prepared, released, weight
-from engine.models.block_pieces import BlockPieces
+from engine.layers.prepared import released, weight
 from engine.models.registry import family
+from engine.models.weight_load import WeightLoading
 from engine.tensor_parallel import TpShard
 from engine.tp_group import TpGroup
 from kernels.attention import AttentionBackend, AttentionMetadata
-from kernels.gguf_blocks import BlockMatrix, BlockStack
+from kernels.gguf_blocks import BlockMatrix
 from kernels.greedy_head import GreedyHead
-from kernels.linear import LinearKernel, PreparedLinear, triton_blocks_usable
+from kernels.linear import LinearKernel, PreparedLinear
 from kernels.native_decoder import DecoderShape, NativeDecoder
 from kernels.native_ops import PANEL, native_ops
 from kernels.norm import rms_norm, rms_norm_offset
 from kernels.rope import RotaryEmbedding
 
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
-
-class CausalLM(nn.Module):
+class CausalLM(WeightLoading, nn.Module):
     """Decoder-only LM; ``forward`` returns final-normed hidden states, ``compute_logits`` the scores."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu",
@@ -227,69 +225,6 @@ class CausalLM(nn.Module):
                              self.shard.intermediate_size, c.rms_norm_eps)
         return NativeDecoder(weights, self.norm.data, shape)
 
-    def _hf_targets(self) -> dict[str, torch.Tensor]:
-        start, stop = self.shard.vocab_range
-        targets = {"model.embed_tokens.weight": self.embed_tokens.data[: stop - start],
-                   "model.norm.weight": self.norm.data}
-        if not self.config.tie_word_embeddings:
-            targets["lm_head.weight"] = self.lm_head.data[: stop - start]
-        for i, layer in enumerate(self.decoder_layers()):
-            targets.update(layer.hf_targets(f"model.layers.{i}"))
-        return targets
-
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | BlockMatrix | BlockStack]]) -> None:
-        """Copy Hugging Face-named tensors in, cast to the model dtype.
-
-        Raises ``ValueError`` naming the first unexpected, duplicated or
-        mis-shaped parameter, or every missing one. With tied embeddings a
-        ``lm_head.weight`` is accepted and ignored (state dicts carry it). A ``BlockMatrix`` is kept in its
-        blocks where ``takes_blocks`` and the matrix can (``_take_blocks``), dequantized anywhere else.
-        """
-        self._drop_embedding_blocks()
-        targets = self._hf_targets()
-        block_targets = self._block_targets() if self.takes_blocks else {}
-        pieces = BlockPieces()
-        loaded: set[str] = set()
-        # families that rename or split tensors get floats only unless their canonical passes blocks on
-        # (``takes_blocks``); a BlockStack comes out split into BlockMatrix experts
-        named = cast(Iterable[tuple[str, torch.Tensor | BlockMatrix]],
-                     self.family.canonical(cast(Iterable[tuple[str, torch.Tensor]], weights), self.config))
-        for name, tensor in named:
-            if name.endswith(_IGNORED_SUFFIXES):
-                continue
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue
-            target = targets.get(name)
-            if target is None:
-                raise ValueError(f"unexpected parameter {name!r} for a {self.config.architecture} model")
-            if name in loaded:
-                raise ValueError(f"parameter {name!r} given twice")
-            cut = self.shard.weight_slice(name) if self.shard.size > 1 else None
-            if isinstance(tensor, BlockMatrix):
-                part = (tensor.narrow(cut.dim, cut.start, cut.stop)
-                        if cut is not None and tuple(tensor.shape) != tuple(target.shape) else tensor)
-                fits = part is not None and tuple(part.shape) == tuple(target.shape)
-                if part is not None and fits and self._take_blocks(name, part, block_targets, pieces):
-                    loaded.add(name)
-                    continue
-                tensor = tensor.dequantize()
-            if (cut is not None and tuple(tensor.shape) != tuple(target.shape) and tensor.dim() > cut.dim
-                    and tensor.shape[cut.dim] >= cut.stop):  # a whole tensor: cut this rank's part
-                tensor = cut.take(tensor)
-            if tuple(tensor.shape) != tuple(target.shape):
-                raise ValueError(
-                    f"parameter {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
-                )
-            target.copy_(tensor.to(device=target.device, dtype=target.dtype))
-            loaded.add(name)
-        missing = sorted(set(targets) - loaded)
-        if missing:
-            shown = ", ".join(missing[:8]) + (f" (and {len(missing) - 8} more)" if len(missing) > 8 else "")
-            raise ValueError(f"missing parameters: {shown}")
-        pieces.finish(targets)
-        self.prepare_linears()
-
     def weight_bytes(self) -> int:
         """Bytes the model's weights hold in memory: each storage once, among the parameters (a released
         matrix's stand-in is 4 bytes), the prepared products' packed copies, the greedy head's half copy
@@ -328,64 +263,10 @@ class CausalLM(nn.Module):
         return "bf16" if self.bf16_products else "float32"
 
     @property
-    def takes_blocks(self) -> bool:
-        """Whether ``load_weights`` keeps GGUF blocks (``kernels.gguf_blocks.BlockMatrix``) as they come:
-        float32 CPU weights with the native product, for a family that reads its tensors as they are named
-        or whose ``canonical`` passes blocks on (``ModelFamily.canonical_keeps_blocks``). With tensor
-        parallelism each rank cuts its part of a matrix from the whole blocks (``BlockMatrix.narrow``: its
-        rows, or its inputs at block boundaries); the embedding and head, and matrices a rank's cut splits
-        inside a block, are dequantized. Blocks it does not keep (other matrices, or when this is False)
-        are dequantized."""
-        if self.triton_products:
-            return self.family.passes_blocks
-        return (self.dtype == torch.float32 and self.linear_kernel == "native"
-                and self.family.passes_blocks and native_ops() is not None
-                and self.embed_tokens.device.type == "cpu")
-
-    @property
     def host_synced(self) -> bool:
         """Whether a forward reads device values on the host: a mixture whose experts are kept as records
         routes its tokens on the host to take one expert's products at a time (``MoE.triton_experts``)."""
         return any(isinstance(layer.mlp, MoE) and layer.mlp.triton_experts for layer in self.decoder_layers())
-
-    @property
-    def triton_products(self) -> bool:
-        """Whether kept blocks take the Triton product (``kernels/triton_blocks.py``): on CUDA, and for
-        ``linear_kernel="triton"`` under the interpreter. The embedding and head are dequantized then."""
-        return triton_blocks_usable(self.embed_tokens.device, self.linear_kernel)
-
-    def _block_targets(self) -> dict[str, tuple[Prepared, str, int, int | None]]:
-        found: dict[str, tuple[Prepared, str, int, int | None]] = {}
-        for i, layer in enumerate(self.decoder_layers()):
-            found |= layer.block_targets(f"model.layers.{i}")
-        return found
-
-    def _take_blocks(self, name: str, matrix: BlockMatrix,
-                     block_targets: dict[str, tuple[Prepared, str, int, int | None]],
-                     pieces: BlockPieces) -> bool:
-        """Keep ``matrix`` for ``name`` in its blocks (the embedding, the head, dense attention's, the MLP's
-        and the experts' matrices; a fused one's parts gathered in ``pieces``), or say it is not taken."""
-        if name in ("model.embed_tokens.weight", "lm_head.weight"):
-            if self.shard.size > 1 or self.triton_products:  # a rank's vocabulary rows take floats (the
-                return False  # lookups mask the others); the Triton path looks up and multiplies floats
-            if name == "model.embed_tokens.weight":
-                self.embed_blocks = matrix
-            if name == "lm_head.weight" or self.config.tie_word_embeddings:
-                self.head_blocks = matrix
-            return True
-        found = block_targets.get(name)
-        if found is None:
-            return False
-        module, attr, row, expert = found
-        pieces.add(module, attr, row, name, matrix, expert)
-        return True
-
-    def _drop_embedding_blocks(self) -> None:
-        """Before a load: the embedding and head take floats again unless blocks arrive."""
-        for param in (self.embed_tokens, self.lm_head):
-            if released(param):
-                param.data = torch.zeros(param.shape, dtype=param.dtype, device=param.device)
-        self.embed_blocks = self.head_blocks = None
 
     def forward(
         self,
