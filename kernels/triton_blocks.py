@@ -29,12 +29,14 @@ Dots run in float32 (``input_precision="ieee"``) for float32 activations and und
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from kernels.gguf_blocks import BLOCK_BYTES, BLOCK_INPUTS, BlockKind
-from kernels.triton_configs import TRITON_KINDS, block_linear_launch, interpreting
+from kernels.triton_configs import DECODE_ROWS, TRITON_KINDS, KernelLaunch, block_linear_launch, interpreting
 
 
 @triton.jit
@@ -184,6 +186,13 @@ def block_linear_kernel(
              acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
+@functools.cache
+def _launch(dtype: torch.dtype, kind: BlockKind, decode: bool, has_bias: bool,
+            interpret: bool) -> KernelLaunch:
+    """``block_linear_launch``'s answer, built once per distinct call (every product of a step asks)."""
+    return block_linear_launch(dtype, kind, 1 if decode else DECODE_ROWS + 1, has_bias, interpret)
+
+
 def triton_block_linear(x: torch.Tensor, rows: torch.Tensor, kind: BlockKind, out_features: int,
                         bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W.T + bias`` for ``W`` in ``rows`` of ``kind`` (module docstring); ``x`` is ``[..., in]``
@@ -201,7 +210,7 @@ def triton_block_linear(x: torch.Tensor, rows: torch.Tensor, kind: BlockKind, ou
     m = flat.shape[0]
     y = torch.empty(m, out_features, dtype=x.dtype, device=x.device)
     if m:
-        cfg = block_linear_launch(x.dtype, kind, m, bias is not None, interpreting())
+        cfg = _launch(x.dtype, kind, m <= DECODE_ROWS, bias is not None, interpreting())
         grid = (triton.cdiv(m, int(cfg.constexprs["BLOCK_M"])),
                 triton.cdiv(out_features, int(cfg.constexprs["BLOCK_N"])))
         block_linear_kernel[grid](

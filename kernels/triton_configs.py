@@ -311,6 +311,7 @@ def mla_launch_configs(model_dtype: torch.dtype) -> list[KernelLaunch]:
 
 
 BLOCK_LINEAR = "block_linear_kernel"
+DECODE_ROWS = 16  # the block product's rows up to which it takes the decode tile
 BLOCK_LINEAR_MODULE = "kernels.triton_blocks"
 # the records the block product decodes: every kind kept (GGUF's 32-input kinds, its K formats' 256-input
 # super-blocks, KMIX and FP8)
@@ -326,8 +327,8 @@ def block_linear_tiles(model_dtype: torch.dtype, rows: int) -> tuple[int, int, i
     (``kernels/triton_aot.py``): float32's 16 x 64 spilled 8-16 bytes at 4 and at 8 warps and its 32 x 64
     at 8 (a bias, FP8, Q5, KMIX); its 16 x 32 at 4 warps and 32 x 32 at 8 take at most 175 registers."""
     if model_dtype == torch.float32:
-        return (16, 32, 4) if rows <= 16 else (32, 32, 8)
-    return (16, 64, 4) if rows <= 16 else (64, 64, 8)
+        return (16, 32, 4) if rows <= DECODE_ROWS else (32, 32, 8)
+    return (16, 64, 4) if rows <= DECODE_ROWS else (64, 64, 8)
 
 
 def block_linear_launch(model_dtype: torch.dtype, kind: int, rows: int, has_bias: bool,
