@@ -168,15 +168,19 @@ class StepStats(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class CoreShareStats(msgspec.Struct, frozen=True, kw_only=True):
-    """Shared cores (``worker/core_share.py``) since start: this worker's steps that ran on idle workers'
-    threads too and those threads summed; its waits to get its own threads back, their seconds, and the
-    waits that gave up at the deadline."""
+    """Shared cores (``worker/core_share.py``) since start: this worker's steps that ran on other workers'
+    threads too and those threads summed; its prompt chunks that asked the others for their threads, and
+    the seconds they waited for busy ones to yield; its waits to get its own threads back, their seconds,
+    the waits that gave up at the deadline, and the times it yielded its threads to an asking worker."""
 
     borrowed_steps: int = 0
     borrowed_threads: int = 0
+    asked_steps: int = 0
+    ask_seconds: float = 0.0
     reclaim_waits: int = 0
     reclaim_seconds: float = 0.0
     reclaim_late: int = 0
+    yields: int = 0
 
 
 class OutputStats(msgspec.Struct, frozen=True, kw_only=True):

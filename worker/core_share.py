@@ -7,7 +7,8 @@ read. The other way round, a long prompt on a prefill worker of one core takes t
 take, while the decode worker waits for it with nothing to run. So every worker lends its cores while
 its engine has nothing to run, and borrows idle workers' cores for its own steps, giving them back
 before the lender computes again: a decode worker's steps run on an idle prefill worker's threads too,
-a prefill worker's prompt chunks on an idle decode worker's.
+a prefill worker's prompt chunks on an idle decode worker's. A decode worker that is busy while a
+prompt chunk waits yields its cores to that chunk between two of its steps.
 
 The contract, per lender (every worker) one file ``{directory}/{key}.{lender}.cores``, where ``key``
 names the deployment and the node (``share_key``):
@@ -27,6 +28,17 @@ names the deployment and the node (``share_key``):
   lender file whose wish is 0 without waiting, and answers how many threads it got; the step then runs
   on its own threads plus those (``torch.set_num_threads``). ``give_back()`` after the step unlocks
   them all.
+- Byte 9 is a borrower's ask: 1 while a borrower with a prompt chunk to compute waits for the lender's
+  cores although the lender is busy (``CoreBorrower.borrow(ask=True)``, for at most ``ASK_WAIT_S``).
+  A busy lender that finds it set after a step yields: it unlocks and claims again before its next step
+  (``LendGate.after_step``), so the prompt chunk runs on both workers' threads and the lender's next
+  step waits for it, up to ``YIELD_DEADLINE_S``. A borrower that got cores by asking lends its own
+  while it waits to ask again (``ShareGate``), so the lender's step between two prompt chunks runs on
+  both workers' threads too. The two workers then take the node's cores in turn, a decode step and a
+  prompt chunk, as one colocated worker's steps would: without it a long prompt on a prefill worker
+  of one core takes twice what it takes colocated while the decode worker beside it steps small
+  batches on the other core. Two borrowers asking one lender may clear each other's ask: the other
+  then computes on its own threads after ``ASK_WAIT_S``.
 - A process that dies holding a lock loses it (the kernel drops a dead process's ``flock``s). A lender's
   file outlives its process (Ray kills a worker without a hook): no borrower uses the file of a process
   that is gone, and the next lender started on the node removes such files (``remove_stale``).
@@ -51,12 +63,16 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import msgspec
 import torch
 
 from messages.wire import CoreShareStats
 
 DEFAULT_DIRECTORY = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
 DEADLINE_S = 0.5  # the longest a lender waits for its cores back
+YIELD_DEADLINE_S = 3.0  # ... after it yielded them to an asking borrower: a whole prompt chunk
+ASK_WAIT_S = 0.15  # the longest a borrower with a prompt chunk waits for a busy lender to yield
+HEAD = 10  # the lender file's bytes: wish, threads, pid, ask
 RETRY_S = 0.001
 RESCAN_S = 1.0  # how often a borrower looks for lender files that appeared or went away
 
@@ -105,22 +121,28 @@ class CoreLender:
     """A prefill worker's side: see the module docstring."""
 
     def __init__(self, key: str, name: str, threads: int, directory: str = DEFAULT_DIRECTORY,
-                 deadline_s: float = DEADLINE_S, clock: Callable[[], float] = time.monotonic,
+                 deadline_s: float = DEADLINE_S, yield_deadline_s: float = YIELD_DEADLINE_S,
+                 clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep) -> None:
         self.path = Path(directory) / f"{key}.{name}.cores"
         self.deadline_s = deadline_s
         self._clock, self._sleep = clock, sleep  # the retry loop's (``claim``)
         remove_stale(directory)
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        os.pwrite(self._fd, b"\0" + struct.pack("<ii", threads, os.getpid()), 0)
+        self.yield_deadline_s = yield_deadline_s
+        os.pwrite(self._fd, b"\0" + struct.pack("<ii", threads, os.getpid()) + b"\0", 0)
         self.held = False
         self.late = 0  # claims that gave up waiting and computed without the lock
         self.waits = 0  # claims that found the cores lent out
         self.wait_s = 0.0  # seconds waited for them
+        self.yields = 0  # times a busy lender unlocked for an asking borrower
+        self._yielded = False
 
     def claim(self) -> None:
         if self.held:
             return
+        deadline = self.yield_deadline_s if self._yielded else self.deadline_s
+        self._yielded = False
         if _try_lock(self._fd):
             self.held = True
             return
@@ -129,7 +151,7 @@ class CoreLender:
         self.waits += 1
         try:
             while not _try_lock(self._fd):
-                if self._clock() - start > self.deadline_s:
+                if self._clock() - start > deadline:
                     self.late += 1
                     return
                 self._sleep(RETRY_S)
@@ -137,6 +159,18 @@ class CoreLender:
         finally:
             self.wait_s += self._clock() - start
             os.pwrite(self._fd, b"\0", 0)
+
+    def asked(self) -> bool:
+        """Whether a borrower with a prompt chunk waits for these cores now."""
+        return os.pread(self._fd, 1, 9) == b"\1"
+
+    def yield_(self) -> None:
+        """Unlock for an asking borrower while there is still work; the next ``claim`` waits up to
+        ``yield_deadline_s`` for the borrower's chunk."""
+        if self.held:
+            self.release()
+            self.yields += 1
+            self._yielded = True
 
     def release(self) -> None:
         if self.held:
@@ -154,14 +188,20 @@ class CoreLender:
 class CoreBorrower:
     """A decode worker's side: see the module docstring."""
 
-    def __init__(self, key: str, directory: str = DEFAULT_DIRECTORY, own: Path | None = None) -> None:
+    def __init__(self, key: str, directory: str = DEFAULT_DIRECTORY, own: Path | None = None,
+                 ask_wait_s: float = ASK_WAIT_S) -> None:
         self.pattern = str(Path(directory) / f"{key}.*.cores")
         self.own = str(own) if own is not None else None  # this process's own lender file: never borrowed
         self._files: dict[str, int] = {}
         self._held: list[int] = []
         self._scanned = float("-inf")
+        self._asked: list[int] = []  # lender files whose ask this borrower set
+        self.ask_wait_s = ask_wait_s
         self.steps = 0  # steps that ran on borrowed threads
         self.threads = 0  # borrowed threads, summed over those steps
+        self.asks = 0  # prompt chunks that asked lenders for their cores
+        self.ask_s = 0.0  # seconds they waited for busy lenders to yield
+        self.got_by_asking = False  # the last ``borrow`` was a prompt chunk's and got cores
 
     def _scan(self) -> None:
         now = time.monotonic()
@@ -176,26 +216,76 @@ class CoreBorrower:
             with contextlib.suppress(OSError):
                 self._files[path] = os.open(path, os.O_RDWR)
 
-    def borrow(self) -> int:
-        """Lock every idle lender's cores for one step; the threads they lend, summed."""
+    def _lendable(self, fd: int) -> int:
+        """The threads of a live lender that does not wait for its cores; 0 otherwise."""
+        try:
+            head = os.pread(fd, 9, 0)
+        except OSError:
+            return 0
+        if len(head) < 9 or head[0] != 0:
+            return 0
+        threads, pid = struct.unpack("<ii", head[1:9])
+        return max(0, threads) if _alive(pid) else 0
+
+    def ask(self) -> None:
+        """Set the ask on every live lender that does not wait for its cores (module docstring): before
+        the asking worker takes its own cores back, so a lender stepping on them yields after it."""
         self._scan()
-        extra = 0
         for fd in self._files.values():
-            try:
-                head = os.pread(fd, 9, 0)
-            except OSError:
+            if self._lendable(fd) and fd not in self._asked:
+                with contextlib.suppress(OSError):
+                    os.pwrite(fd, b"\1", 9)
+                self._asked.append(fd)
+
+    def borrow(self, ask: bool = False) -> int:
+        """Lock every idle lender's cores for one step; the threads they lend, summed. With ``ask`` (a
+        prompt chunk), first ask the busy ones to yield and wait up to ``ask_wait_s`` for them."""
+        self._scan()
+        self.got_by_asking = False
+        extra, busy = 0, []
+        for fd in self._files.values():
+            threads = self._lendable(fd)
+            if not threads:
                 continue
-            if len(head) < 9 or head[0] != 0:
-                continue
-            threads, pid = struct.unpack("<ii", head[1:9])
-            if not _alive(pid) or not _try_lock(fd):
-                continue
-            self._held.append(fd)
-            extra += max(0, threads)
+            if _try_lock(fd):
+                self._held.append(fd)
+                extra += threads
+            elif ask:
+                busy.append((fd, threads))
+        if ask:
+            self.asks += 1
+            if busy:
+                extra += self._wait_for_yields(busy)
+        self._clear_asks()
         if extra:
             self.steps += 1
             self.threads += extra
+            self.got_by_asking = ask
         return extra
+
+    def _wait_for_yields(self, busy: list[tuple[int, int]]) -> int:
+        for fd, _ in busy:
+            if fd not in self._asked:
+                with contextlib.suppress(OSError):
+                    os.pwrite(fd, b"\1", 9)
+                self._asked.append(fd)
+        start = time.monotonic()
+        extra = 0
+        while busy and time.monotonic() - start < self.ask_wait_s:
+            time.sleep(RETRY_S)
+            for fd, threads in list(busy):
+                if _try_lock(fd):
+                    busy.remove((fd, threads))
+                    self._held.append(fd)
+                    extra += threads
+        self.ask_s += time.monotonic() - start
+        return extra
+
+    def _clear_asks(self) -> None:
+        for fd in self._asked:
+            with contextlib.suppress(OSError):
+                os.pwrite(fd, b"\0", 9)
+        self._asked.clear()
 
     def give_back(self) -> None:
         for fd in self._held:
@@ -224,11 +314,13 @@ class LendGate:
     def after_step(self, more: bool) -> None:
         if not more:
             self.lender.release()
+        elif self.lender.asked():
+            self.lender.yield_()
 
     def stats(self) -> CoreShareStats:
         lender = self.lender
         return CoreShareStats(reclaim_waits=lender.waits, reclaim_seconds=lender.wait_s,
-                              reclaim_late=lender.late)
+                              reclaim_late=lender.late, yields=lender.yields)
 
     def close(self) -> None:
         self.lender.close()
@@ -244,17 +336,22 @@ class BorrowGate:
     cores it reserved, so an idle lender's cores are idle; where Ray is told of more CPUs than the node
     has (the test suite), turn sharing off."""
 
-    def __init__(self, borrower: CoreBorrower, threads: int, may_borrow: Callable[[], bool]) -> None:
+    def __init__(self, borrower: CoreBorrower, threads: int, may_borrow: Callable[[], bool],
+                 asks: Callable[[], bool] = lambda: False) -> None:
         self.borrower = borrower
         self.threads = threads
         self.may_borrow = may_borrow
+        self.asks = asks  # the next step is a prompt chunk that asks busy lenders to yield
         self.cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         self._extra = 0
+
+    def will_ask(self) -> bool:
+        return self.threads < self.cpus and self.may_borrow() and self.asks()
 
     def before_step(self) -> None:
         if self.threads >= self.cpus or not self.may_borrow():
             return
-        self._extra = self.borrower.borrow()
+        self._extra = self.borrower.borrow(self.asks())
         if self._extra:
             torch.set_num_threads(min(self.cpus, self.threads + self._extra))
 
@@ -265,34 +362,43 @@ class BorrowGate:
         self.borrower.give_back()
 
     def stats(self) -> CoreShareStats:
-        return CoreShareStats(borrowed_steps=self.borrower.steps, borrowed_threads=self.borrower.threads)
+        b = self.borrower
+        return CoreShareStats(borrowed_steps=b.steps, borrowed_threads=b.threads, asked_steps=b.asks,
+                              ask_seconds=b.ask_s)
 
     def close(self) -> None:
         self.borrower.close()
 
 
 class ShareGate:
-    """``engine.async_engine.StepGate`` of a worker that lends and borrows: its own cores back before each
-    step (``LendGate``), then whatever idle workers of its deployment on the node lend, for the steps
-    ``may_borrow`` allows (``BorrowGate``); after the step the borrowed cores go back first, then its own
-    are lent again if its engine has nothing left to run."""
+    """``engine.async_engine.StepGate`` of a worker that lends and borrows: before each step, the ask of a
+    prompt chunk (``BorrowGate.asks``), then its own cores back (``LendGate``), then whatever workers of
+    its deployment on the node lend or yield, for the steps ``may_borrow`` allows (``BorrowGate``).
+    After the step the borrowed cores go back first, then its own are lent again if its engine has
+    nothing left to run, or yielded if a borrower asks. A prompt chunk that ran on lent or yielded
+    cores lends its own before giving those back while it has more to run: the lender's next step runs
+    on them, and this worker takes them back (and asks again) before its next chunk."""
 
     def __init__(self, lend: LendGate, borrow: BorrowGate) -> None:
         self.lend, self.borrow = lend, borrow
 
     def before_step(self) -> None:
+        if self.borrow.will_ask():
+            self.borrow.borrower.ask()
         self.lend.before_step()
         self.borrow.before_step()
 
     def after_step(self, more: bool) -> None:
+        if more and self.borrow.borrower.got_by_asking:
+            self.lend.lender.release()
         self.borrow.after_step(more)
         self.lend.after_step(more)
 
     def stats(self) -> CoreShareStats:
         lent, borrowed = self.lend.stats(), self.borrow.stats()
-        return CoreShareStats(borrowed_steps=borrowed.borrowed_steps,
-                              borrowed_threads=borrowed.borrowed_threads, reclaim_waits=lent.reclaim_waits,
-                              reclaim_seconds=lent.reclaim_seconds, reclaim_late=lent.reclaim_late)
+        return msgspec.structs.replace(borrowed, reclaim_waits=lent.reclaim_waits,
+                                       reclaim_seconds=lent.reclaim_seconds, reclaim_late=lent.reclaim_late,
+                                       yields=lent.yields)
 
     def close(self) -> None:
         self.borrow.close()
@@ -318,11 +424,15 @@ def step_gate(deployment: str, name: str, threads: int, decode_only: Callable[[]
     """Every worker of ``deployment`` on this node lends its cores while idle and borrows idle ones for a
     decode-only step, and for every step when its prompt chunks are the same on any thread count
     (``prompts_invariant``, ``LLMEngine.prompts_thread_invariant``): so an idle decode worker's cores
-    compute a prefill worker's prompts, and an idle prefill worker's the decode steps. A borrowed prompt
-    chunk keeps its full size: a lender that gets work meanwhile waits for it up to ``DEADLINE_S``
-    (capping borrowed chunks at 256-1,024 tokens was measured and served less; docs/benchmarks.md)."""
+    compute a prefill worker's prompts, and an idle prefill worker's the decode steps. Such a prompt
+    chunk also asks a busy worker to yield its cores after its current step (module docstring), so a
+    prefill worker beside a busy decode worker computes each chunk on both, in turn with the decode
+    steps. A borrowed prompt chunk keeps its full size: a lender that gets work meanwhile waits for it
+    up to ``DEADLINE_S`` (``YIELD_DEADLINE_S`` after a yield; capping borrowed chunks at 256-1,024
+    tokens was measured and served less; docs/benchmarks.md)."""
     key = share_key(deployment, node_id())
     lender = CoreLender(key, name, threads)
     may_borrow = (lambda: True) if prompts_invariant else decode_only
-    borrow = BorrowGate(CoreBorrower(key, own=lender.path), threads, may_borrow)
+    asks = (lambda: not decode_only()) if prompts_invariant else (lambda: False)
+    borrow = BorrowGate(CoreBorrower(key, own=lender.path), threads, may_borrow, asks)
     return ShareGate(LendGate(lender), borrow)

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ import torch
 
 from messages.wire import CoreShareStats
 from tests.fakes import FakeClock
+from tests.waiting import wait_until
 from worker.core_share import (
     RETRY_S,
     BorrowGate,
@@ -217,6 +219,84 @@ def test_workers_lend_both_ways_and_never_to_themselves(tmp_path: Path) -> None:
         torch.set_num_threads(threads)
         for share in (alone, prefill, decode):
             share.close()
+
+
+def test_a_busy_lender_yields_to_an_asking_prompt_chunk_and_waits_for_it(tmp_path: Path) -> None:
+    """A prompt chunk asks a busy lender for its cores; the lender yields after its step, and its next
+    claim waits for the whole chunk (``yield_deadline_s``, not ``deadline_s``). Without an ask, or with
+    a lender that never yields, the borrower computes on its own threads."""
+    clock = FakeClock()
+    lender = CoreLender(KEY, "decode-0", 1, str(tmp_path), deadline_s=0.1, yield_deadline_s=2.0,
+                        clock=clock, sleep=clock.sleep)
+    borrower = CoreBorrower(KEY, str(tmp_path), ask_wait_s=5.0)
+    gate = LendGate(lender)
+    gate.before_step()  # busy
+    assert borrower.borrow() == 0 and not lender.asked()  # a decode-only step does not ask
+    got: list[int] = []
+    asking = threading.Thread(target=lambda: got.append(borrower.borrow(ask=True)))
+    asking.start()
+    wait_until(lender.asked, 5.0, "the prompt chunk's ask")
+    assert lender.yields == 0
+    gate.after_step(True)  # the step ends with more to run: yields to the asking chunk
+    asking.join(5.0)
+    assert got == [1] and borrower.got_by_asking and lender.yields == 1 and not lender.held
+    assert not lender.asked()  # the borrower cleared its ask
+    gate.before_step()  # the chunk still runs: the lender waits past deadline_s, up to yield_deadline_s
+    assert not lender.held and lender.late == 1
+    assert lender.wait_s == pytest.approx(2.0 + RETRY_S)
+    borrower.give_back()
+    gate.before_step()
+    assert lender.held
+    gate.after_step(True)  # nobody asks: it keeps its cores
+    assert lender.held and lender.yields == 1
+    assert gate.stats().yields == 1
+
+    impatient = CoreBorrower(KEY, str(tmp_path), ask_wait_s=0.05)
+    assert impatient.borrow(ask=True) == 0  # the lender never yields: its own threads after 0.05 s
+    assert impatient.asks == 1 and impatient.ask_s >= 0.05 and not impatient.got_by_asking
+    assert not lender.asked()
+    gate.close()
+    borrower.close()
+    impatient.close()
+
+
+def test_a_prefill_and_a_busy_decode_worker_take_both_cores_in_turn(tmp_path: Path) -> None:
+    """A decode worker with work steps on the idle prefill worker's thread too; a prompt chunk that
+    arrives asks, and runs on both threads once the decode step ends; the prefill worker, with more to
+    compute, lends its own thread before giving the decode worker's back, so the next decode step runs
+    on both again."""
+
+    def gate(name: str, asks: bool) -> ShareGate:
+        lender = CoreLender(KEY, name, 1, str(tmp_path))
+        borrower = CoreBorrower(KEY, str(tmp_path), own=lender.path, ask_wait_s=5.0)
+        share = ShareGate(LendGate(lender), BorrowGate(borrower, 1, lambda: True, lambda: asks))
+        share.borrow.cpus = 2
+        return share
+
+    threads = torch.get_num_threads()
+    prefill, decode = gate("prefill-0", asks=True), gate("decode-0", asks=False)
+    try:
+        decode.before_step()  # the prefill worker is idle: its thread too
+        assert decode.borrow._extra == 1
+        chunk = threading.Thread(target=prefill.before_step)
+        chunk.start()  # asks, then waits for its own thread (borrowed) and the decode worker's
+        wait_until(decode.lend.lender.asked, 5.0, "the prompt chunk's ask")
+        decode.after_step(True)  # gives the prefill thread back, then yields its own
+        chunk.join(5.0)
+        assert not chunk.is_alive() and prefill.borrow._extra == 1 and prefill.lend.lender.held
+        step = threading.Thread(target=decode.before_step)
+        step.start()  # waits for the chunk
+        prefill.after_step(True)  # more to compute: lends its own thread, then gives the decode one back
+        step.join(5.0)
+        assert not step.is_alive() and decode.lend.lender.held and decode.borrow._extra == 1
+        assert not prefill.lend.lender.held
+        decode.after_step(True)
+        assert decode.stats().yields == 1 and decode.stats().reclaim_late == 0
+        assert prefill.stats().asked_steps == 1 and prefill.stats().borrowed_steps == 1
+    finally:
+        torch.set_num_threads(threads)
+        prefill.close()
+        decode.close()
 
 
 def test_native_prompt_chunks_are_the_same_on_any_thread_count(tiny_model_dir: Path) -> None:
