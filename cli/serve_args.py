@@ -82,8 +82,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--share-cores", action=argparse.BooleanOptionalAction, default=d.share_cores,
                    help="workers on one node run their steps on the threads of idle ones too (decode steps "
                         "on idle prefill workers', prompt chunks on idle decode workers' where the "
-                        "products are thread-invariant), given back before the lender computes again; "
-                        "a busy decode worker yields its threads to a waiting prompt chunk between steps")
+                        "products are thread-invariant), given back before the lender computes again; a busy "
+                        "decode worker yields its threads to a long prompt (512 tokens or more) between "
+                        "steps")
     c.add_argument("--worker-cpus", type=_positive(float), default=d.prefill.num_cpus, metavar="N",
                    help="Ray CPUs reserved by each worker; with --device cuda each also reserves one "
                         "GPU")

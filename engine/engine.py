@@ -343,6 +343,13 @@ class LLMEngine(KvHandoff):
         s = self.scheduler
         return not s.waiting and all(r.num_computed_tokens >= r.num_tokens - 1 for r in s.running)
 
+    def longest_prompt_left(self) -> int:
+        """The most tokens any request still has to compute before its next one is sampled (a waiting
+        request counts whole: a prefix-cache hit is known only when it is scheduled)."""
+        s = self.scheduler
+        return max((r.num_tokens - r.num_computed_tokens for r in itertools.chain(s.waiting, s.running)),
+                   default=0)
+
     def prompts_thread_invariant(self) -> bool:
         """Whether this engine's prompt chunks give bitwise the same K/V and tokens on any thread count,
         as its decode-only steps always do: on CPU, products in the native library (``--linear-kernel

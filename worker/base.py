@@ -90,7 +90,7 @@ class WorkerBase:
             raise
         shares = core_share is not None and config.tensor_parallel_size == 1 and config.device == "cpu"
         self.cores = (step_gate(core_share, worker_id, torch_threads, self.engine.decodes_only_next,
-                                self.engine.prompts_thread_invariant())
+                                self.engine.prompts_thread_invariant(), self.engine.longest_prompt_left)
                       if shares and core_share is not None else None)
         self.aengine = AsyncEngine(self.engine, thread, self.cores)
         self.watch = (GroupWatch(self.ranks, lambda: self.aengine.error, worker_id).start()

@@ -8,7 +8,7 @@ take, while the decode worker waits for it with nothing to run. So every worker 
 its engine has nothing to run, and borrows idle workers' cores for its own steps, giving them back
 before the lender computes again: a decode worker's steps run on an idle prefill worker's threads too,
 a prefill worker's prompt chunks on an idle decode worker's. A decode worker that is busy while a
-prompt chunk waits yields its cores to that chunk between two of its steps.
+long prompt waits yields its cores to its chunk between two of its steps.
 
 The contract, per lender (every worker) one file ``{directory}/{key}.{lender}.cores``, where ``key``
 names the deployment and the node (``share_key``):
@@ -72,6 +72,11 @@ DEFAULT_DIRECTORY = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
 DEADLINE_S = 0.5  # the longest a lender waits for its cores back
 YIELD_DEADLINE_S = 3.0  # ... after it yielded them to an asking borrower: a whole prompt chunk
 ASK_WAIT_S = 0.15  # the longest a borrower with a prompt chunk waits for a busy lender to yield
+# A prompt chunk asks busy lenders only while a prompt this long is left: a decode step on two threads
+# takes more core time than on one, so turns pay for long prompts (whose wait on one core doubles)
+# and cost short ones (asking for 256-token chat prompts served less at 4 and 16 clients;
+# docs/benchmarks.md)
+ASK_MIN_TOKENS = 512
 HEAD = 10  # the lender file's bytes: wish, threads, pid, ask
 RETRY_S = 0.001
 RESCAN_S = 1.0  # how often a borrower looks for lender files that appeared or went away
@@ -420,19 +425,20 @@ def node_id() -> str:
 
 
 def step_gate(deployment: str, name: str, threads: int, decode_only: Callable[[], bool],
-              prompts_invariant: bool) -> ShareGate:
+              prompts_invariant: bool, prompt_left: Callable[[], int] = lambda: 0) -> ShareGate:
     """Every worker of ``deployment`` on this node lends its cores while idle and borrows idle ones for a
     decode-only step, and for every step when its prompt chunks are the same on any thread count
     (``prompts_invariant``, ``LLMEngine.prompts_thread_invariant``): so an idle decode worker's cores
     compute a prefill worker's prompts, and an idle prefill worker's the decode steps. Such a prompt
-    chunk also asks a busy worker to yield its cores after its current step (module docstring), so a
-    prefill worker beside a busy decode worker computes each chunk on both, in turn with the decode
-    steps. A borrowed prompt chunk keeps its full size: a lender that gets work meanwhile waits for it
-    up to ``DEADLINE_S`` (``YIELD_DEADLINE_S`` after a yield; capping borrowed chunks at 256-1,024
-    tokens was measured and served less; docs/benchmarks.md)."""
+    chunk also asks a busy worker to yield its cores after its current step (module docstring) when a
+    prompt of at least ``ASK_MIN_TOKENS`` is left to compute (``prompt_left``,
+    ``LLMEngine.longest_prompt_left``), so a prefill worker beside a busy decode worker computes a long
+    prompt on both, in turn with the decode steps. A borrowed prompt chunk keeps its full size: a lender
+    that gets work meanwhile waits for it up to ``DEADLINE_S`` (``YIELD_DEADLINE_S`` after a yield;
+    capping borrowed chunks at 256-1,024 tokens was measured and served less; docs/benchmarks.md)."""
     key = share_key(deployment, node_id())
     lender = CoreLender(key, name, threads)
     may_borrow = (lambda: True) if prompts_invariant else decode_only
-    asks = (lambda: not decode_only()) if prompts_invariant else (lambda: False)
+    asks = (lambda: prompt_left() >= ASK_MIN_TOKENS) if prompts_invariant else (lambda: False)
     borrow = BorrowGate(CoreBorrower(key, own=lender.path), threads, may_borrow, asks)
     return ShareGate(LendGate(lender), borrow)

@@ -19,6 +19,7 @@ from messages.wire import CoreShareStats
 from tests.fakes import FakeClock
 from tests.waiting import wait_until
 from worker.core_share import (
+    ASK_MIN_TOKENS,
     RETRY_S,
     BorrowGate,
     CoreBorrower,
@@ -27,6 +28,7 @@ from worker.core_share import (
     ShareGate,
     remove_stale,
     share_key,
+    step_gate,
 )
 
 KEY = share_key("deploy-a", "node-1")
@@ -299,6 +301,24 @@ def test_a_prefill_and_a_busy_decode_worker_take_both_cores_in_turn(tmp_path: Pa
         decode.close()
 
 
+def test_only_a_long_thread_invariant_prompt_asks() -> None:
+    """``step_gate``: a prompt chunk asks busy workers for their cores only while a prompt of at least
+    ``ASK_MIN_TOKENS`` is left, and only where its chunks are thread-invariant."""
+    left = [ASK_MIN_TOKENS - 1]
+    deployment = f"test-{os.getpid()}"
+    invariant = step_gate(deployment, "prefill-0", 1, lambda: False, True, lambda: left[0])
+    torch_products = step_gate(deployment, "prefill-1", 1, lambda: False, False, lambda: left[0])
+    try:
+        for g in (invariant, torch_products):
+            g.borrow.cpus = 2
+        assert not invariant.borrow.will_ask()
+        left[0] = ASK_MIN_TOKENS
+        assert invariant.borrow.will_ask() and not torch_products.borrow.will_ask()
+    finally:
+        invariant.close()
+        torch_products.close()
+
+
 def test_native_prompt_chunks_are_the_same_on_any_thread_count(tiny_model_dir: Path) -> None:
     """What lets a prompt chunk run on borrowed threads (``LLMEngine.prompts_thread_invariant``): with the
     native products and attention a chunked prompt's K/V and first token are bitwise the same on one
@@ -316,6 +336,9 @@ def test_native_prompt_chunks_are_the_same_on_any_thread_count(tiny_model_dir: P
                          enable_prefix_caching=False).engine
             assert engine.prompts_thread_invariant()
             r = engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0), hold_kv=True)
+            assert engine.longest_prompt_left() == 300  # what decides whether a chunk asks (step_gate)
+            engine.step()
+            assert engine.longest_prompt_left() == 300 - 128
             while engine.has_unfinished():
                 engine.step()
             kv.append(engine.runner.kv_cache[:, torch.tensor(engine.kv.blocks_of(r.request_id))].clone())
