@@ -77,7 +77,6 @@ ASK_WAIT_S = 0.15  # the longest a borrower with a prompt chunk waits for a busy
 # and cost short ones (asking for 256-token chat prompts served less at 4 and 16 clients;
 # docs/benchmarks.md)
 ASK_MIN_TOKENS = 512
-HEAD = 10  # the lender file's bytes: wish, threads, pid, ask
 RETRY_S = 0.001
 RESCAN_S = 1.0  # how often a borrower looks for lender files that appeared or went away
 
@@ -237,10 +236,14 @@ class CoreBorrower:
         the asking worker takes its own cores back, so a lender stepping on them yields after it."""
         self._scan()
         for fd in self._files.values():
-            if self._lendable(fd) and fd not in self._asked:
-                with contextlib.suppress(OSError):
-                    os.pwrite(fd, b"\1", 9)
-                self._asked.append(fd)
+            if self._lendable(fd):
+                self._set_ask(fd)
+
+    def _set_ask(self, fd: int) -> None:
+        if fd not in self._asked:
+            with contextlib.suppress(OSError):
+                os.pwrite(fd, b"\1", 9)
+            self._asked.append(fd)
 
     def borrow(self, ask: bool = False) -> int:
         """Lock every idle lender's cores for one step; the threads they lend, summed. With ``ask`` (a
@@ -270,10 +273,7 @@ class CoreBorrower:
 
     def _wait_for_yields(self, busy: list[tuple[int, int]]) -> int:
         for fd, _ in busy:
-            if fd not in self._asked:
-                with contextlib.suppress(OSError):
-                    os.pwrite(fd, b"\1", 9)
-                self._asked.append(fd)
+            self._set_ask(fd)
         start = time.monotonic()
         extra = 0
         while busy and time.monotonic() - start < self.ask_wait_s:
@@ -353,10 +353,12 @@ class BorrowGate:
     def will_ask(self) -> bool:
         return self.threads < self.cpus and self.may_borrow() and self.asks()
 
-    def before_step(self) -> None:
+    def before_step(self, ask: bool = False) -> None:
+        """``ask``: the step is a prompt chunk that asks busy lenders (``will_ask``, asked once a step by
+        ``ShareGate``)."""
         if self.threads >= self.cpus or not self.may_borrow():
             return
-        self._extra = self.borrower.borrow(self.asks())
+        self._extra = self.borrower.borrow(ask)
         if self._extra:
             torch.set_num_threads(min(self.cpus, self.threads + self._extra))
 
@@ -388,10 +390,11 @@ class ShareGate:
         self.lend, self.borrow = lend, borrow
 
     def before_step(self) -> None:
-        if self.borrow.will_ask():
+        ask = self.borrow.will_ask()
+        if ask:
             self.borrow.borrower.ask()
         self.lend.before_step()
-        self.borrow.before_step()
+        self.borrow.before_step(ask)
 
     def after_step(self, more: bool) -> None:
         if more and self.borrow.borrower.got_by_asking:
