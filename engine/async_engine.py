@@ -112,7 +112,7 @@ class StepClock:
 
 class StepGate(Protocol):
     """Called on the engine thread around every step: ``before`` it, and ``after`` it with whether the
-    engine still has work (``worker/core_share.py`` lends and borrows cores there)."""
+    engine still has work (``worker/core_gates.py`` lends and borrows cores there)."""
 
     def before_step(self) -> None: ...
 

@@ -66,7 +66,7 @@ from messages.wire import (
 )
 from telemetry.histogram import FRACTION_BUCKETS, TOKEN_BUCKETS, Histogram
 from telemetry.tracing import TraceConfig, Tracing
-from worker.core_share import step_gate
+from worker.core_gates import step_gate
 from worker.tp_kv import EXTENSION
 from worker.tp_watch import GroupWatch
 

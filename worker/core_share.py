@@ -29,27 +29,28 @@ names the deployment and the node (``share_key``):
   on its own threads plus those (``torch.set_num_threads``). ``give_back()`` after the step unlocks
   them all.
 - Byte 9 is a borrower's ask: 1 while a borrower with a prompt chunk to compute waits for the lender's
-  cores although the lender is busy (``CoreBorrower.borrow(ask=True)``, for at most ``ASK_WAIT_S``).
-  A busy lender that finds it set after a step yields: it unlocks and claims again before its next step
-  (``LendGate.after_step``), so the prompt chunk runs on both workers' threads and the lender's next
-  step waits for it, up to ``YIELD_DEADLINE_S``. A borrower that got cores by asking lends its own
-  while it waits to ask again (``ShareGate``), so the lender's step between two prompt chunks runs on
-  both workers' threads too. The two workers then take the node's cores in turn, a decode step and a
-  prompt chunk, as one colocated worker's steps would: without it a long prompt on a prefill worker
-  of one core takes twice what it takes colocated while the decode worker beside it steps small
-  batches on the other core. Two borrowers asking one lender may clear each other's ask: the other
+  cores although the lender is busy (``CoreBorrower.borrow(ask=True)``, for at most ``ASK_WAIT_S``). A
+  busy lender that finds it set after a step yields: it unlocks and claims again before its next step
+  (``core_gates.LendGate.after_step``), so the prompt chunk runs on both workers' threads and the
+  lender's next step waits for it, up to ``YIELD_DEADLINE_S``. A borrower that got cores by asking lends
+  its own while it waits to ask again (``core_gates.ShareGate``), so the lender's step between two
+  prompt chunks runs on both workers' threads too. The two workers then take the node's cores in turn, a
+  decode step and a prompt chunk, as one colocated worker's steps would: without it a long prompt on a
+  prefill worker of one core takes twice what it takes colocated while the decode worker beside it steps
+  small batches on the other core. Two borrowers asking one lender may clear each other's ask: the other
   then computes on its own threads after ``ASK_WAIT_S``.
 - A process that dies holding a lock loses it (the kernel drops a dead process's ``flock``s). A lender's
   file outlives its process (Ray kills a worker without a hook): no borrower uses the file of a process
   that is gone, and the next lender started on the node removes such files (``remove_stale``).
 
-Borrowers take decode-only steps (``BorrowGate``), whose values do not depend on the thread count, and
-every step when the engine's prompt chunks do not either (``LLMEngine.prompts_thread_invariant``: the
-native products and attention, a dense decoder), so sharing changes no token. A worker never borrows
-its own file. The workers share only on CPU, without tensor parallelism, and only among one
-deployment's workers on one node (``cluster/workers.py`` passes the deployment's name prefix;
-``--no-share-cores`` turns it off). The premise is Ray's: a worker's CPUs are cores of the node
-reserved for it, so an idle lender's cores are idle.
+Borrowers take decode-only steps (``core_gates.BorrowGate``), whose values do not depend on the thread
+count, and every step when the engine's prompt chunks do not either
+(``LLMEngine.prompts_thread_invariant``: the native products and attention, a dense decoder), so sharing
+changes no token. A worker never borrows its own file. The workers share only on CPU, without tensor
+parallelism, and only among one deployment's workers on one node (``cluster/workers.py`` passes the
+deployment's name prefix; ``--no-share-cores`` turns it off). The premise is Ray's: a worker's CPUs are
+cores of the node reserved for it, so an idle lender's cores are idle. The steps' side, the gates the
+engine thread calls around each step, and the policy of who asks are ``worker/core_gates.py``.
 """
 
 from __future__ import annotations
@@ -63,20 +64,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import msgspec
-import torch
-
-from messages.wire import CoreShareStats
-
 DEFAULT_DIRECTORY = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
 DEADLINE_S = 0.5  # the longest a lender waits for its cores back
 YIELD_DEADLINE_S = 3.0  # ... after it yielded them to an asking borrower: a whole prompt chunk
 ASK_WAIT_S = 0.15  # the longest a borrower with a prompt chunk waits for a busy lender to yield
-# A prompt chunk asks busy lenders only while a prompt this long is left: a decode step on two threads
-# takes more core time than on one, so turns pay for long prompts (whose wait on one core doubles)
-# and cost short ones (asking for 256-token chat prompts served less at 4 and 16 clients;
-# docs/benchmarks.md)
-ASK_MIN_TOKENS = 512
 RETRY_S = 0.001
 RESCAN_S = 1.0  # how often a borrower looks for lender files that appeared or went away
 
@@ -304,144 +295,3 @@ class CoreBorrower:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self._files.clear()
-
-
-class LendGate:
-    """``engine.async_engine.StepGate`` of a lender: its cores back before each step, lent again when
-    its engine has nothing left to run."""
-
-    def __init__(self, lender: CoreLender) -> None:
-        self.lender = lender
-
-    def before_step(self) -> None:
-        self.lender.claim()
-
-    def after_step(self, more: bool) -> None:
-        if not more:
-            self.lender.release()
-        elif self.lender.asked():
-            self.lender.yield_()
-
-    def stats(self) -> CoreShareStats:
-        lender = self.lender
-        return CoreShareStats(reclaim_waits=lender.waits, reclaim_seconds=lender.wait_s,
-                              reclaim_late=lender.late, yields=lender.yields)
-
-    def close(self) -> None:
-        self.lender.close()
-
-
-class BorrowGate:
-    """``engine.async_engine.StepGate`` of a borrower: a step that ``may_borrow()`` allows runs on its
-    own ``threads`` plus whatever idle lenders lend, up to the CPUs this process may run on, given back
-    after the step. Only steps whose values do not depend on the thread count: decode-only steps (the
-    native decode kernels compute each output on one thread, in one order), and prompt chunks only
-    where the engine says so (``step_gate``); torch's products are not promised to, and a prompt
-    computed here should not depend on the load. The premise is Ray's: a worker's CPUs are the node's
-    cores it reserved, so an idle lender's cores are idle; where Ray is told of more CPUs than the node
-    has (the test suite), turn sharing off."""
-
-    def __init__(self, borrower: CoreBorrower, threads: int, may_borrow: Callable[[], bool],
-                 asks: Callable[[], bool] = lambda: False) -> None:
-        self.borrower = borrower
-        self.threads = threads
-        self.may_borrow = may_borrow
-        self.asks = asks  # the next step is a prompt chunk that asks busy lenders to yield
-        self.cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        self._extra = 0
-
-    def will_ask(self) -> bool:
-        return self.threads < self.cpus and self.may_borrow() and self.asks()
-
-    def before_step(self, ask: bool = False) -> None:
-        """``ask``: the step is a prompt chunk that asks busy lenders (``will_ask``, asked once a step by
-        ``ShareGate``)."""
-        if self.threads >= self.cpus or not self.may_borrow():
-            return
-        self._extra = self.borrower.borrow(ask)
-        if self._extra:
-            torch.set_num_threads(min(self.cpus, self.threads + self._extra))
-
-    def after_step(self, more: bool) -> None:
-        if self._extra:
-            torch.set_num_threads(self.threads)
-            self._extra = 0
-        self.borrower.give_back()
-
-    def stats(self) -> CoreShareStats:
-        b = self.borrower
-        return CoreShareStats(borrowed_steps=b.steps, borrowed_threads=b.threads, asked_steps=b.asks,
-                              ask_seconds=b.ask_s)
-
-    def close(self) -> None:
-        self.borrower.close()
-
-
-class ShareGate:
-    """``engine.async_engine.StepGate`` of a worker that lends and borrows: before each step, the ask of a
-    prompt chunk (``BorrowGate.asks``), then its own cores back (``LendGate``), then whatever workers of
-    its deployment on the node lend or yield, for the steps ``may_borrow`` allows (``BorrowGate``).
-    After the step the borrowed cores go back first, then its own are lent again if its engine has
-    nothing left to run, or yielded if a borrower asks. A prompt chunk that ran on lent or yielded
-    cores lends its own before giving those back while it has more to run: the lender's next step runs
-    on them, and this worker takes them back (and asks again) before its next chunk."""
-
-    def __init__(self, lend: LendGate, borrow: BorrowGate) -> None:
-        self.lend, self.borrow = lend, borrow
-
-    def before_step(self) -> None:
-        ask = self.borrow.will_ask()
-        if ask:
-            self.borrow.borrower.ask()
-        self.lend.before_step()
-        self.borrow.before_step(ask)
-
-    def after_step(self, more: bool) -> None:
-        if more and self.borrow.borrower.got_by_asking:
-            self.lend.lender.release()
-        self.borrow.after_step(more)
-        self.lend.after_step(more)
-
-    def stats(self) -> CoreShareStats:
-        lent, borrowed = self.lend.stats(), self.borrow.stats()
-        return msgspec.structs.replace(borrowed, reclaim_waits=lent.reclaim_waits,
-                                       reclaim_seconds=lent.reclaim_seconds, reclaim_late=lent.reclaim_late,
-                                       yields=lent.yields)
-
-    def close(self) -> None:
-        self.borrow.close()
-        self.lend.close()
-
-
-def node_id() -> str:
-    """This process's Ray node (its host name outside Ray)."""
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return str(ray.get_runtime_context().get_node_id())
-    except ImportError:
-        pass
-    import socket
-
-    return socket.gethostname()
-
-
-def step_gate(deployment: str, name: str, threads: int, decode_only: Callable[[], bool],
-              prompts_invariant: bool, prompt_left: Callable[[], int] = lambda: 0) -> ShareGate:
-    """Every worker of ``deployment`` on this node lends its cores while idle and borrows idle ones for a
-    decode-only step, and for every step when its prompt chunks are the same on any thread count
-    (``prompts_invariant``, ``LLMEngine.prompts_thread_invariant``): so an idle decode worker's cores
-    compute a prefill worker's prompts, and an idle prefill worker's the decode steps. Such a prompt
-    chunk also asks a busy worker to yield its cores after its current step (module docstring) when a
-    prompt of at least ``ASK_MIN_TOKENS`` is left to compute (``prompt_left``,
-    ``LLMEngine.longest_prompt_left``), so a prefill worker beside a busy decode worker computes a long
-    prompt on both, in turn with the decode steps. A borrowed prompt chunk keeps its full size: a lender
-    that gets work meanwhile waits for it up to ``DEADLINE_S`` (``YIELD_DEADLINE_S`` after a yield;
-    capping borrowed chunks at 256-1,024 tokens was measured and served less; docs/benchmarks.md)."""
-    key = share_key(deployment, node_id())
-    lender = CoreLender(key, name, threads)
-    may_borrow = (lambda: True) if prompts_invariant else decode_only
-    asks = (lambda: prompt_left() >= ASK_MIN_TOKENS) if prompts_invariant else (lambda: False)
-    borrow = BorrowGate(CoreBorrower(key, own=lender.path), threads, may_borrow, asks)
-    return ShareGate(LendGate(lender), borrow)

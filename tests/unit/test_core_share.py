@@ -18,18 +18,8 @@ import torch
 from messages.wire import CoreShareStats
 from tests.fakes import FakeClock
 from tests.waiting import wait_until
-from worker.core_share import (
-    ASK_MIN_TOKENS,
-    RETRY_S,
-    BorrowGate,
-    CoreBorrower,
-    CoreLender,
-    LendGate,
-    ShareGate,
-    remove_stale,
-    share_key,
-    step_gate,
-)
+from worker.core_gates import ASK_MIN_TOKENS, BorrowGate, LendGate, ShareGate, step_gate
+from worker.core_share import RETRY_S, CoreBorrower, CoreLender, remove_stale, share_key
 
 KEY = share_key("deploy-a", "node-1")
 
