@@ -15,8 +15,8 @@ from worker.core_share import CoreBorrower, CoreLender, share_key
 
 # A prompt chunk asks busy lenders only while a prompt this long is left: a decode step on two threads
 # takes more core time than on one, so turns pay for long prompts (whose wait on one core doubles)
-# and cost short ones (asking for 256-token chat prompts served less at 4 and 16 clients;
-# docs/benchmarks.md)
+# and not short ones (asking for 256-token chat prompts gained nothing at 4 and 16 clients and
+# stalled every decode behind them; docs/benchmarks.md)
 ASK_MIN_TOKENS = 512
 
 
@@ -147,7 +147,7 @@ def step_gate(deployment: str, name: str, threads: int, decode_only: Callable[[]
     decode-only step, and for every step when its prompt chunks are the same on any thread count
     (``prompts_invariant``, ``LLMEngine.prompts_thread_invariant``): so an idle decode worker's cores
     compute a prefill worker's prompts, and an idle prefill worker's the decode steps. Such a prompt
-    chunk also asks a busy worker to yield its cores after its current step (module docstring) when a
+    chunk also asks a busy worker to yield its cores after its current step (``core_share``) when a
     prompt of at least ``ASK_MIN_TOKENS`` is left to compute (``prompt_left``,
     ``LLMEngine.longest_prompt_left``), so a prefill worker beside a busy decode worker computes a long
     prompt on both, in turn with the decode steps. A borrowed prompt chunk keeps its full size: a lender
