@@ -2,15 +2,14 @@
 
 The kernel's products are compared bitwise with ``int8_reference``, a torch model of the same arithmetic:
 the activations quantized per block of 32 inputs (``d = amax / 127``, ``q = round(x * (127 / amax))``),
-exact integer block sums (float64 sums of products below 2^24), then the float32 steps in the C order,
-each one IEEE rounding (``s = d_w * d_a``, ``t = s * I``, Q4_1's and Q4_K's ``t + m_w * (d_a * S)``, Q6_K's
-two halves of 16 inputs each with its own scale, the running sum
-over the blocks, the bias). Bitwise is the tolerance because every step is a correctly rounded float32
-operation done in the same order on both sides (the kernel uses no FMA there). A served tiny model in int8
-mode gives the float32 mode's greedy tokens where the float32 picks are not near ties, on the one-call
-decoder and the per-layer path; the mode is refused where it cannot apply.
+exact integer block sums (float64 sums of products below 2^24), then the float32 steps in the C order
+over the blocks: ``s = d_w * d_a`` rounded, ``acc = fma(s, I, acc)`` (Q6_K: one per half of 16 inputs,
+each with its own scale), then Q4_1's and the K formats' ``acc = fma(m_w, d_a * S, acc)``, and the bias.
+Bitwise is the tolerance because every step is one correctly rounded float32 operation done in the same
+order on both sides (``fma32`` rounds a fused multiply-add once, as vfmadd does). A served tiny model in
+int8 mode gives the float32 mode's greedy tokens where the float32 picks are not near ties, on the
+one-call decoder and the per-layer path; the mode is refused where it cannot apply.
 """
-
 from __future__ import annotations
 
 from pathlib import Path
@@ -65,35 +64,59 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes.double(), scale
 
 
+def fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``a * b + c`` of float32 tensors rounded once to float32, as a fused multiply-add: the product is
+    exact in float64 (24 + 24 bits), the sum is rounded to odd there (TwoSum's error moves an inexact
+    even result one ulp towards it), and rounding that to float32 is then correct (53 >= 24 + 2 bits)."""
+    p, c64 = a.double() * b.double(), c.double()
+    s = p + c64
+    bp = s - p
+    err = (p - (s - bp)) + (c64 - bp)
+    even = (s.view(torch.int64) & 1) == 0
+    toward = torch.where(err > 0, torch.full_like(s, torch.inf), torch.full_like(s, -torch.inf))
+    return torch.where((err != 0) & even, torch.nextafter(s, toward), s).float()
+
+
 def int8_reference(x: torch.Tensor, matrix: BlockMatrix, bias: torch.Tensor | None) -> torch.Tensor:
     """The int8-activation product of ``x`` ``[m, in]`` and ``matrix`` in torch (the module docstring)."""
     n, k = matrix.shape
     qa, da = quantize_rows(x)
-    t = _k_terms(qa, da, matrix) if matrix.kind in K_KINDS else _legacy_terms(qa, da, matrix)
+    terms = _k_terms(qa, da, matrix) if matrix.kind in K_KINDS else _legacy_terms(qa, da, matrix)
     acc = torch.zeros(x.shape[0], n)
     for b in range(k // QK):
-        acc = acc + t[..., b]
+        for scale, value in terms:
+            acc = fma32(scale[..., b], value[..., b], acc)
     return acc if bias is None else acc + bias
 
 
-def _k_terms(qa: torch.Tensor, da: torch.Tensor, matrix: BlockMatrix) -> torch.Tensor:
-    """Each block's float32 term ``[m, n, blocks]`` for a K format: Q4_K and Q5_K as Q4_1 (float32
-    scales); Q6_K's and KMIX's two halves ``(d_w0 * d_a) * I0 + (d_w1 * d_a) * I1``, then their min's
-    term."""
+Terms = list[tuple[torch.Tensor, torch.Tensor]]  # each block's fused multiply-adds, in order: [m, n, blocks]
+
+
+def _min_term(qa: torch.Tensor, da: torch.Tensor, mins: torch.Tensor,
+              n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``m_w`` and ``d_a * S`` (rounded), broadcast to ``[m, n, blocks]``."""
+    ds = (da * qa.sum(-1).float())[:, None].expand(-1, n, -1)
+    return mins[None].expand(qa.shape[0], -1, -1), ds
+
+
+def _k_terms(qa: torch.Tensor, da: torch.Tensor, matrix: BlockMatrix) -> Terms:
+    """A K format's terms: Q4_K and Q5_K as Q4_1 (float32 scales); Q6_K's and KMIX's two halves
+    ``(d_w0 * d_a, I0)`` and ``(d_w1 * d_a, I1)``, then their min's."""
+    n = matrix.shape[0]
     codes, scales, mins = k_parts(matrix.kind, matrix.rows, matrix.shape[1])
     if matrix.kind in (BlockKind.Q4_K, BlockKind.Q5_K):
         sums = torch.einsum("mbj,nbj->mnb", qa, codes.double()).float()
-        t = (scales[None, ..., 0] * da[:, None]) * sums
+        terms = [(scales[None, ..., 0] * da[:, None], sums)]
     else:
         half = QK // 2
         weights = codes.double() - 32
         lo = torch.einsum("mbj,nbj->mnb", qa[..., :half], weights[..., :half]).float()
         hi = torch.einsum("mbj,nbj->mnb", qa[..., half:], weights[..., half:]).float()
-        t = (scales[None, ..., 0] * da[:, None]) * lo + (scales[None, ..., 1] * da[:, None]) * hi
-    return t + mins[None] * (da * qa.sum(-1).float())[:, None]
+        terms = [(scales[None, ..., 0] * da[:, None], lo), (scales[None, ..., 1] * da[:, None], hi)]
+    return [*terms, _min_term(qa, da, mins, n)]
 
 
-def _legacy_terms(qa: torch.Tensor, da: torch.Tensor, matrix: BlockMatrix) -> torch.Tensor:
+def _legacy_terms(qa: torch.Tensor, da: torch.Tensor, matrix: BlockMatrix) -> Terms:
     n, k = matrix.shape
     raw = matrix.rows.reshape(n, k // QK, BLOCK_BYTES[matrix.kind])
     dw = raw[..., 0:2].contiguous().view(torch.float16).float()[..., 0]  # [n, blocks]
@@ -112,11 +135,11 @@ def _legacy_terms(qa: torch.Tensor, da: torch.Tensor, matrix: BlockMatrix) -> to
         offset = {BlockKind.Q4_0: 8, BlockKind.Q5_0: 16}.get(matrix.kind, 0)
         weights = (codes - offset).double()
     sums = torch.einsum("mbj,nbj->mnb", qa, weights).float()  # exact: every |sum| < 2^24
-    t = (dw[None] * da[:, None]) * sums
+    terms = [(dw[None] * da[:, None], sums)]
     if with_m:
         mw = raw[..., 2:4].contiguous().view(torch.float16).float()[..., 0]
-        t = t + mw[None] * (da * qa.sum(-1).float())[:, None]
-    return t
+        terms.append(_min_term(qa, da, mw, n))
+    return terms
 
 
 def _blocks(kind: BlockKind, out_features: int, in_features: int, seed: int) -> BlockMatrix:
