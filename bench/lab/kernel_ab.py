@@ -10,11 +10,13 @@ hits both alike. It reports each side's best and median and the ratio of the med
 
 Cases, on SmolLM2-135M's shapes (hidden 576, 9 query and 3 KV heads of 64, intermediate 1536) with random
 weights: ``products`` (one layer's four products, int8 activations over Q4_1 blocks, at ``--rows``),
-``head`` (the LM head's Q8_0 product, 49,152 x 576, at the same rows) and ``attention`` (one layer's
-attention over a ``--prompt``-token prompt chunk, float32 cache).
+``head`` (the LM head's Q8_0 product, 49,152 x 576, at the same rows), ``attention`` (one layer's
+attention over a ``--prompt``-token prompt chunk, float32 cache) and ``prefill`` (the default model's
+one-call decoder, int8 activations, over a ``--prompt``-token prompt: every layer of the step, the
+engine's own forward with each build's ``pdserve_decoder_f32``).
 
     python -m bench.lab.kernel_ab --base HEAD~1 [--rows 16,1024] [--prompt 1024] [--threads 2]
-        [--repeats 12] [--cases products,head,attention]
+        [--repeats 12] [--cases products,head,attention,prefill]
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ import torch
 from gguf import GGMLQuantizationType
 
 from bench.lab.kquants import quantize_any
+from bench.lab.step_profile import start_scenario
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
 from kernels.attention import AttentionMetadata
 from kernels.cpu_native import CFLAGS, HEADERS, SOURCES, NativeCpuAttentionBackend, bind_ops, load_library
 from kernels.gguf_blocks import BlockKind, BlockMatrix
@@ -116,6 +121,29 @@ def attention_case(libs: dict[str, ctypes.CDLL], tokens: int) -> dict[str, Calla
     return {name: side(lib) for name, lib in libs.items()}
 
 
+def prefill_case(libs: dict[str, ctypes.CDLL], tokens: int, threads: int) -> dict[str, Callable[[], None]]:
+    config = EngineConfig(enable_prefix_caching=False, max_num_batched_tokens=max(tokens, 2048),
+                          kv_cache_memory=1024**3, num_threads=threads, gguf_activations="int8")
+    engine = LLMEngine(None, config)
+    decoder = engine.runner.model.native_decoder
+    if decoder is None:
+        raise SystemExit("prefill: the default model takes no one-call decoder here")
+    own = decoder._call
+
+    def side(lib: ctypes.CDLL) -> Callable[[], None]:
+        call = lib.pdserve_decoder_f32
+        call.argtypes, call.restype = own.argtypes, own.restype
+
+        def run() -> None:
+            decoder._call = call
+            start_scenario(engine, 1, tokens)
+            out = engine.scheduler.schedule()
+            engine.runner.run(engine.runner.prepare(out, engine.kv))
+            engine.process(out, None)
+        return run
+    return {name: side(lib) for name, lib in libs.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", required=True, help="the git revision whose kernels are compared")
@@ -123,7 +151,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=1024)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=12)
-    parser.add_argument("--cases", default="products,head,attention")
+    parser.add_argument("--cases", default="products,head,attention,prefill")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -147,6 +175,9 @@ def main() -> None:
                              product_case(libs, ((VOCAB, HIDDEN),), BlockKind.Q8_0, rows, rng)))
         if "attention" in cases:
             todo.append((f"attention, {args.prompt}-token prompt", attention_case(libs, args.prompt)))
+        if "prefill" in cases:
+            todo.append((f"prompt step, {args.prompt} tokens, one-call decoder",
+                         prefill_case(libs, args.prompt, args.threads)))
         for label, run in todo:
             times = alternate(run, args.repeats)
             base, tree = (sorted(times[name]) for name in ("base", "tree"))

@@ -81,7 +81,7 @@ IN_PROCESS_BENCHMARKS: dict[str, tuple[str, ...]] = {
     "bench.lab.eviction_cost": ("engine",),
     "bench.lab.linear_kernels": ("engine", "kernels"),
     "bench.lab.block_products": ("kernels", "engine.checkpoint_quant"),
-    "bench.lab.kernel_ab": ("kernels",),  # two builds of the native kernels in one process
+    "bench.lab.kernel_ab": ("kernels", "engine"),  # two builds of the native kernels in one process
     "bench.lab.sim_validation": ("planner",),  # a run's step clocks priced with a profile, after the run
     "bench.lab.step_ops": ("engine", "kernels"),
     "bench.lab.step_profile": ("engine", "kernels"),
