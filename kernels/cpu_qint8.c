@@ -45,7 +45,7 @@
  * product of PAIR_MIN_ROWS rows or more (prompt chunks) over Q4 codes (Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K)
  * takes tiles of 4 rows x 2 panels instead (i8pair): each broadcast activation feeds both panels' dot
  * products, and one layer's 1,024-row products of the default model ran 1.16x faster
- * (bench.lab.kernel_ab); Q8_0 and Q6_K, with twice the codes to transpose per block, keep i8tile. A
+ * (bench.lab.kernel_ab); Q8_0 and Q6_K keep i8tile (a pair tile for their codes is not written yet). A
  * template of both tile shapes for every format in one function compiled to a slower two-panel loop
  * (0.88x), hence the two. Built without AVX512-VNNI: pdserve_i8_available() is 0, and the engine refuses
  * the mode (kernels/native_ops.py).
