@@ -79,6 +79,23 @@ def alternate(run: dict[str, Callable[[], None]], repeats: int) -> dict[str, lis
     return times
 
 
+def per_build(libs: dict[str, ctypes.CDLL], holder: object, attr: str, symbol: str,
+              body: Callable[[], object]) -> dict[str, Callable[[], None]]:
+    """For each build, a run that points ``holder.attr`` (a ctypes function) at that build's ``symbol``,
+    with the same argument types, then runs ``body``."""
+    own = getattr(holder, attr)
+
+    def side(lib: ctypes.CDLL) -> Callable[[], None]:
+        fn = getattr(lib, symbol)
+        fn.argtypes, fn.restype = own.argtypes, own.restype
+
+        def run() -> None:
+            setattr(holder, attr, fn)
+            body()
+        return run
+    return {name: side(lib) for name, lib in libs.items()}
+
+
 def packed(kind: BlockKind, out: int, inp: int, rng: np.random.Generator) -> torch.Tensor:
     ops = native_ops()
     assert ops is not None
@@ -92,13 +109,10 @@ def product_case(libs: dict[str, ctypes.CDLL], shapes: tuple[tuple[int, int], ..
     assert ops is not None
     mats = [(packed(kind, out, inp, rng), out, torch.randn(rows, inp)) for out, inp in shapes]
 
-    def side(lib: ctypes.CDLL) -> Callable[[], None]:
-        def run() -> None:
-            ops._qpacked = lib.pdserve_qpacked_f32
-            for weight, out, x in mats:
-                ops.qpacked_linear(x, weight, kind, out, None, int8=True)
-        return run
-    return {name: side(lib) for name, lib in libs.items()}
+    def body() -> None:
+        for weight, out, x in mats:
+            ops.qpacked_linear(x, weight, kind, out, None, int8=True)
+    return per_build(libs, ops, "_qpacked", "pdserve_qpacked_f32", body)
 
 
 def attention_case(libs: dict[str, ctypes.CDLL], tokens: int) -> dict[str, Callable[[], None]]:
@@ -108,17 +122,8 @@ def attention_case(libs: dict[str, ctypes.CDLL], tokens: int) -> dict[str, Calla
     backend.prepare(AttentionMetadata.build(block, [tokens], [tokens], [list(range(blocks))]))
     cache = torch.zeros(blocks, 2, block, KV_HEADS, HEAD_DIM)
     q, k, v = (torch.randn(tokens, heads, HEAD_DIM) for heads in (HEADS, KV_HEADS, KV_HEADS))
-    own = backend._kernel
-
-    def side(lib: ctypes.CDLL) -> Callable[[], None]:
-        kernel = lib.pdserve_paged_attention
-        kernel.argtypes, kernel.restype = own.argtypes, own.restype
-
-        def run() -> None:
-            backend._kernel = kernel
-            backend.forward(q, k, v, cache, HEAD_DIM ** -0.5)
-        return run
-    return {name: side(lib) for name, lib in libs.items()}
+    return per_build(libs, backend, "_kernel", "pdserve_paged_attention",
+                     lambda: backend.forward(q, k, v, cache, HEAD_DIM ** -0.5))
 
 
 def prefill_case(libs: dict[str, ctypes.CDLL], tokens: int, threads: int) -> dict[str, Callable[[], None]]:
@@ -128,20 +133,13 @@ def prefill_case(libs: dict[str, ctypes.CDLL], tokens: int, threads: int) -> dic
     decoder = engine.runner.model.native_decoder
     if decoder is None:
         raise SystemExit("prefill: the default model takes no one-call decoder here")
-    own = decoder._call
 
-    def side(lib: ctypes.CDLL) -> Callable[[], None]:
-        call = lib.pdserve_decoder_f32
-        call.argtypes, call.restype = own.argtypes, own.restype
-
-        def run() -> None:
-            decoder._call = call
-            start_scenario(engine, 1, tokens)
-            out = engine.scheduler.schedule()
-            engine.runner.run(engine.runner.prepare(out, engine.kv))
-            engine.process(out, None)
-        return run
-    return {name: side(lib) for name, lib in libs.items()}
+    def body() -> None:
+        start_scenario(engine, 1, tokens)
+        out = engine.scheduler.schedule()
+        engine.runner.run(engine.runner.prepare(out, engine.kv))
+        engine.process(out, None)
+    return per_build(libs, decoder, "_call", "pdserve_decoder_f32", body)
 
 
 def main() -> None:
