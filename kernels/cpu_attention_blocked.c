@@ -53,19 +53,28 @@ static inline __attribute__((always_inline)) void transpose8(const char *const k
  * faster, on one thread or two (bench.lab.kernel_ab). */
 #define GROUP_VECS (VW == 16 ? 4 : 2)
 
+/* nv (2 or 4) vectors of VW floats from p on (float32 or bfloat16 elements of esize bytes), held in
+ * registers: the empty asm keeps each from being loaded again into every row's FMA */
+typedef struct {
+    vw v[4];
+} held4;
+
+static inline __attribute__((always_inline)) held4 hold(const char *p, int esize, int bf16, const int nv) {
+    vw x0 = loadw(p, bf16), x1 = loadw(p + VW * esize, bf16), x2 = x0, x3 = x1;
+    if (nv > 2) x2 = loadw(p + 2 * VW * esize, bf16), x3 = loadw(p + 3 * VW * esize, bf16);
+    __asm__("" : "+v"(x0), "+v"(x1), "+v"(x2), "+v"(x3));
+    return (held4){{x0, x1, x2, x3}};
+}
+
 /* Four rows' scores against nv * VW keys of the transposed tile: s[r][c] = sum_d q[r][d] kt[d][c]. */
 static inline __attribute__((always_inline)) void scores4(const float *q, const float *kt, float *p, int hd,
                                                           int c0, const int nv) {
     vw s[4][4] = {{{0}}};
     for (int d = 0; d < hd; d++) {
-        const float *kd = kt + d * BLK_TILE + c0;
-        vw k0 = *(const vw *)kd, k1 = *(const vw *)(kd + VW), k2 = k0, k3 = k1;
-        if (nv > 2) k2 = *(const vw *)(kd + 2 * VW), k3 = *(const vw *)(kd + 3 * VW);
-        __asm__("" : "+v"(k0), "+v"(k1), "+v"(k2), "+v"(k3));
-        const vw k[4] = {k0, k1, k2, k3};
+        const held4 k = hold((const char *)(kt + d * BLK_TILE + c0), sizeof(float), 0, nv);
         for (int r = 0; r < 4; r++) {
             const float b = q[r * hd + d];
-            for (int v = 0; v < nv; v++) s[r][v] += b * k[v];
+            for (int v = 0; v < nv; v++) s[r][v] += b * k.v[v];
         }
     }
     for (int r = 0; r < 4; r++)
@@ -80,14 +89,10 @@ static inline __attribute__((always_inline)) void values4(float *acc, const floa
     for (int r = 0; r < 4; r++)
         for (int v = 0; v < nv; v++) o[r][v] = *(vw *)(acc + r * hd + dc + v * VW) * alpha[r];
     for (int j = 0; j < n; j++) {
-        const char *vj = vrow[j] + dc * esize;
-        vw x0 = loadw(vj, bf16), x1 = loadw(vj + VW * esize, bf16), x2 = x0, x3 = x1;
-        if (nv > 2) x2 = loadw(vj + 2 * VW * esize, bf16), x3 = loadw(vj + 3 * VW * esize, bf16);
-        __asm__("" : "+v"(x0), "+v"(x1), "+v"(x2), "+v"(x3));
-        const vw x[4] = {x0, x1, x2, x3};
+        const held4 x = hold(vrow[j] + dc * esize, esize, bf16, nv);
         for (int r = 0; r < 4; r++) {
             const float pj = p[r * BLK_TILE + j];
-            for (int v = 0; v < nv; v++) o[r][v] += pj * x[v];
+            for (int v = 0; v < nv; v++) o[r][v] += pj * x.v[v];
         }
     }
     for (int r = 0; r < 4; r++)
