@@ -4,9 +4,9 @@ The same library holds ``cpu_attention_blocked.c`` (the kernel for prompt chunks
 (a quantized cache's writes, and its rows converted a tile at a time for both),
 ``cpu_attention_mass.c`` (the blocks' attention mass for ``--kv-eviction``), ``cpu_ops.c`` (the
 per-layer small ops and the few-row product; ``kernels/native_ops.py`` wraps them, as it does
-``cpu_packed.c``, ``cpu_qrecords.c`` (GGUF blocks' records), ``cpu_qpacked.c``, ``cpu_qint8.c`` and
-``cpu_bf16.c``, the products), ``cpu_decoder.c`` (every layer of a few-row step in one call;
-``kernels/native_decoder.py``), ``cpu_greedy.c`` (the greedy head's screen;
+``cpu_packed.c``, ``cpu_qrecords.c`` (GGUF blocks' records), ``cpu_qpacked.c``, ``cpu_qint8.c`` (with
+``cpu_qint8_pairs.c``) and ``cpu_bf16.c``, the products), ``cpu_decoder.c`` (every layer of a few-row
+step in one call; ``kernels/native_decoder.py``), ``cpu_greedy.c`` (the greedy head's screen;
 ``kernels/greedy_head.py``) and ``cpu_mla.c`` (latent attention's absorbed decode form;
 ``kernels/mla_backends.py``). All run their threads through OpenMP
 (``-fopenmp``): the library's ``libgomp.so.1`` resolves to the copy torch already
@@ -54,10 +54,10 @@ logger = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("cpu_attention.c", "cpu_attention_blocked.c", "cpu_attention_plan.c",
                              "cpu_attention_mass.c", "cpu_kv_codes.c", "cpu_ops.c", "cpu_packed.c",
-                             "cpu_qrecords.c", "cpu_qpacked.c", "cpu_qint8.c", "cpu_bf16.c",
-                             "cpu_decoder.c", "cpu_greedy.c", "cpu_mla.c"))
+                             "cpu_qrecords.c", "cpu_qpacked.c", "cpu_qint8.c", "cpu_qint8_pairs.c",
+                             "cpu_bf16.c", "cpu_decoder.c", "cpu_greedy.c", "cpu_mla.c"))
 # included by the sources: part of the build's hash
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_simd.h", "cpu_internal.h"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_simd.h", "cpu_internal.h", "cpu_qint8.h"))
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-shared", "-fPIC", "-fopenmp")
 SUPPORTED_MACHINES = ("x86_64", "aarch64")
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}

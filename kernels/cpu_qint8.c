@@ -43,30 +43,19 @@
  * rows in groups of 8 for every panel, so a panel's records stay in L1/L2 while a chunk of rows (MC_BYTES of
  * codes, in L2) passes; a decode step reads each record once, the next panel prefetched meanwhile. A
  * product of PAIR_MIN_ROWS rows or more (prompt chunks) over Q4 codes (Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K)
- * takes tiles of 4 rows x 2 panels instead (i8pair): each broadcast activation feeds both panels' dot
- * products, and one layer's 1,024-row products of the default model ran 1.16x faster
- * (bench.lab.kernel_ab); Q8_0 and Q6_K keep i8tile (a pair tile for their codes is not written yet). A
- * template of both tile shapes for every format in one function compiled to a slower two-panel loop
- * (0.88x), hence the two. Built without AVX512-VNNI: pdserve_i8_available() is 0, and the engine refuses
- * the mode (kernels/native_ops.py).
+ * takes tiles of 4 rows x 2 panels instead (cpu_qint8_pairs.c): each broadcast activation feeds both
+ * panels' dot products, and one layer's 1,024-row products of the default model ran 1.16x faster
+ * (bench.lab.kernel_ab); Q8_0 and Q6_K keep i8tile (a pair tile for their codes is not written yet).
+ * Built without AVX512-VNNI: pdserve_i8_available() is 0, and the engine refuses the mode
+ * (kernels/native_ops.py).
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "cpu_internal.h"
+#include "cpu_qint8.h"
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#include <immintrin.h>
-#define HAVE_VNNI 1
-#else
-#define HAVE_VNNI 0
-#endif
-
-#define QK 32
 #define GROUP_ROWS TILE_ROWS_MAX
-#define PAIR_ROWS 4      /* rows of a tile of two panels (its 16 accumulators and sums fill the registers) */
-#define PAIR_MIN_ROWS 32 /* products of at least this many rows take tiles of two panels */
 #define MC_BYTES (256 * 1024) /* activation codes per chunk of rows: they stay in L2 while every panel passes */
 
 int32_t pdserve_i8_available(void) { return HAVE_VNNI; }
@@ -76,25 +65,9 @@ static __thread uint8_t *qbuf; /* this thread's quantized rows (pdserve_quantize
 static __thread int64_t qbuf_bytes;
 static __thread QRows qrows;
 
-#define RN (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-
-/* in each 16-byte lane: byte 4 i + j <- byte 4 j + i (a 4 x 4 transpose) */
-static inline __m512i byte_pattern(void) {
-    return _mm512_broadcast_i32x4(_mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
-}
-
 /* a Q4 row's qa within each 8 inputs: the evens, then the odds */
 static inline __m256i evens_odds(void) {
     return _mm256_broadcastsi128_si256(_mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15));
-}
-
-/* 4 inputs (or pairs) x 16 features, byte 16 i + f -> byte 4 f + i */
-static inline __m512i transpose(__m512i v, __m512i dwords, __m512i bytes) {
-    return _mm512_shuffle_epi8(_mm512_permutexvar_epi32(dwords, v), bytes);
-}
-
-static inline __m512i dword_pattern(void) {
-    return _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
 }
 #endif
 
@@ -236,90 +209,6 @@ static inline __attribute__((always_inline)) void i8tile(const int fmt, const ui
 }
 
 
-/* rows r0..r0+R-1 (R <= PAIR_ROWS) of `a` against two adjacent panels, p0 and p1, for the formats of Q4
- * codes (Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K): each transposed record feeds the dot products of both
- * panels' features, each activation broadcast twice as many. The same arithmetic per output as i8tile. */
-static inline __attribute__((always_inline)) void i8pair(const int fmt, const uint8_t *p0, const uint8_t *p1,
-                                                         const QRows *a, int64_t r0, float *y, int64_t ldy,
-                                                         const float *bias, int64_t cols, const int R) {
-    const int64_t k = a->k, blocks = k / QK, rec = pdserve_qrecord_bytes(fmt);
-    const int64_t head = pdserve_qcodes_at(fmt);
-    const int k_scales = fmt == WF_Q4_K || fmt == WF_Q5_K;
-    const int with_min = fmt == WF_Q4_1 || fmt == WF_Q5_1 || k_scales;
-    const __m512i dwords = dword_pattern(), bytes = byte_pattern(), low = _mm512_set1_epi8(15);
-    __m512 acc[PAIR_ROWS][2];
-    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *rp[2] = {p0 + b * rec, p1 + b * rec};
-        __m512i isum[PAIR_ROWS][2];
-        for (int r = 0; r < R; r++) isum[r][0] = isum[r][1] = _mm512_setzero_si512();
-        for (int t = 0; t < QK / 8; t++) {
-            __m512i lo[2], hi[2];
-            for (int h = 0; h < 2; h++) {
-                const uint8_t *codes = rp[h] + head;
-                const __m512i v = transpose(_mm512_loadu_si512(codes + 64 * t), dwords, bytes);
-                lo[h] = _mm512_and_si512(v, low);
-                hi[h] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-                if (WF_Q5(fmt)) {
-                    uint64_t even, odd;
-                    memcpy(&even, codes + 16 * PANEL + 16 * t, 8);
-                    memcpy(&odd, codes + 16 * PANEL + 16 * t + 8, 8);
-                    lo[h] = _mm512_or_si512(lo[h], _mm512_maskz_set1_epi8(even, 16));
-                    hi[h] = _mm512_or_si512(hi[h], _mm512_maskz_set1_epi8(odd, 16));
-                }
-            }
-            for (int r = 0; r < R; r++) {
-                int32_t even, odd;
-                memcpy(&even, a->q + (r0 + r) * k + b * QK + 8 * t, 4);
-                memcpy(&odd, a->q + (r0 + r) * k + b * QK + 8 * t + 4, 4);
-                const __m512i e = _mm512_set1_epi32(even), o = _mm512_set1_epi32(odd);
-                for (int h = 0; h < 2; h++) {
-                    isum[r][h] = _mm512_dpbusd_epi32(isum[r][h], lo[h], e);
-                    isum[r][h] = _mm512_dpbusd_epi32(isum[r][h], hi[h], o);
-                }
-            }
-        }
-        for (int h = 0; h < 2; h++) {
-            const uint8_t *sp = rp[h];
-            const __m512 dw = k_scales ? _mm512_loadu_ps(sp) : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sp));
-            const __m512 mw = k_scales ? _mm512_loadu_ps(sp + 4 * PANEL)
-                              : with_min ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sp + 2 * PANEL)))
-                                         : _mm512_setzero_ps();
-            for (int r = 0; r < R; r++) {
-                const int64_t cell = (r0 + r) * blocks + b;
-                const __m512 da = _mm512_set1_ps(a->d[cell]);
-                __m512i iv = isum[r][h];
-                if (!with_min) iv = _mm512_sub_epi32(iv, _mm512_set1_epi32(a->corr[cell]));
-                const __m512 s = _mm512_mul_round_ps(dw, da, RN);
-                acc[r][h] = _mm512_fmadd_round_ps(s, _mm512_cvtepi32_ps(iv), acc[r][h], RN);
-                if (with_min) acc[r][h] = _mm512_fmadd_round_ps(mw, _mm512_set1_ps(a->ds[cell]), acc[r][h], RN);
-            }
-        }
-    }
-    for (int r = 0; r < R; r++) {
-        float row[2 * PANEL];
-        _mm512_storeu_ps(row, acc[r][0]);
-        _mm512_storeu_ps(row + PANEL, acc[r][1]);
-        float *yr = y + (r0 + r) * ldy;
-        for (int64_t c = 0; c < cols; c++) yr[c] = bias ? row[c] + bias[c] : row[c];
-    }
-}
-
-typedef void (*i8pair_fn)(const uint8_t *, const uint8_t *, const QRows *, int64_t, float *, int64_t, const float *,
-                          int64_t);
-#define I8PAIR_FN(F, R)                                                                                        \
-    static void i8pair_##F##_##R(const uint8_t *p0, const uint8_t *p1, const QRows *a, int64_t r0, float *y,  \
-                                 int64_t ldy, const float *bias, int64_t cols) {                               \
-        i8pair(F, p0, p1, a, r0, y, ldy, bias, cols, R);                                                       \
-    }
-#define I8PAIR_ROWS(F) I8PAIR_FN(F, 1) I8PAIR_FN(F, 2) I8PAIR_FN(F, 3) I8PAIR_FN(F, 4)
-#define I8PAIR_TABLE(F) {i8pair_##F##_1, i8pair_##F##_2, i8pair_##F##_3, i8pair_##F##_4}
-I8PAIR_ROWS(1) I8PAIR_ROWS(2) I8PAIR_ROWS(5) I8PAIR_ROWS(9) I8PAIR_ROWS(10) I8PAIR_ROWS(11)
-/* the formats of Q4 codes take tiles of two panels (NULL: the others take i8tile's) */
-static const i8pair_fn I8PAIRS[WF_KINDS][PAIR_ROWS] = {[WF_Q4_0] = I8PAIR_TABLE(1), [WF_Q4_1] = I8PAIR_TABLE(2),
-                                                       [WF_Q4_K] = I8PAIR_TABLE(5), [WF_Q5_0] = I8PAIR_TABLE(9),
-                                                       [WF_Q5_1] = I8PAIR_TABLE(10), [WF_Q5_K] = I8PAIR_TABLE(11)};
-
 typedef void (*i8tile_fn)(const uint8_t *, const QRows *, int64_t, float *, int64_t, const float *, int64_t,
                           const uint8_t *);
 #define I8TILE_FN(F, R)                                                                                        \
@@ -346,7 +235,7 @@ void pdserve_i8_panels(int32_t fmt, const uint8_t *p, const QRows *a, const floa
     const int64_t panel_bytes = a->k / QK * pdserve_qrecord_bytes(fmt);
     int64_t mc = MC_BYTES / (a->k > 0 ? a->k : 1) / GROUP_ROWS * GROUP_ROWS;
     if (mc < GROUP_ROWS) mc = GROUP_ROWS;
-    const int pairs = a->m >= PAIR_MIN_ROWS && I8PAIRS[fmt][0] != 0;
+    const int pairs = a->m >= PAIR_MIN_ROWS && pdserve_i8pair_pick(fmt, 1) != 0;
     for (int64_t m0 = 0; m0 < a->m; m0 += mc) {
         const int64_t m1 = m0 + mc < a->m ? m0 + mc : a->m;
         for (int64_t q = q0; q < q1; q++) {
@@ -356,8 +245,8 @@ void pdserve_i8_panels(int32_t fmt, const uint8_t *p, const QRows *a, const floa
                 const int64_t both = n - col < 2 * PANEL ? n - col : 2 * PANEL;
                 for (int64_t r0 = m0; r0 < m1; r0 += PAIR_ROWS) {
                     const int64_t rows = m1 - r0 < PAIR_ROWS ? m1 - r0 : PAIR_ROWS;
-                    I8PAIRS[fmt][rows - 1](panel, panel + panel_bytes, a, r0, y + col, n, bias ? bias + col : 0,
-                                           both);
+                    pdserve_i8pair_pick(fmt, rows)(panel, panel + panel_bytes, a, r0, y + col, n,
+                                                   bias ? bias + col : 0, both);
                 }
                 q++;
                 continue;

@@ -2,11 +2,11 @@
 whose speed moves between runs.
 
 On a shared host the same product can take 17 ms in one minute and 23 ms in the next, so two runs one
-after the other cannot show a 5-10% change. This builds the native library (``kernels/cpu_native.py``'s
-sources and flags) from ``--base``, a git revision, beside the working tree's own build, loads both, and
-times each case with the two libraries in turn, swapping which goes first every repeat, so a slow spell
-hits both alike. It reports each side's best and median and the ratio of the medians (base / tree: above
-1 means the working tree is faster).
+after the other cannot show a 5-10% change. This builds the native library (its ``kernels/cpu_*.c``
+files, ``kernels/cpu_native.py``'s flags) from ``--base``, a git revision, beside the working tree's own
+build, loads both, and times each case with the two libraries in turn, swapping which goes first every
+repeat, so a slow spell hits both alike. It reports each side's best and median and the ratio of the
+medians (base / tree: above 1 means the working tree is faster).
 
 Cases, on SmolLM2-135M's shapes (hidden 576, 9 query and 3 KV heads of 64, intermediate 1536) with random
 weights: ``products`` (one layer's four products, int8 activations over Q4_1 blocks, at ``--rows``),
@@ -39,7 +39,7 @@ from bench.lab.step_profile import start_scenario
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from kernels.attention import AttentionMetadata
-from kernels.cpu_native import CFLAGS, HEADERS, SOURCES, NativeCpuAttentionBackend, bind_ops, load_library
+from kernels.cpu_native import CFLAGS, SOURCES, NativeCpuAttentionBackend, bind_ops, load_library
 from kernels.gguf_blocks import BlockKind, BlockMatrix
 from kernels.native_ops import native_ops
 
@@ -49,17 +49,23 @@ LAYER = ((HIDDEN + 2 * KV_HEADS * HEAD_DIM, HIDDEN), (HIDDEN, HIDDEN), (2 * INTE
 
 
 def build_base(revision: str, directory: Path) -> ctypes.CDLL:
-    """The native library compiled from ``revision``'s kernels (the working tree's source list)."""
+    """The native library compiled from ``revision``'s own ``kernels/cpu_*.c`` and ``cpu_*.h`` files (every
+    such file is a part of the library), with the working tree's flags."""
     root = Path(subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True,
                                check=True, cwd=SOURCES[0].parent).stdout.strip())
-    for path in (*SOURCES, *HEADERS):
-        rel = path.relative_to(root).as_posix()
-        shown = subprocess.run(["git", "show", f"{revision}:{rel}"], capture_output=True, cwd=root)
-        if shown.returncode != 0:
-            raise SystemExit(f"--base {revision}: no {rel} there ({shown.stderr.decode().strip()})")
-        (directory / path.name).write_bytes(shown.stdout)
+    folder = SOURCES[0].parent.relative_to(root).as_posix()
+    listed = subprocess.run(["git", "ls-tree", "--name-only", f"{revision}:{folder}"], capture_output=True,
+                            text=True, cwd=root)
+    if listed.returncode != 0:
+        raise SystemExit(f"--base {revision}: {listed.stderr.strip()}")
+    names = [n for n in listed.stdout.split() if n.startswith("cpu_") and n.endswith((".c", ".h"))]
+    for name in names:
+        shown = subprocess.run(["git", "show", f"{revision}:{folder}/{name}"], capture_output=True,
+                               check=True, cwd=root)
+        (directory / name).write_bytes(shown.stdout)
     out = directory / "base.so"
-    subprocess.run(["gcc", *CFLAGS, "-o", str(out), *(p.name for p in SOURCES)], cwd=directory, check=True)
+    subprocess.run(["gcc", *CFLAGS, "-o", str(out), *(n for n in names if n.endswith(".c"))], cwd=directory,
+                   check=True)
     lib = ctypes.CDLL(str(out))
     bind_ops(lib)
     return lib

@@ -1,0 +1,46 @@
+/* What cpu_qint8.c (the int8-activation product, its contract in its header comment) shares with
+ * cpu_qint8_pairs.c (its tiles of two panels): the VNNI build switch, the tile sizes and the in-register
+ * transpose of a record's codes. Hashed into the library's name with the sources (kernels/cpu_native.py). */
+#ifndef PDSERVE_CPU_QINT8_H
+#define PDSERVE_CPU_QINT8_H
+
+#include <stdint.h>
+
+#include "cpu_internal.h"
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define HAVE_VNNI 1
+#else
+#define HAVE_VNNI 0
+#endif
+
+#define QK 32
+#define PAIR_ROWS 4      /* rows of a tile of two panels (its 16 accumulators and sums fill the registers) */
+#define PAIR_MIN_ROWS 32 /* products of at least this many rows take tiles of two panels */
+
+#if HAVE_VNNI
+#define RN (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+
+/* in each 16-byte lane: byte 4 i + j <- byte 4 j + i (a 4 x 4 transpose) */
+static inline __m512i byte_pattern(void) {
+    return _mm512_broadcast_i32x4(_mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
+}
+
+/* 4 inputs (or pairs) x 16 features, byte 16 i + f -> byte 4 f + i */
+static inline __m512i transpose(__m512i v, __m512i dwords, __m512i bytes) {
+    return _mm512_shuffle_epi8(_mm512_permutexvar_epi32(dwords, v), bytes);
+}
+
+static inline __m512i dword_pattern(void) {
+    return _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+}
+
+/* rows r0..r0+R-1 (R <= PAIR_ROWS) of `a` against two adjacent panels p0 and p1 (cpu_qint8_pairs.c) */
+typedef void (*i8pair_fn)(const uint8_t *, const uint8_t *, const QRows *, int64_t, float *, int64_t, const float *,
+                          int64_t);
+/* the two-panel tile of `rows` rows for fmt, or NULL where fmt keeps cpu_qint8.c's one-panel tiles */
+INTERNAL i8pair_fn pdserve_i8pair_pick(int32_t fmt, int64_t rows);
+#endif
+
+#endif
