@@ -74,6 +74,7 @@ IN_PROCESS_BENCHMARKS: dict[str, tuple[str, ...]] = {
     "bench.lab.preemption": ("engine",),
     "bench.lab.structured": ("engine",),
     "bench.lab.structured_stop": ("engine",),
+    "bench.lab.sampling": ("engine",),
     "bench.lab.kv_offload": ("engine",),
     "bench.lab.kv_window": ("engine",),
     "bench.lab.kv_quant": ("engine", "kernels"),

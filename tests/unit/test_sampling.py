@@ -13,6 +13,7 @@ from engine.sampling import (
     SamplingParams,
     SamplingState,
     apply_penalties,
+    invert,
 )
 
 VOCAB = 64
@@ -63,6 +64,34 @@ def test_seed_reproducible_regardless_of_batch_neighbours() -> None:
     assert len(alone) == 20
     assert batched == alone
     assert other_seed != alone
+
+
+def test_draw_inverts_the_distribution_with_one_uniform_per_row() -> None:
+    """Each row takes one float64 uniform from its own seeded generator, and the token is the first whose
+    float64 running sum of the probabilities exceeds it (times the row's sum)."""
+    steps = _step_logits(25, rows=2, vocab=50_000)
+    states = [_state(seed=11, temperature=0.7), _state(seed=12)]
+    got = _run(Sampler(), states, steps)
+    for row, (seed, temperature) in enumerate(((11, 0.7), (12, 1.0))):
+        generator = torch.Generator().manual_seed(seed)
+        want = []
+        for step in steps:
+            probs = (step[row] / temperature).softmax(-1).double()
+            u = torch.rand(1, dtype=torch.float64, generator=generator).item()
+            cdf = probs.cumsum(-1)
+            want.append(int((cdf <= u * cdf[-1]).sum()))
+        assert got[row] == want
+
+
+def test_draw_never_returns_a_zero_probability_id() -> None:
+    """Mass at the ends of the vocabulary and on one id between zeros; uniforms at the edges of [0, 1)."""
+    probs = torch.zeros(3, 1000)
+    probs[0, 0] = probs[1, 999] = 1.0
+    probs[2, 500] = 0.25
+    probs[2, 501] = 0.75
+    for u in (0.0, 0.25 - 2.0 ** -54, 0.25, 0.5, 1.0 - 2.0 ** -53):
+        picked = invert(probs, torch.full((3,), u, dtype=torch.float64)).tolist()
+        assert picked == [0, 999, 500 if u < 0.25 else 501], u
 
 
 def test_unseeded_requests_differ() -> None:
