@@ -164,7 +164,8 @@ def _filter(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
     best token (preceding mass 0 < top_p) always survives.
     """
     vocab = logits.shape[1]
-    logits = logits / _row_column([p.temperature for p in params], logits)
+    if any(p.temperature != 1.0 for p in params):
+        logits = logits / _row_column([p.temperature for p in params], logits)
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     need_k = any(k < vocab for k in top_k)
     need_p = any(p.top_p < 1.0 for p in params)
@@ -246,10 +247,14 @@ class Sampler:
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(requests))
         penalised = apply_penalties(logits.float(), requests)
         masked = _mask_banned(penalised, requests)
-        token_ids = masked.argmax(dim=-1)
         rows = [i for i, s in enumerate(requests) if not s.params.greedy]
-        if rows:
-            filtered = _filter(masked[rows], [requests[i].params for i in rows])
-            token_ids[rows] = draw(filtered.softmax(dim=-1), [requests[i] for i in rows])
+        if len(rows) == len(requests):  # every row sampled: no argmax, no copy of the rows
+            filtered = _filter(masked, [s.params for s in requests])
+            token_ids = draw(filtered.softmax(dim=-1), requests)
+        else:
+            token_ids = masked.argmax(dim=-1)
+            if rows:
+                filtered = _filter(masked[rows], [requests[i].params for i in rows])
+                token_ids[rows] = draw(filtered.softmax(dim=-1), [requests[i] for i in rows])
         ids = token_ids.tolist()
         return SamplerOutput(ids, _logprobs(penalised, requests, ids))
