@@ -18,7 +18,8 @@ into one token per row, in this order:
    draw by inverting the row's cumulative distribution: one float64 uniform ``u``
    in [0, 1) from the request's own ``torch.Generator``, and the first token whose
    float64 running sum of ``p`` exceeds ``u`` times the row's total (``draw``), so
-   a seeded request draws the same tokens whatever else shares its batch. One
+   a seeded request draws the same tokens whatever else shares its batch, and
+   whether one engine or a prefill and a decode worker run it. One
    uniform a row, where an exponential race (``argmax(p / q)``, ``q ~ Exp(1)``
    per token) costs a logarithm and a random number per vocabulary entry: 15 ms
    for 16 rows of 49,152 on two Zen 5 cores, against about 1 ms for this draw
@@ -58,11 +59,17 @@ class SamplingState:
     _generator: torch.Generator | None = field(default=None, init=False, repr=False)
 
     def generator(self, device: torch.device) -> torch.Generator:
-        """This request's generator on ``device`` (created and seeded once)."""
+        """This request's generator on ``device`` (created and seeded once). Every sampled token takes
+        one uniform from it (``draw``), so a seeded request's generator is created past the uniforms of
+        the tokens it already has: a request whose first token a prefill worker sampled continues on
+        its decode worker with the uniforms it would have drawn had one engine run it all."""
         if self._generator is None or self._generator.device != device:
+            seeded = self.params.seed is not None
             seed = self.params.seed if self.params.seed is not None else secrets.randbits(63)
             self._generator = torch.Generator(device=device)
             self._generator.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
+            for _ in range(len(self.output_token_ids) if seeded else 0):
+                uniform(self._generator, device)
         return self._generator
 
     def speculated(self, draft: Sequence[int]) -> SamplingState:
@@ -221,9 +228,12 @@ def draw(probs: Tensor, states: Sequence[SamplingState]) -> Tensor:
     """One token per row of ``probs`` (``[R, V]``), row ``i`` with one float64 uniform in [0, 1) from
     ``states[i]``'s generator (``invert``)."""
     device = probs.device
-    u = torch.cat([torch.rand(1, dtype=torch.float64, device=device, generator=s.generator(device))
-                   for s in states])
-    return invert(probs, u)
+    return invert(probs, torch.cat([uniform(s.generator(device), device) for s in states]))
+
+
+def uniform(generator: torch.Generator, device: torch.device) -> Tensor:
+    """The one float64 uniform in [0, 1) a sampled token takes from its request's generator."""
+    return torch.rand(1, dtype=torch.float64, device=device, generator=generator)
 
 
 def invert(probs: Tensor, u: Tensor) -> Tensor:

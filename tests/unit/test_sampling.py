@@ -94,6 +94,17 @@ def test_draw_never_returns_a_zero_probability_id() -> None:
         assert picked == [0, 999, 500 if u < 0.25 else 501], u
 
 
+def test_a_seeded_request_continues_where_another_engine_left_it() -> None:
+    """A decode worker's state arrives holding the token its prefill worker sampled: it draws the uniforms
+    one engine running the whole request would have drawn, so the tokens are the same either way."""
+    steps = _step_logits(8, rows=1, vocab=1000)
+    whole = _run(Sampler(), [_state(seed=5)], steps)[0]
+    first = _run(Sampler(), [_state(seed=5)], steps[:1])[0]
+    continued = _state(seed=5)
+    continued.output_token_ids.extend(first)
+    assert _run(Sampler(), [continued], steps[1:])[0] == whole
+
+
 def test_unseeded_requests_differ() -> None:
     steps = [torch.zeros(2, VOCAB) for _ in range(20)]
     first, second = _run(Sampler(), [_state(), _state()], steps)
