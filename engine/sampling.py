@@ -64,11 +64,11 @@ class SamplingState:
         the tokens it already has: a request whose first token a prefill worker sampled continues on
         its decode worker with the uniforms it would have drawn had one engine run it all."""
         if self._generator is None or self._generator.device != device:
-            seeded = self.params.seed is not None
-            seed = self.params.seed if self.params.seed is not None else secrets.randbits(63)
+            seed = self.params.seed
             self._generator = torch.Generator(device=device)
-            self._generator.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
-            for _ in range(len(self.output_token_ids) if seeded else 0):
+            start = secrets.randbits(63) if seed is None else seed
+            self._generator.manual_seed(start & 0xFFFF_FFFF_FFFF_FFFF)
+            for _ in range(0 if seed is None else len(self.output_token_ids)):
                 uniform(self._generator, device)
         return self._generator
 
@@ -224,6 +224,11 @@ def plain_greedy(state: SamplingState) -> bool:
     return p.greedy and not p.has_penalties and p.logprobs is None and not state.banned_token_ids
 
 
+def _sampled(logits: Tensor, states: Sequence[SamplingState]) -> Tensor:
+    """The filtered rows' draws, row ``i`` of ``logits`` for ``states[i]``."""
+    return draw(_filter(logits, [s.params for s in states]).softmax(dim=-1), states)
+
+
 def draw(probs: Tensor, states: Sequence[SamplingState]) -> Tensor:
     """One token per row of ``probs`` (``[R, V]``), row ``i`` with one float64 uniform in [0, 1) from
     ``states[i]``'s generator (``invert``)."""
@@ -259,12 +264,10 @@ class Sampler:
         masked = _mask_banned(penalised, requests)
         rows = [i for i, s in enumerate(requests) if not s.params.greedy]
         if len(rows) == len(requests):  # every row sampled: no argmax, no copy of the rows
-            filtered = _filter(masked, [s.params for s in requests])
-            token_ids = draw(filtered.softmax(dim=-1), requests)
+            token_ids = _sampled(masked, requests)
         else:
             token_ids = masked.argmax(dim=-1)
             if rows:
-                filtered = _filter(masked[rows], [requests[i].params for i in rows])
-                token_ids[rows] = draw(filtered.softmax(dim=-1), [requests[i] for i in rows])
+                token_ids[rows] = _sampled(masked[rows], [requests[i] for i in rows])
         ids = token_ids.tolist()
         return SamplerOutput(ids, _logprobs(penalised, requests, ids))
