@@ -129,7 +129,7 @@ static inline __attribute__((always_inline)) void i8tile(const int fmt, const ui
     const int64_t k = a->k, blocks = k / QK, rec = pdserve_qrecord_bytes(fmt);
     const int64_t head = pdserve_qcodes_at(fmt);
     const int k_scales = fmt == WF_Q4_K || fmt == WF_Q5_K || fmt == WF_Q6_K; /* float32 scales, not float16 */
-    const __m512i dwords = dword_pattern(), bytes = byte_pattern(), low = _mm512_set1_epi8(15);
+    const __m512i dwords = dword_pattern(), bytes = byte_pattern();
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     __m512 acc[GROUP_ROWS];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
@@ -160,15 +160,8 @@ static inline __attribute__((always_inline)) void i8tile(const int fmt, const ui
             }
         } else {
             for (int t = 0; t < QK / 8; t++) {
-                const __m512i v = transpose(_mm512_loadu_si512(codes + 64 * t), dwords, bytes);
-                __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-                if (WF_Q5(fmt)) { /* the plane's masks are in the transposed order: each bit widens to 16 */
-                    uint64_t even, odd;
-                    memcpy(&even, codes + 16 * PANEL + 16 * t, 8);
-                    memcpy(&odd, codes + 16 * PANEL + 16 * t + 8, 8);
-                    lo = _mm512_or_si512(lo, _mm512_maskz_set1_epi8(even, 16));
-                    hi = _mm512_or_si512(hi, _mm512_maskz_set1_epi8(odd, 16));
-                }
+                __m512i lo, hi;
+                q4_codes(codes, t, fmt, dwords, bytes, &lo, &hi);
                 for (int r = 0; r < R; r++) {
                     int32_t even, odd;
                     memcpy(&even, a->q + (r0 + r) * k + b * QK + 8 * t, 4);
@@ -207,7 +200,6 @@ static inline __attribute__((always_inline)) void i8tile(const int fmt, const ui
         for (int64_t c = 0; c < cols; c++) yr[c] = bias ? row[c] + bias[c] : row[c];
     }
 }
-
 
 typedef void (*i8tile_fn)(const uint8_t *, const QRows *, int64_t, float *, int64_t, const float *, int64_t,
                           const uint8_t *);

@@ -20,7 +20,7 @@ static inline __attribute__((always_inline)) void i8pair(const int fmt, const ui
     const int64_t head = pdserve_qcodes_at(fmt);
     const int k_scales = fmt == WF_Q4_K || fmt == WF_Q5_K;
     const int with_min = fmt == WF_Q4_1 || fmt == WF_Q5_1 || k_scales;
-    const __m512i dwords = dword_pattern(), bytes = byte_pattern(), low = _mm512_set1_epi8(15);
+    const __m512i dwords = dword_pattern(), bytes = byte_pattern();
     __m512 acc[PAIR_ROWS][2];
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++) {
@@ -29,19 +29,7 @@ static inline __attribute__((always_inline)) void i8pair(const int fmt, const ui
         for (int r = 0; r < R; r++) isum[r][0] = isum[r][1] = _mm512_setzero_si512();
         for (int t = 0; t < QK / 8; t++) {
             __m512i lo[2], hi[2];
-            for (int h = 0; h < 2; h++) {
-                const uint8_t *codes = rp[h] + head;
-                const __m512i v = transpose(_mm512_loadu_si512(codes + 64 * t), dwords, bytes);
-                lo[h] = _mm512_and_si512(v, low);
-                hi[h] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-                if (WF_Q5(fmt)) {
-                    uint64_t even, odd;
-                    memcpy(&even, codes + 16 * PANEL + 16 * t, 8);
-                    memcpy(&odd, codes + 16 * PANEL + 16 * t + 8, 8);
-                    lo[h] = _mm512_or_si512(lo[h], _mm512_maskz_set1_epi8(even, 16));
-                    hi[h] = _mm512_or_si512(hi[h], _mm512_maskz_set1_epi8(odd, 16));
-                }
-            }
+            for (int h = 0; h < 2; h++) q4_codes(rp[h] + head, t, fmt, dwords, bytes, &lo[h], &hi[h]);
             for (int r = 0; r < R; r++) {
                 int32_t even, odd;
                 memcpy(&even, a->q + (r0 + r) * k + b * QK + 8 * t, 4);
@@ -91,7 +79,6 @@ I8PAIR_ROWS(1) I8PAIR_ROWS(2) I8PAIR_ROWS(5) I8PAIR_ROWS(9) I8PAIR_ROWS(10) I8PA
 static const i8pair_fn I8PAIRS[WF_KINDS][PAIR_ROWS] = {[WF_Q4_0] = I8PAIR_TABLE(1), [WF_Q4_1] = I8PAIR_TABLE(2),
                                                        [WF_Q4_K] = I8PAIR_TABLE(5), [WF_Q5_0] = I8PAIR_TABLE(9),
                                                        [WF_Q5_1] = I8PAIR_TABLE(10), [WF_Q5_K] = I8PAIR_TABLE(11)};
-
 
 i8pair_fn pdserve_i8pair_pick(int32_t fmt, int64_t rows) {
     if (fmt < 0 || fmt >= WF_KINDS || rows < 1 || rows > PAIR_ROWS) return 0;
